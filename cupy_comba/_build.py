@@ -1,0 +1,112 @@
+"""Build and cache the CUDA kernels.
+
+Every compiled variant is listed in :data:`SPECIALISATIONS`, the one place
+that says what exists.  A module is compiled by NVRTC through
+``cupy.RawModule`` the first time a kernel of it runs on a device, once per
+(device, module); CuPy's on-disk kernel cache makes later processes skip
+NVRTC entirely.
+
+Sources live in ``kernels_cu/`` and are found with :mod:`importlib.resources`,
+so an installed wheel and a source checkout behave alike.  ``#include "x.cuh"``
+lines are expanded here rather than through an include path, so that CuPy's
+cache key (a hash of the source text) changes whenever a header does.
+"""
+
+import functools
+import re
+from importlib import resources
+
+from ._backend import cupy
+
+#: module name -> (source file, kernel name expressions compiled from it)
+SPECIALISATIONS = {
+    "comba_decode": (
+        "comba_decode.cu",
+        tuple(f"comba::comba_decode_step<{K}, {cols}>" for K in (64, 128) for cols in (32, 16, 8)),
+    ),
+    "copy": ("copy.cu", ("comba::copy_float4",)),
+}
+
+#: Head sizes K every kernel family is specialised for.
+SUPPORTED_K = (64, 128)
+
+NVRTC_OPTIONS = ("--std=c++17",)
+
+_INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)
+
+
+def kernel_source(filename):
+    """The full text of ``kernels_cu/<filename>`` with local includes expanded once."""
+    root = resources.files("cupy_comba.kernels_cu")
+    seen = set()
+
+    def expand(match):
+        name = match.group(1)
+        if name in seen:
+            return ""
+        seen.add(name)
+        return _INCLUDE.sub(expand, (root / name).read_text())
+
+    return _INCLUDE.sub(expand, (root / filename).read_text())
+
+
+@functools.cache
+def _module(name):
+    filename, expressions = SPECIALISATIONS[name]
+    # RawModule compiles lazily and keeps one binary per device.
+    return cupy.RawModule(code=kernel_source(filename), options=NVRTC_OPTIONS,
+                          name_expressions=list(expressions))
+
+
+_kernels = {}
+
+
+def get_kernel(module, expression, device_id):
+    """The compiled kernel ``expression`` of ``module`` on device ``device_id``.
+
+    The caller must already have ``device_id`` current (RawModule loads its
+    binary for the current device).
+    """
+    key = (module, expression, device_id)
+    fn = _kernels.get(key)
+    if fn is None:
+        fn = _kernels[key] = _module(module).get_function(expression)
+    return fn
+
+
+def loaded_kernels():
+    """``(module, expression, device_id)`` of every kernel loaded by this process."""
+    return list(_kernels)
+
+
+def compile_for_arch(module, arch="sm_90"):
+    """Compile every specialisation of ``module`` with NVRTC for ``arch``; no GPU needed.
+
+    Returns ``{expression: ptxas resource report}`` (the ``--ptxas-options=-v``
+    lines of that kernel), so tests can check registers and spills.
+    """
+    from cupy_backends.cuda.libs import nvrtc
+
+    filename, expressions = SPECIALISATIONS[module]
+    prog = nvrtc.createProgram(kernel_source(filename), filename, (), ())
+    try:
+        for e in expressions:
+            nvrtc.addNameExpression(prog, e)
+        options = NVRTC_OPTIONS + (f"--gpu-architecture={arch}", "--ptxas-options=-v")
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as err:
+            raise RuntimeError(f"NVRTC failed on {filename}:\n{nvrtc.getProgramLog(prog)}") from err
+        log = nvrtc.getProgramLog(prog)
+        lowered = {e: nvrtc.getLoweredName(prog, e) for e in expressions}
+    finally:
+        nvrtc.destroyProgram(prog)
+    return {e: _report_for(log, mangled) for e, mangled in lowered.items()}
+
+
+def _report_for(log, mangled):
+    """The ptxas block (``Compiling entry function ...`` up to the next one) of one kernel."""
+    for block in log.split("Compiling entry function")[1:]:
+        if block.lstrip(" '").startswith(mangled + "'"):
+            return block
+    raise RuntimeError(f"no ptxas report for {mangled} in the NVRTC log:\n{log}")

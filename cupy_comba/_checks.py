@@ -1,0 +1,102 @@
+"""Argument checks shared by the ops: clear errors that say what was expected and what came."""
+
+import math
+import numbers
+
+import numpy
+
+from ._backend import cupy, is_cupy_array
+from ._dtypes import dtype_name, float32
+from ._build import SUPPORTED_K
+
+
+def namespace_of(named):
+    """``numpy`` or ``cupy`` for a dict ``{name: array}``; TypeError on anything else or a mix."""
+    kinds = {}
+    for name, a in named.items():
+        if is_cupy_array(a):
+            kinds.setdefault("cupy", name)
+        elif isinstance(a, numpy.ndarray):
+            kinds.setdefault("numpy", name)
+        else:
+            raise TypeError(f"{name} must be a cupy.ndarray or numpy.ndarray, got {type(a).__name__}")
+    if len(kinds) > 1:
+        raise TypeError(
+            f"mixed NumPy and CuPy inputs ({kinds['numpy']} is NumPy, {kinds['cupy']} is CuPy): "
+            "pass all arrays on the GPU (CuPy) or all on the CPU (NumPy)")
+    return cupy if "cupy" in kinds else numpy
+
+
+def expect_shape(name, shape, expected, meaning):
+    if tuple(shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {meaning} = {tuple(expected)}, got {tuple(shape)}")
+
+
+def check_state_dtype(name, a):
+    if a.dtype != float32:
+        raise TypeError(f"{name} must be float32 (the recurrent state is kept in fp32), got {dtype_name(a.dtype)}")
+
+
+def check_head_sizes(K, V):
+    if K not in SUPPORTED_K:
+        raise NotImplementedError(f"head size K={K} is not supported: supported K are {SUPPORTED_K}")
+    if V < 32 or V % 32:
+        raise NotImplementedError(f"value head size V={V} is not supported: V must be a positive multiple of 32")
+
+
+def check_heads(H, Hk):
+    if Hk < 1 or H % Hk:
+        raise ValueError(f"value heads H={H} must be a multiple of key heads Hk={Hk} (q, k, p have Hk heads)")
+
+
+def real_scalar(name, x):
+    """A finite real number as a Python float (TypeError / ValueError otherwise)."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a real number or None, got {type(x).__name__}")
+    x = float(x)
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be finite, got {x}")
+    return x
+
+
+def resolve_scale(scale, K):
+    """``K ** -0.5`` for None; otherwise a finite real number, as a Python float."""
+    return K ** -0.5 if scale is None else real_scalar("scale", scale)
+
+
+def extent(a):
+    """``[lo, hi)`` byte addresses an array can touch (its strides may be negative)."""
+    ptr = a.data.ptr if is_cupy_array(a) else a.__array_interface__["data"][0]
+    lo = hi = ptr
+    for n, s in zip(a.shape, a.strides):
+        if n == 0:
+            return ptr, ptr
+        if s < 0:
+            lo += (n - 1) * s
+        else:
+            hi += (n - 1) * s
+    return lo, hi + a.itemsize
+
+
+def overlaps(a, b):
+    (alo, ahi), (blo, bhi) = extent(a), extent(b)
+    return alo < bhi and blo < ahi and alo < ahi and blo < bhi
+
+
+def check_writable_output(name, a, expected_shape, meaning):
+    """An output buffer: right shape, and no element written twice (no zero or overlapping strides)."""
+    expect_shape(name, a.shape, expected_shape, meaning)
+    if a.size > 1:
+        order = sorted((abs(s), n) for n, s in zip(a.shape, a.strides) if n > 1)
+        span = a.itemsize
+        for stride, n in order:
+            if stride < span:
+                raise ValueError(f"{name} has overlapping elements (strides {a.strides}): "
+                                 "it would be written more than once")
+            span = stride * n
+
+
+def check_no_overlap(out_name, out, inputs):
+    for name, a in inputs.items():
+        if a is not None and overlaps(out, a):
+            raise ValueError(f"{out_name} overlaps {name}: outputs must not share memory with inputs")

@@ -1,0 +1,279 @@
+"""Comba decode step: one token of the decoupled-key gated delta rule for a whole batch."""
+
+import functools
+
+import numpy
+
+from . import reference
+from ._backend import cupy
+from ._build import get_kernel
+from ._checks import (
+    check_head_sizes, check_heads, check_no_overlap, expect_shape, check_state_dtype, check_writable_output,
+    extent, namespace_of, overlaps, real_scalar, resolve_scale,
+)
+from ._dtypes import ACTIVATION_CODES, ACTIVATION_NAMES, dtype_name, float32
+from ._params import DECODE_PARAMS, pack
+
+_WARPS_PER_BLOCK = 4  # kDecodeWarps in kernels_cu/comba_decode.cu
+_COLS = (32, 16, 8)   # compiled slab widths (see _build.SPECIALISATIONS)
+
+
+def comba_decode_step(state, q, k, v, p, beta, g, scale=None, *, out=None, state_out=None, o_dtype=None):
+    """One Comba recurrent step for every sequence of a decode batch.
+
+    Per ``(b, h)``, with ``S = state[b, h]`` and ``e = exp(g[b, h])``::
+
+        S     = e * S
+        u     = beta * (v - S^T p)      # correction read with p, after the decay
+        S_new = S + k u^T               # rank-1 write with k
+        o     = S_new^T (scale * q)
+
+    CuPy inputs run one fused CUDA kernel on their device and the current
+    stream (the fp32 state is read once and written once); NumPy inputs run
+    the float64 reference on the CPU and return the same dtypes.
+
+    Parameters
+    ----------
+    state : ndarray, shape (B, H, K, V), float32, C-contiguous
+        Recurrent state from the previous token. Never written unless it is
+        also passed as ``state_out``.
+    q, k, p : ndarray, shape (B, Hk, K)
+        Query, write key and read key. ``H % Hk == 0``; value head ``h``
+        uses key head ``h // (H // Hk)`` (grouped value attention).
+    v : ndarray, shape (B, H, V)
+    beta : ndarray, shape (B, H)
+        Delta-rule step size.
+    g : ndarray, shape (B, H)
+        Log-decay (``exp(g)`` is the forget gate).
+    scale : float, optional
+        Query scale; ``K ** -0.5`` when None.
+    out : ndarray, shape (B, H, V), optional
+        Buffer for ``o`` (any strides, bfloat16 / float16 / float32).
+    state_out : ndarray, shape (B, H, K, V), float32, C-contiguous, optional
+        Buffer for the new state. ``state_out=state`` updates in place.
+    o_dtype : dtype, optional
+        dtype of a newly allocated ``o``; default ``v.dtype``.
+
+    Activations (q, k, v, p, beta, g) may each be bfloat16, float16 or
+    float32 and may be strided views; K is 64 or 128, V a multiple of 32.
+
+    Returns
+    -------
+    state_new : ndarray, shape (B, H, K, V), float32
+        ``state_out`` when given, else a new array.
+    o : ndarray, shape (B, H, V)
+        ``out`` when given, else a new array of ``o_dtype``.
+
+    Raises
+    ------
+    TypeError
+        An argument is not an array, NumPy and CuPy arrays are mixed, or a
+        dtype is not supported.
+    ValueError
+        Shapes disagree, arrays are on different devices, an output overlaps
+        an input, ``state`` is not C-contiguous, or ``scale`` is not finite.
+    NotImplementedError
+        K is not 64 or 128, or V is not a multiple of 32.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cupy_comba import comba_decode_step, bfloat16
+    >>> B, H, K, V = 2, 4, 64, 64
+    >>> rng = np.random.default_rng(0)
+    >>> act = lambda *s: rng.standard_normal(s).astype(bfloat16)
+    >>> unit = lambda x: (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(bfloat16)
+    >>> state = np.zeros((B, H, K, V), np.float32)
+    >>> q, v = act(B, H, K), act(B, H, V)
+    >>> k, p = unit(rng.standard_normal((B, H, K))), unit(rng.standard_normal((B, H, K)))
+    >>> beta = np.full((B, H), 0.5, bfloat16); g = np.full((B, H), -0.1, np.float32)
+    >>> state_new, o = comba_decode_step(state, q, k, v, p, beta, g)
+    >>> state_new.shape, state_new.dtype, o.shape, o.dtype == bfloat16
+    ((2, 4, 64, 64), dtype('float32'), (2, 4, 64), True)
+    """
+    return _decode_step(state, q, k, v, p, beta, g, scale, out, state_out, o_dtype, None)
+
+
+def _decode_step(state, q, k, v, p, beta, g, scale, out, state_out, o_dtype, cols):
+    """``comba_decode_step`` with an optional forced slab width (benchmark sweeps)."""
+    named = {"state": state, "q": q, "k": k, "v": v, "p": p, "beta": beta, "g": g}
+    xp = namespace_of(named)
+    for name, a in (("out", out), ("state_out", state_out)):
+        if a is not None and namespace_of({name: a}) is not xp:
+            raise TypeError(f"{name} must be a {xp.__name__} array like the inputs, got {type(a).__name__}")
+    device = _common_device(named, out, state_out) if xp is cupy else None
+    scale = None if scale is None else real_scalar("scale", scale)
+    plan = _plan(_signature(state), _signature(q), _signature(k), _signature(v), _signature(p),
+                 _signature(beta), _signature(g), scale,
+                 None if out is None else _signature(out),
+                 None if o_dtype is None else numpy.dtype(o_dtype),
+                 state_out is not None, device, cols)
+    if state_out is not None:
+        check_writable_output("state_out", state_out, state.shape, "(B, H, K, V)")
+        check_state_dtype("state_out", state_out)
+        if not state_out.flags.c_contiguous:
+            raise ValueError("state_out must be C-contiguous")
+        if overlaps(state_out, state) and extent(state_out) != extent(state):
+            raise ValueError("state_out partially overlaps state: pass state itself for an "
+                             "in-place update, or a separate buffer")
+        check_no_overlap("state_out", state_out, {"q": q, "k": k, "v": v, "p": p, "beta": beta, "g": g})
+    if out is not None:
+        check_writable_output("out", out, (plan.B, plan.H, plan.V), "(B, H, V)")
+        check_no_overlap("out", out, dict(named, state_out=state_out))
+
+    if xp is numpy:
+        return _numpy_step(plan, state, q, k, v, p, beta, g, out, state_out)
+    return _cuda_step(plan, state, q, k, v, p, beta, g, out, state_out)
+
+
+def _signature(a):
+    return a.shape, a.strides, a.dtype
+
+
+def _common_device(named, out, state_out):
+    devices = {name: a.device.id for name, a in named.items()}
+    for name, a in (("out", out), ("state_out", state_out)):
+        if a is not None:
+            devices[name] = a.device.id
+    if len(set(devices.values())) > 1:
+        where = ", ".join(f"{n} on device {d}" for n, d in devices.items())
+        raise ValueError(f"all arrays must be on one device, got {where}")
+    return devices["state"]
+
+
+class _Plan:
+    """Everything about a call that its shapes, strides and dtypes decide."""
+
+    __slots__ = ("B", "H", "K", "V", "scale", "o_dtype", "params", "kernel", "grid", "args_tail")
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(state, q, k, v, p, beta, g, scale, out, o_dtype, has_state_out, device, cols):
+    """Validate a call signature once and precompute its launch (cached per signature)."""
+    sig = {"state": state, "q": q, "k": k, "v": v, "p": p, "beta": beta, "g": g}
+    shapes = {n: s[0] for n, s in sig.items()}
+    if len(shapes["state"]) != 4:
+        raise ValueError(f"state must be 4-D (B, H, K, V), got shape {shapes['state']}")
+    B, H, K, V = shapes["state"]
+    for name in ("q", "k", "p"):
+        if len(shapes[name]) != 3:
+            raise ValueError(f"{name} must be 3-D (B, Hk, K), got shape {shapes[name]}")
+    Hk = shapes["q"][1]
+    check_heads(H, Hk)
+    for name in ("q", "k", "p"):
+        expect_shape(name, shapes[name], (B, Hk, K), "(B, Hk, K)")
+    expect_shape("v", shapes["v"], (B, H, V), "(B, H, V)")
+    expect_shape("beta", shapes["beta"], (B, H), "(B, H)")
+    expect_shape("g", shapes["g"], (B, H), "(B, H)")
+    check_head_sizes(K, V)
+    if state[2] != float32:
+        raise TypeError(f"state must be float32 (the recurrent state is kept in fp32), got {dtype_name(state[2])}")
+    for name in ("q", "k", "v", "p", "beta", "g"):
+        if sig[name][2] not in ACTIVATION_CODES:
+            raise TypeError(f"{name} must be {ACTIVATION_NAMES}, got {dtype_name(sig[name][2])}")
+    if device is not None and state[1] != _c_strides(state[0], 4):
+        raise ValueError("state must be C-contiguous on the GPU (pass cupy.ascontiguousarray(state))")
+    for name, s in sig.items():
+        if any(st % s[2].itemsize for st in s[1]):
+            raise ValueError(f"{name} has strides {s[1]} that are not a multiple of its itemsize")
+
+    if out is not None:
+        expect_shape("out", out[0], (B, H, V), "(B, H, V)")
+        if out[2] not in ACTIVATION_CODES:
+            raise TypeError(f"out must be {ACTIVATION_NAMES}, got {dtype_name(out[2])}")
+        if o_dtype is not None and o_dtype != out[2]:
+            raise TypeError(f"o_dtype={dtype_name(o_dtype)} disagrees with out.dtype={dtype_name(out[2])}")
+        o_dtype = out[2]
+    elif o_dtype is None:
+        o_dtype = v[2]
+    elif o_dtype not in ACTIVATION_CODES:
+        raise TypeError(f"o_dtype must be {ACTIVATION_NAMES}, got {dtype_name(o_dtype)}")
+
+    plan = _Plan()
+    plan.B, plan.H, plan.K, plan.V = B, H, K, V
+    plan.scale = resolve_scale(scale, K)
+    plan.o_dtype = o_dtype
+    plan.params = plan.kernel = plan.grid = plan.args_tail = None
+    if device is None:
+        return plan
+
+    o_strides = out[1] if out is not None else (H * V * o_dtype.itemsize, V * o_dtype.itemsize, o_dtype.itemsize)
+    es = {n: tuple(st // s[2].itemsize for st in s[1]) for n, s in sig.items()}
+    o_es = tuple(st // o_dtype.itemsize for st in o_strides)
+    values = {"B": B, "H": H, "group": H // Hk, "V": V}
+    for name, suffix in (("q", "k"), ("k", "k"), ("p", "k"), ("v", "v")):
+        values.update({f"{name}_sb": es[name][0], f"{name}_sh": es[name][1], f"{name}_s{suffix}": es[name][2]})
+    for name in ("beta", "g"):
+        values.update({f"{name}_sb": es[name][0], f"{name}_sh": es[name][1]})
+    values.update({"o_sb": o_es[0], "o_sh": o_es[1], "o_sv": o_es[2]})
+    for name in ("q", "k", "p", "v", "beta", "g"):
+        values[f"{name}_t"] = ACTIVATION_CODES[sig[name][2]]
+    values["o_t"] = ACTIVATION_CODES[o_dtype]
+    plan.params = pack(DECODE_PARAMS, values)
+    plan.args_tail = (plan.params, numpy.float32(plan.scale))
+
+    if cols is None:
+        cols = choose_cols(B * H, V, device)
+    elif cols not in _COLS:
+        raise ValueError(f"cols must be one of {_COLS}, got {cols}")
+    tasks = B * H * (V // cols)
+    plan.grid = ((tasks + _WARPS_PER_BLOCK - 1) // _WARPS_PER_BLOCK,)
+    with cupy.cuda.Device(device):
+        plan.kernel = get_kernel("comba_decode", f"comba::comba_decode_step<{K}, {cols}>", device)
+    return plan
+
+
+def _c_strides(shape, itemsize):
+    strides, acc = [], itemsize
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device):
+    return cupy.cuda.Device(device).attributes["MultiProcessorCount"]
+
+
+def choose_cols(heads, V, device):
+    """Slab width per warp: 32 columns when the batch fills the GPU, narrower to spread a small one.
+
+    Narrower slabs mean more warps with fewer registers each, so a small
+    batch still has enough loads in flight on every SM.
+    """
+    warps32 = heads * V // 32
+    sms = _sm_count(device)
+    if warps32 >= 64 * sms:
+        return 32
+    if warps32 * 2 >= 64 * sms:
+        return 16
+    return 8
+
+
+def _cuda_step(plan, state, q, k, v, p, beta, g, out, state_out):
+    device = state.device.id
+    if cupy.cuda.runtime.getDevice() != device:
+        with cupy.cuda.Device(device):
+            return _cuda_step(plan, state, q, k, v, p, beta, g, out, state_out)
+    if state_out is None:
+        state_out = cupy.empty(state.shape, float32)
+    if out is None:
+        out = cupy.empty((plan.B, plan.H, plan.V), plan.o_dtype)
+    if plan.grid[0]:
+        plan.kernel(plan.grid, (_WARPS_PER_BLOCK * 32,),
+                    (state, state_out, q, k, v, p, beta, g, out) + plan.args_tail)
+    return state_out, out
+
+
+def _numpy_step(plan, state, q, k, v, p, beta, g, out, state_out):
+    S, o = reference.comba_step(state, q, k, v, p, beta, g, plan.scale)
+    if state_out is None:
+        state_out = S.astype(float32)
+    else:
+        state_out[...] = S
+    if out is None:
+        out = o.astype(plan.o_dtype)
+    else:
+        out[...] = o.astype(plan.o_dtype)
+    return state_out, out

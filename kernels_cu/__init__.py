@@ -1,0 +1,1 @@
+"""CUDA C++ sources of the cupy_comba kernels (data files, compiled by NVRTC at run time)."""

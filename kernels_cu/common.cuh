@@ -1,0 +1,72 @@
+// common.cuh -- dtype codes, conversions and cache-hinted accesses shared by
+// every cupy_comba kernel.
+//
+// No CUDA headers are included: NVRTC compiles these sources with no include
+// path, and the few half / bfloat16 conversions needed are one PTX
+// instruction or one bit shift each.
+//
+// Activations arrive in any of three dtypes, chosen at run time per argument
+// (a uniform branch on a kernel parameter costs nothing next to the state
+// stream, and it keeps the number of compiled variants at a handful instead
+// of 3^6 dtype combinations).
+#pragma once
+
+namespace comba {
+
+// Keep in sync with cupy_comba/_dtypes.py.
+enum DType : long long { F32 = 0, F16 = 1, BF16 = 2 };
+
+__device__ __forceinline__ float bf16_bits_to_float(unsigned short bits) {
+    return __uint_as_float(static_cast<unsigned int>(bits) << 16);
+}
+
+__device__ __forceinline__ float f16_bits_to_float(unsigned short bits) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(bits));
+    return f;
+}
+
+// Round to nearest even, NaN kept quiet (matches ml_dtypes / torch).
+__device__ __forceinline__ unsigned short float_to_bf16_bits(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<unsigned short>((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<unsigned short>(u >> 16);
+}
+
+__device__ __forceinline__ unsigned short float_to_f16_bits(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Load element `i` (in elements, may be any stride product) of an activation.
+__device__ __forceinline__ float load_act(const void* base, long long i, long long dtype) {
+    if (dtype == BF16) return bf16_bits_to_float(static_cast<const unsigned short*>(base)[i]);
+    if (dtype == F16) return f16_bits_to_float(static_cast<const unsigned short*>(base)[i]);
+    return static_cast<const float*>(base)[i];
+}
+
+__device__ __forceinline__ void store_act(void* base, long long i, long long dtype, float x) {
+    if (dtype == BF16) {
+        static_cast<unsigned short*>(base)[i] = float_to_bf16_bits(x);
+    } else if (dtype == F16) {
+        static_cast<unsigned short*>(base)[i] = float_to_f16_bits(x);
+    } else {
+        static_cast<float*>(base)[i] = x;
+    }
+}
+
+// The state is touched exactly once per launch: stream it past L1/L2
+// (evict-first) so it does not push the small vectors out of cache.  Plain
+// `ld.global.cs`, not the read-only `.nc` path: the state may be updated in
+// place (state_out == state).
+__device__ __forceinline__ float4 load_stream(const float* p) {
+    return __ldcs(reinterpret_cast<const float4*>(p));
+}
+
+__device__ __forceinline__ void store_stream(float* p, float4 x) {
+    __stcs(reinterpret_cast<float4*>(p), x);
+}
+
+}  // namespace comba

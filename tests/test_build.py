@@ -1,0 +1,26 @@
+"""Every kernel specialisation compiles with NVRTC for sm_90 (no GPU needed) without spills."""
+
+import re
+
+import pytest
+
+from cupy_comba import _build
+
+
+def test_includes_are_expanded_once():
+    src = _build.kernel_source("comba_decode.cu")
+    assert "#include" not in src
+    assert src.count("namespace comba {") == 2  # common.cuh + the kernel file
+    assert "float_to_bf16_bits" in src
+
+
+@pytest.mark.parametrize("module", sorted(_build.SPECIALISATIONS))
+def test_nvrtc_compiles_every_specialisation_for_sm90(module):
+    reports = _build.compile_for_arch(module, "sm_90")
+    assert set(reports) == set(_build.SPECIALISATIONS[module][1])
+    for expression, report in reports.items():
+        spill = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
+        regs = re.search(r"Used (\d+) registers", report)
+        assert spill and regs, f"no resource report for {expression}:\n{report}"
+        assert spill.groups() == ("0", "0", "0"), f"{expression} spills or uses a stack frame:\n{report}"
+        assert int(regs.group(1)) <= 255

@@ -1,0 +1,217 @@
+"""comba_decode_step's CUDA kernel against the float64 reference (run on the GPU: ``pytest -m gpu``)."""
+
+import itertools
+
+import numpy
+import pytest
+
+from cupy_comba import bfloat16, comba_decode_step, reference
+from cupy_comba.comba import _decode_step
+from cupy_comba.inputs import decode_inputs, decode_token
+
+cupy = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+F16, F32 = numpy.dtype(numpy.float16), numpy.dtype(numpy.float32)
+O_TOL = {bfloat16: 4e-3, F16: 1e-3, F32: 1e-6}
+STATE_TOL = 1e-6
+
+
+def _gpu_inputs(B, H, K, V, seed=0, **kw):
+    return list(decode_inputs(B, H, K, V, xp=cupy, seed=seed, **kw))
+
+
+def _run_poisoned(args, cols=None, o_dtype=None, **kw):
+    B, H, K, V = args[0].shape
+    o_dtype = numpy.dtype(o_dtype or args[3].dtype)
+    state_out = cupy.full((B, H, K, V), cupy.nan, F32)
+    out = cupy.full((B, H, V), cupy.nan, o_dtype)
+    S, o = _decode_step(*args, kw.pop("scale", None), out, state_out, None, cols)
+    assert S is state_out and o is out
+    return S, o
+
+
+def _errors(args, S, o, scale=None):
+    S_ref, o_ref = reference.comba_step(*args, scale=scale)
+    return reference.relative_error(S, S_ref), reference.relative_error(o, o_ref)
+
+
+SMALL = [(8, 4, 128, 128), (16, 2, 64, 128), (4, 8, 128, 64), (32, 4, 64, 64)]
+ODD = [(1, 1, 128, 128), (1, 1, 64, 32), (3, 5, 64, 96), (2, 3, 128, 256), (5, 2, 128, 96), (2, 2, 64, 512),
+       (257, 3, 64, 32)]
+
+
+@pytest.mark.parametrize("shape", SMALL + ODD, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("cols", [None, 32, 16, 8], ids=lambda c: f"cols{c}")
+@pytest.mark.parametrize("dtype", [bfloat16, F16, F32], ids=lambda d: numpy.dtype(d).name)
+def test_matches_reference(shape, cols, dtype):
+    args = _gpu_inputs(*shape, dtype=dtype, seed=sum(shape))
+    S, o = _run_poisoned(args, cols)
+    err_s, err_o = _errors(args, S, o)
+    assert err_s <= STATE_TOL
+    assert err_o <= O_TOL[numpy.dtype(dtype)]
+
+
+@pytest.mark.parametrize("H,Hk", [(8, 2), (16, 4), (6, 1)])
+@pytest.mark.parametrize("cols", [32, 8])
+def test_grouped_value_heads(H, Hk, cols):
+    args = _gpu_inputs(4, H, 128, 64, Hk=Hk, seed=H)
+    S, o = _run_poisoned(args, cols)
+    err_s, err_o = _errors(args, S, o)
+    assert err_s <= STATE_TOL and err_o <= O_TOL[bfloat16]
+
+
+def test_every_dtype_combination():
+    """q, k, v, p, beta each in {bf16, fp16, fp32}, g in {fp32, bf16, fp16}, o in all three."""
+    base = _gpu_inputs(2, 2, 64, 64, dtype=F32, seed=11)
+    dts = (bfloat16, F16, F32)
+    for combo in itertools.product(dts, repeat=6):
+        args = [base[0]] + [a.astype(dt) for a, dt in zip(base[1:], combo)]
+        for o_dtype in dts:
+            S, o = _run_poisoned(args, o_dtype=o_dtype)
+            err_s, err_o = _errors(args, S, o)
+            assert err_s <= STATE_TOL, (combo, o_dtype)
+            assert err_o <= O_TOL[numpy.dtype(o_dtype)], (combo, o_dtype)
+
+
+def test_float32_output_on_request():
+    args = _gpu_inputs(8, 4, 128, 128, seed=2)
+    S, o = comba_decode_step(*args, o_dtype=numpy.float32)
+    assert o.dtype == F32
+    assert _errors(args, S, o)[1] <= 1e-6
+
+
+def test_scale():
+    args = _gpu_inputs(8, 4, 128, 128, seed=3, dtype=F32)
+    S, o = _run_poisoned(args, scale=0.3)
+    assert _errors(args, S, o, scale=0.3)[1] <= 1e-6
+
+
+def test_inputs_unchanged_and_new_outputs():
+    args = _gpu_inputs(8, 4, 128, 128, seed=4)
+    before = [a.copy() for a in args]
+    S, o = comba_decode_step(*args)
+    assert S.data.ptr != args[0].data.ptr
+    for a, b in zip(args, before):
+        assert bool(cupy.array_equal(a.view(cupy.uint8), b.view(cupy.uint8)))
+
+
+def test_in_place_update():
+    args = _gpu_inputs(16, 4, 128, 128, seed=5)
+    S_ref, o_ref = reference.comba_step(*args)
+    S_func, o_func = comba_decode_step(*args)
+    state = args[0]
+    S, o = comba_decode_step(*args, state_out=state)
+    assert S is state
+    assert bool(cupy.array_equal(S, S_func)) and bool(cupy.array_equal(o.view(cupy.uint16), o_func.view(cupy.uint16)))
+    assert reference.relative_error(S, S_ref) <= STATE_TOL
+
+
+def test_strided_activations():
+    """q, k, p, v sliced out of one packed projection; beta, g columns of a wider array; o strided."""
+    B, H, K, V = 6, 4, 128, 64
+    args = _gpu_inputs(B, H, K, V, seed=6)
+    state, q, k, v, p, beta, g = args
+    packed = cupy.full((B, H, 3 * K + V + 8), cupy.nan, bfloat16)
+    packed[..., :K], packed[..., K:2 * K], packed[..., 2 * K:3 * K] = q, k, p
+    packed[..., 3 * K:3 * K + V] = v
+    gates = cupy.full((B, 3, H), cupy.nan, F32)
+    gates[:, 0], gates[:, 2] = beta.astype(F32), g
+    wide_out = cupy.full((B, H, 2 * V), cupy.nan, bfloat16)
+    q_s, k_s, p_s, v_s = packed[..., :K], packed[..., K:2 * K], packed[..., 2 * K:3 * K], packed[..., 3 * K:3 * K + V]
+    S, o = comba_decode_step(state, q_s, k_s, v_s, p_s, gates[:, 0], gates[:, 2], out=wide_out[..., ::2])
+    err_s, err_o = _errors([state, q, k, v, p, gates[:, 0], g], S, o)
+    assert err_s <= STATE_TOL and err_o <= O_TOL[bfloat16]
+    assert bool(cupy.isnan(wide_out[..., 1::2].astype(F32)).all())  # untouched gaps
+    # head-major activations (transposed batch/head axes) and reversed K
+    qt = cupy.ascontiguousarray(q.transpose(1, 0, 2)).transpose(1, 0, 2)
+    kr = cupy.ascontiguousarray(k[..., ::-1])[..., ::-1]
+    S2, o2 = comba_decode_step(state, qt, kr, v, p, beta, g)
+    assert bool(cupy.array_equal(S2, S))
+
+
+def test_decode_loop_does_not_drift():
+    """1000 steps fed back into themselves stay within 1e-5 of a float64 loop on the same tokens."""
+    B, H, K, V = 4, 4, 128, 128
+    state = decode_inputs(B, H, K, V, xp=cupy, seed=8)[0]
+    S64 = state.astype(cupy.float64)
+    crng = cupy.random.default_rng(9)
+    S = state
+    for _ in range(1000):
+        tok = [a.astype(bfloat16) for a in decode_token(cupy, crng, B, H, K, V)]
+        tok[5] = tok[5].astype(F32)
+        S, o = comba_decode_step(S, *tok, state_out=S)
+        S64, o64 = reference.comba_step(S64, *tok)
+    assert reference.relative_error(S, S64) <= 1e-5
+    assert reference.relative_error(o, o64) <= O_TOL[bfloat16]
+
+
+def test_runs_on_current_stream_and_in_a_cuda_graph():
+    args = _gpu_inputs(8, 4, 128, 128, seed=10)
+    state_out = cupy.full(args[0].shape, cupy.nan, F32)
+    out = cupy.full((8, 4, 128), cupy.nan, bfloat16)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        comba_decode_step(*args, out=out, state_out=state_out)
+        graph = stream.end_capture()
+        graph.launch(stream)
+    stream.synchronize()
+    err_s, err_o = _errors(args, state_out, out)
+    assert err_s <= STATE_TOL and err_o <= O_TOL[bfloat16]
+
+
+def test_gpu_argument_errors():
+    args = _gpu_inputs(2, 2, 64, 64, seed=12)
+    with pytest.raises(TypeError, match="mixed NumPy and CuPy"):
+        comba_decode_step(args[0], cupy.asnumpy(args[1]), *args[2:])
+    with pytest.raises(TypeError, match="state_out must be a cupy array"):
+        comba_decode_step(*args, state_out=numpy.empty(args[0].shape, F32))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        comba_decode_step(cupy.asfortranarray(args[0]), *args[1:])
+    with pytest.raises(ValueError, match="out overlaps state"):
+        comba_decode_step(*args, out=args[0].reshape(-1)[:2 * 2 * 64].reshape(2, 2, 64))
+    with pytest.raises(ValueError, match="partially overlaps"):
+        flat = cupy.empty(args[0].size + 4, F32)
+        comba_decode_step(flat[4:].reshape(args[0].shape), *args[1:], state_out=flat[:-4].reshape(args[0].shape))
+    with pytest.raises(NotImplementedError, match="K=32"):
+        comba_decode_step(*_gpu_inputs(2, 2, 32, 64))
+
+
+def test_arrays_on_different_devices():
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    args = _gpu_inputs(2, 2, 64, 64)
+    with cupy.cuda.Device(1):
+        q1 = cupy.asarray(args[1])
+    with pytest.raises(ValueError, match="one device"):
+        comba_decode_step(args[0], q1, *args[2:])
+
+
+def test_empty_batch():
+    S, o = comba_decode_step(*_gpu_inputs(0, 4, 64, 64))
+    assert S.shape == (0, 4, 64, 64) and o.shape == (0, 4, 64)
+
+
+def test_torch_interop_without_copies():
+    torch = pytest.importorskip("torch")
+    args = _gpu_inputs(4, 4, 128, 128, seed=13)
+    t_args = [torch.from_dlpack(a) for a in args]
+    c_args = [cupy.from_dlpack(t) for t in t_args]
+    assert all(c.data.ptr == t.data_ptr() for c, t in zip(c_args, t_args))
+    t_state_out = torch.empty_like(t_args[0])
+    S, o = comba_decode_step(*c_args, state_out=cupy.from_dlpack(t_state_out))
+    torch.cuda.synchronize()
+    assert S.data.ptr == t_state_out.data_ptr()
+    assert _errors(args, cupy.from_dlpack(t_state_out), o)[0] <= STATE_TOL
+    assert torch.from_dlpack(o).dtype == torch.bfloat16
+
+
+def test_jax_interop():
+    jax = pytest.importorskip("jax")
+    args = _gpu_inputs(4, 4, 64, 64, seed=14)
+    j_args = [jax.dlpack.from_dlpack(a) for a in args]
+    c_args = [cupy.from_dlpack(j) for j in j_args]
+    S, o = comba_decode_step(*c_args)
+    assert _errors(args, S, o)[0] <= STATE_TOL
+    assert jax.dlpack.from_dlpack(S).shape == (4, 4, 64, 64)
