@@ -61,7 +61,8 @@ def roofline_lines(roof):
     yield f"cudaMemcpyAsync D2D : {roof.memcpy_gbps:8.0f} GB/s"
     yield f"float4 copy kernel  : {roof.kernel_gbps:8.0f} GB/s"
     if roof.peak_gbps:
-        yield f"DRAM peak (clock x bus width): {roof.peak_gbps:.0f} GB/s; copy reaches {roof.copy_gbps / roof.peak_gbps:.1%}"
+        share = roof.copy_gbps / roof.peak_gbps
+        yield f"DRAM peak (clock x bus width): {roof.peak_gbps:.0f} GB/s; the copy reaches {share:.1%} of it"
 
 
 def _cache_dir():

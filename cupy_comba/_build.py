@@ -22,7 +22,8 @@ from ._backend import cupy
 SPECIALISATIONS = {
     "comba_decode": (
         "comba_decode.cu",
-        tuple(f"comba::comba_decode_step<{K}, {cols}>" for K in (64, 128) for cols in (32, 16, 8)),
+        tuple(f"comba::comba_decode_step<{K}, {cols}>" for K in (64, 128) for cols in (32, 16, 8))
+        + tuple(f"comba::comba_decode_step_pipelined<{K}, {rg}>" for K in (64, 128) for rg in (8, 4)),
     ),
     "copy": ("copy.cu", ("comba::copy_float4",)),
 }

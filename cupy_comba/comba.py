@@ -14,8 +14,13 @@ from ._checks import (
 from ._dtypes import ACTIVATION_CODES, ACTIVATION_NAMES, dtype_name, float32
 from ._params import DECODE_PARAMS, pack
 
-_WARPS_PER_BLOCK = 4  # kDecodeWarps in kernels_cu/comba_decode.cu
-_COLS = (32, 16, 8)   # compiled slab widths (see _build.SPECIALISATIONS)
+_WARPS_PER_BLOCK = 4        # kDecodeWarps in kernels_cu/comba_decode.cu
+_MAX_TILE_FLOATS = 16384    # kMaxTileFloats: largest K*V head the pipelined kernel takes
+_MAX_STAGES = 4             # heads in the shared-memory ring at most
+
+#: Kernel variants (see _build.SPECIALISATIONS): warp slabs of 32 / 16 / 8 columns, and the
+#: pipelined bulk-copy ring with 8 or 4 row groups.
+VARIANTS = ("warp32", "warp16", "warp8", "pipe8", "pipe4")
 
 
 def comba_decode_step(state, q, k, v, p, beta, g, scale=None, *, out=None, state_out=None, o_dtype=None):
@@ -94,8 +99,8 @@ def comba_decode_step(state, q, k, v, p, beta, g, scale=None, *, out=None, state
     return _decode_step(state, q, k, v, p, beta, g, scale, out, state_out, o_dtype, None)
 
 
-def _decode_step(state, q, k, v, p, beta, g, scale, out, state_out, o_dtype, cols):
-    """``comba_decode_step`` with an optional forced slab width (benchmark sweeps)."""
+def _decode_step(state, q, k, v, p, beta, g, scale, out, state_out, o_dtype, variant):
+    """``comba_decode_step`` with an optional forced kernel variant (see :data:`VARIANTS`)."""
     named = {"state": state, "q": q, "k": k, "v": v, "p": p, "beta": beta, "g": g}
     xp = namespace_of(named)
     for name, a in (("out", out), ("state_out", state_out)):
@@ -107,7 +112,7 @@ def _decode_step(state, q, k, v, p, beta, g, scale, out, state_out, o_dtype, col
                  _signature(beta), _signature(g), scale,
                  None if out is None else _signature(out),
                  None if o_dtype is None else numpy.dtype(o_dtype),
-                 state_out is not None, device, cols)
+                 state_out is not None, device, variant)
     if state_out is not None:
         check_writable_output("state_out", state_out, state.shape, "(B, H, K, V)")
         check_state_dtype("state_out", state_out)
@@ -144,11 +149,12 @@ def _common_device(named, out, state_out):
 class _Plan:
     """Everything about a call that its shapes, strides and dtypes decide."""
 
-    __slots__ = ("B", "H", "K", "V", "scale", "o_dtype", "params", "kernel", "grid", "args_tail")
+    __slots__ = ("B", "H", "K", "V", "scale", "o_dtype", "params", "kernel", "grid", "block", "shared_mem",
+                 "args_tail")
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(state, q, k, v, p, beta, g, scale, out, o_dtype, has_state_out, device, cols):
+def _plan(state, q, k, v, p, beta, g, scale, out, o_dtype, has_state_out, device, variant):
     """Validate a call signature once and precompute its launch (cached per signature)."""
     sig = {"state": state, "q": q, "k": k, "v": v, "p": p, "beta": beta, "g": g}
     shapes = {n: s[0] for n, s in sig.items()}
@@ -171,7 +177,7 @@ def _plan(state, q, k, v, p, beta, g, scale, out, o_dtype, has_state_out, device
     for name in ("q", "k", "v", "p", "beta", "g"):
         if sig[name][2] not in ACTIVATION_CODES:
             raise TypeError(f"{name} must be {ACTIVATION_NAMES}, got {dtype_name(sig[name][2])}")
-    if device is not None and state[1] != _c_strides(state[0], 4):
+    if device is not None and B * H and state[1] != _c_strides(state[0], 4):
         raise ValueError("state must be C-contiguous on the GPU (pass cupy.ascontiguousarray(state))")
     for name, s in sig.items():
         if any(st % s[2].itemsize for st in s[1]):
@@ -193,7 +199,7 @@ def _plan(state, q, k, v, p, beta, g, scale, out, o_dtype, has_state_out, device
     plan.B, plan.H, plan.K, plan.V = B, H, K, V
     plan.scale = resolve_scale(scale, K)
     plan.o_dtype = o_dtype
-    plan.params = plan.kernel = plan.grid = plan.args_tail = None
+    plan.params = plan.kernel = plan.grid = plan.block = plan.shared_mem = plan.args_tail = None
     if device is None:
         return plan
 
@@ -210,16 +216,10 @@ def _plan(state, q, k, v, p, beta, g, scale, out, o_dtype, has_state_out, device
         values[f"{name}_t"] = ACTIVATION_CODES[sig[name][2]]
     values["o_t"] = ACTIVATION_CODES[o_dtype]
     plan.params = pack(DECODE_PARAMS, values)
-    plan.args_tail = (plan.params, numpy.float32(plan.scale))
 
-    if cols is None:
-        cols = choose_cols(B * H, V, device)
-    elif cols not in _COLS:
-        raise ValueError(f"cols must be one of {_COLS}, got {cols}")
-    tasks = B * H * (V // cols)
-    plan.grid = ((tasks + _WARPS_PER_BLOCK - 1) // _WARPS_PER_BLOCK,)
-    with cupy.cuda.Device(device):
-        plan.kernel = get_kernel("comba_decode", f"comba::comba_decode_step<{K}, {cols}>", device)
+    launch = choose_launch(B * H, K, V, device) if variant is None else variant
+    plan.kernel, plan.grid, plan.block, plan.shared_mem, extra = _launch_config(launch, B * H, K, V, device)
+    plan.args_tail = (plan.params, numpy.float32(plan.scale)) + extra
     return plan
 
 
@@ -232,26 +232,66 @@ def _c_strides(shape, itemsize):
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device):
-    return cupy.cuda.Device(device).attributes["MultiProcessorCount"]
+def _device_limits(device):
+    attrs = cupy.cuda.Device(device).attributes
+    return (attrs["MultiProcessorCount"], attrs["MaxSharedMemoryPerBlockOptin"],
+            attrs["MaxSharedMemoryPerMultiprocessor"])
 
 
-def choose_cols(heads, V, device):
-    """Slab width per warp: 32 columns when the batch fills the GPU, narrower to spread a small one.
+def _ring_layout(K, V, rg, device):
+    """``(nstage, shared bytes, CTAs per SM)`` of the pipelined kernel, or None if its ring does not fit."""
+    if K * V > _MAX_TILE_FLOATS:
+        return None
+    _, per_block, per_sm = _device_limits(device)
+    nv = (3 * K + V + 2 + 3) & ~3
+    fixed = 128 + 2 * nv * 4 + 4 * rg * (V // 4) * 16 + 2 * rg * 4
+    tile = K * V * 4
+    nstage = min(_MAX_STAGES, (per_block - fixed) // tile)
+    if nstage < 2:
+        return None
+    smem = fixed + nstage * tile
+    return nstage, smem, max(1, per_sm // (smem + 1024))
 
-    Narrower slabs mean more warps with fewer registers each, so a small
-    batch still has enough loads in flight on every SM.
-    """
+
+def choose_launch(heads, K, V, device):
+    """The kernel variant for a shape: the pipelined ring once the batch fills every SM several
+    times over, else warp slabs, narrower for smaller batches (more warps, fewer registers each)."""
+    sms = _device_limits(device)[0]
+    if heads >= 4 * sms and _ring_layout(K, V, 8, device) is not None:
+        return "pipe8"
     warps32 = heads * V // 32
-    sms = _sm_count(device)
-    if warps32 >= 64 * sms:
-        return 32
-    if warps32 * 2 >= 64 * sms:
-        return 16
-    return 8
+    if warps32 >= 32 * sms:
+        return "warp16"
+    return "warp8"
+
+
+def _launch_config(variant, heads, K, V, device):
+    """``(kernel, grid, block, shared_mem, extra args)`` of one variant."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown kernel variant {variant!r}; expected one of {VARIANTS}")
+    with cupy.cuda.Device(device):
+        if variant.startswith("warp"):
+            cols = int(variant[4:])
+            tasks = heads * (V // cols)
+            kernel = get_kernel("comba_decode", f"comba::comba_decode_step<{K}, {cols}>", device)
+            return kernel, ((tasks + _WARPS_PER_BLOCK - 1) // _WARPS_PER_BLOCK,), (_WARPS_PER_BLOCK * 32,), 0, ()
+        rg = int(variant[4:])
+        layout = _ring_layout(K, V, rg, device)
+        if layout is None:
+            raise ValueError(f"variant {variant} cannot hold K={K}, V={V} heads in shared memory")
+        nstage, smem, per_sm = layout
+        kernel = get_kernel("comba_decode", f"comba::comba_decode_step_pipelined<{K}, {rg}>", device)
+        if kernel.max_dynamic_shared_size_bytes < smem:
+            kernel.max_dynamic_shared_size_bytes = smem
+        grid = max(1, min(heads, _device_limits(device)[0] * per_sm))
+        return kernel, (grid,), ((V // 4) * rg,), smem, (numpy.int32(nstage),)
 
 
 def _cuda_step(plan, state, q, k, v, p, beta, g, out, state_out):
+    # The state streams through 16-byte vector accesses and bulk copies.
+    if state.data.ptr & 15 or (state_out is not None and state_out.data.ptr & 15):
+        raise ValueError("state and state_out must start on a 16-byte boundary (e.g. a fresh allocation "
+                         "or a view at a whole-head offset)")
     device = state.device.id
     if cupy.cuda.runtime.getDevice() != device:
         with cupy.cuda.Device(device):
@@ -260,9 +300,9 @@ def _cuda_step(plan, state, q, k, v, p, beta, g, out, state_out):
         state_out = cupy.empty(state.shape, float32)
     if out is None:
         out = cupy.empty((plan.B, plan.H, plan.V), plan.o_dtype)
-    if plan.grid[0]:
-        plan.kernel(plan.grid, (_WARPS_PER_BLOCK * 32,),
-                    (state, state_out, q, k, v, p, beta, g, out) + plan.args_tail)
+    if plan.B * plan.H:
+        plan.kernel(plan.grid, plan.block, (state, state_out, q, k, v, p, beta, g, out) + plan.args_tail,
+                    shared_mem=plan.shared_mem)
     return state_out, out
 
 

@@ -6,7 +6,7 @@ import numpy
 import pytest
 
 from cupy_comba import bfloat16, comba_decode_step, reference
-from cupy_comba.comba import _decode_step
+from cupy_comba.comba import VARIANTS, _decode_step
 from cupy_comba.inputs import decode_inputs, decode_token
 
 cupy = pytest.importorskip("cupy")
@@ -21,12 +21,12 @@ def _gpu_inputs(B, H, K, V, seed=0, **kw):
     return list(decode_inputs(B, H, K, V, xp=cupy, seed=seed, **kw))
 
 
-def _run_poisoned(args, cols=None, o_dtype=None, **kw):
+def _run_poisoned(args, variant=None, o_dtype=None, **kw):
     B, H, K, V = args[0].shape
     o_dtype = numpy.dtype(o_dtype or args[3].dtype)
     state_out = cupy.full((B, H, K, V), cupy.nan, F32)
     out = cupy.full((B, H, V), cupy.nan, o_dtype)
-    S, o = _decode_step(*args, kw.pop("scale", None), out, state_out, None, cols)
+    S, o = _decode_step(*args, kw.pop("scale", None), out, state_out, None, variant)
     assert S is state_out and o is out
     return S, o
 
@@ -39,24 +39,34 @@ def _errors(args, S, o, scale=None):
 SMALL = [(8, 4, 128, 128), (16, 2, 64, 128), (4, 8, 128, 64), (32, 4, 64, 64)]
 ODD = [(1, 1, 128, 128), (1, 1, 64, 32), (3, 5, 64, 96), (2, 3, 128, 256), (5, 2, 128, 96), (2, 2, 64, 512),
        (257, 3, 64, 32)]
+# Many heads per CTA: the pipelined kernel's shared-memory ring wraps around many times.
+RING = [(600, 4, 128, 128), (257, 9, 64, 96), (100, 11, 64, 256), (301, 7, 128, 32)]
 
 
-@pytest.mark.parametrize("shape", SMALL + ODD, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("cols", [None, 32, 16, 8], ids=lambda c: f"cols{c}")
+def _fits_ring(variant, K, V):
+    return not variant or not variant.startswith("pipe") or K * V <= 16384
+
+
+@pytest.mark.parametrize("shape", SMALL + ODD + RING, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("variant", (None,) + VARIANTS, ids=lambda v: v or "auto")
 @pytest.mark.parametrize("dtype", [bfloat16, F16, F32], ids=lambda d: numpy.dtype(d).name)
-def test_matches_reference(shape, cols, dtype):
+def test_matches_reference(shape, variant, dtype):
     args = _gpu_inputs(*shape, dtype=dtype, seed=sum(shape))
-    S, o = _run_poisoned(args, cols)
+    if not _fits_ring(variant, shape[2], shape[3]):
+        with pytest.raises(ValueError, match="shared memory"):
+            _run_poisoned(args, variant)
+        return
+    S, o = _run_poisoned(args, variant)
     err_s, err_o = _errors(args, S, o)
     assert err_s <= STATE_TOL
     assert err_o <= O_TOL[numpy.dtype(dtype)]
 
 
 @pytest.mark.parametrize("H,Hk", [(8, 2), (16, 4), (6, 1)])
-@pytest.mark.parametrize("cols", [32, 8])
-def test_grouped_value_heads(H, Hk, cols):
-    args = _gpu_inputs(4, H, 128, 64, Hk=Hk, seed=H)
-    S, o = _run_poisoned(args, cols)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_grouped_value_heads(H, Hk, variant):
+    args = _gpu_inputs(300, H, 128, 64, Hk=Hk, seed=H)
+    S, o = _run_poisoned(args, variant)
     err_s, err_o = _errors(args, S, o)
     assert err_s <= STATE_TOL and err_o <= O_TOL[bfloat16]
 
@@ -96,8 +106,9 @@ def test_inputs_unchanged_and_new_outputs():
         assert bool(cupy.array_equal(a.view(cupy.uint8), b.view(cupy.uint8)))
 
 
-def test_in_place_update():
-    args = _gpu_inputs(16, 4, 128, 128, seed=5)
+@pytest.mark.parametrize("shape", [(16, 4, 128, 128), (700, 4, 128, 128)], ids=["small", "ring"])
+def test_in_place_update(shape):
+    args = _gpu_inputs(*shape, seed=5)
     S_ref, o_ref = reference.comba_step(*args)
     S_func, o_func = comba_decode_step(*args)
     state = args[0]
@@ -107,9 +118,10 @@ def test_in_place_update():
     assert reference.relative_error(S, S_ref) <= STATE_TOL
 
 
-def test_strided_activations():
+@pytest.mark.parametrize("B", [6, 600])
+def test_strided_activations(B):
     """q, k, p, v sliced out of one packed projection; beta, g columns of a wider array; o strided."""
-    B, H, K, V = 6, 4, 128, 64
+    H, K, V = 4, 128, 64
     args = _gpu_inputs(B, H, K, V, seed=6)
     state, q, k, v, p, beta, g = args
     packed = cupy.full((B, H, 3 * K + V + 8), cupy.nan, bfloat16)
@@ -176,6 +188,11 @@ def test_gpu_argument_errors():
         comba_decode_step(flat[4:].reshape(args[0].shape), *args[1:], state_out=flat[:-4].reshape(args[0].shape))
     with pytest.raises(NotImplementedError, match="K=32"):
         comba_decode_step(*_gpu_inputs(2, 2, 32, 64))
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        flat = cupy.empty(args[0].size + 1, F32)
+        comba_decode_step(flat[1:].reshape(args[0].shape), *args[1:])
+    with pytest.raises(ValueError, match="unknown kernel variant"):
+        _decode_step(*args, None, None, None, None, "warp7")
 
 
 def test_arrays_on_different_devices():

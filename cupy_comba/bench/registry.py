@@ -11,7 +11,7 @@ import numpy
 
 from .. import reference
 from .._dtypes import bfloat16, float16, float32
-from ..comba import _decode_step
+from ..comba import VARIANTS, _decode_step
 from ..inputs import decode_inputs
 
 #: Error gates of the full-size check: fp32 state, and o by its dtype's rounding.
@@ -73,5 +73,5 @@ register(BenchOp(
     name="comba_decode_step",
     dims=("B", "H", "K", "V"),
     prepare=_comba_decode_prepare,
-    variants=(32, 16, 8),
+    variants=VARIANTS,
 ))
