@@ -18,12 +18,16 @@ from importlib import resources
 
 from ._backend import cupy
 
+# (K, row groups) of the pipelined decode kernel: 8 to 32 warps per CTA at V = 128
+# (K = 64 stops at 16: at its largest V, 32 row groups would need 2048 threads).
+_PIPELINED_ROW_GROUPS = ((64, 8), (64, 16), (128, 8), (128, 16), (128, 32))
+
 #: module name -> (source file, kernel name expressions compiled from it)
 SPECIALISATIONS = {
     "comba_decode": (
         "comba_decode.cu",
         tuple(f"comba::comba_decode_step<{K}, {cols}>" for K in (64, 128) for cols in (32, 16, 8))
-        + tuple(f"comba::comba_decode_step_pipelined<{K}, {rg}>" for K in (64, 128) for rg in (8, 4)),
+        + tuple(f"comba::comba_decode_step_pipelined<{K}, {rg}>" for K, rg in _PIPELINED_ROW_GROUPS),
     ),
     "copy": ("copy.cu", ("comba::copy_float4",)),
 }
@@ -52,26 +56,27 @@ def kernel_source(filename):
 
 
 @functools.cache
-def _module(name):
+def _module(name, defines):
     filename, expressions = SPECIALISATIONS[name]
     # RawModule compiles lazily and keeps one binary per device.
-    return cupy.RawModule(code=kernel_source(filename), options=NVRTC_OPTIONS,
-                          name_expressions=list(expressions))
+    options = NVRTC_OPTIONS + tuple(f"-D{d}" for d in defines)
+    return cupy.RawModule(code=kernel_source(filename), options=options, name_expressions=list(expressions))
 
 
 _kernels = {}
 
 
-def get_kernel(module, expression, device_id):
+def get_kernel(module, expression, device_id, defines=()):
     """The compiled kernel ``expression`` of ``module`` on device ``device_id``.
 
     The caller must already have ``device_id`` current (RawModule loads its
-    binary for the current device).
+    binary for the current device).  ``defines`` (``"NAME=value"`` strings)
+    build an experimental variant; the library itself never passes any.
     """
-    key = (module, expression, device_id)
+    key = (module, expression, device_id, tuple(defines))
     fn = _kernels.get(key)
     if fn is None:
-        fn = _kernels[key] = _module(module).get_function(expression)
+        fn = _kernels[key] = _module(module, tuple(defines)).get_function(expression)
     return fn
 
 

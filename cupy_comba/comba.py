@@ -6,7 +6,7 @@ import numpy
 
 from . import reference
 from ._backend import cupy
-from ._build import get_kernel
+from ._build import _PIPELINED_ROW_GROUPS, get_kernel
 from ._checks import (
     check_head_sizes, check_heads, check_no_overlap, expect_shape, check_state_dtype, check_writable_output,
     extent, namespace_of, overlaps, real_scalar, resolve_scale,
@@ -19,8 +19,8 @@ _MAX_TILE_FLOATS = 16384    # kMaxTileFloats: largest K*V head the pipelined ker
 _MAX_STAGES = 4             # heads in the shared-memory ring at most
 
 #: Kernel variants (see _build.SPECIALISATIONS): warp slabs of 32 / 16 / 8 columns, and the
-#: pipelined bulk-copy ring with 8 or 4 row groups.
-VARIANTS = ("warp32", "warp16", "warp8", "pipe8", "pipe4")
+#: pipelined bulk-copy ring with 8 / 16 / 32 row groups (pipe32 only for K = 128).
+VARIANTS = ("warp32", "warp16", "warp8", "pipe8", "pipe16", "pipe32")
 
 
 def comba_decode_step(state, q, k, v, p, beta, g, scale=None, *, out=None, state_out=None, o_dtype=None):
@@ -239,12 +239,12 @@ def _device_limits(device):
 
 
 def _ring_layout(K, V, rg, device):
-    """``(nstage, shared bytes, CTAs per SM)`` of the pipelined kernel, or None if its ring does not fit."""
-    if K * V > _MAX_TILE_FLOATS:
+    """``(nstage, shared bytes, CTAs per SM)`` of the pipelined kernel, or None if it cannot take the shape."""
+    if K * V > _MAX_TILE_FLOATS or (K, rg) not in _PIPELINED_ROW_GROUPS:
         return None
     _, per_block, per_sm = _device_limits(device)
     nv = (3 * K + V + 2 + 3) & ~3
-    fixed = 128 + 2 * nv * 4 + 4 * rg * (V // 4) * 16 + 2 * rg * 4
+    fixed = 128 + 2 * nv * 4 + (2 * rg + 2) * (V // 4) * 16 + (rg + 1) * 4
     tile = K * V * 4
     nstage = min(_MAX_STAGES, (per_block - fixed) // tile)
     if nstage < 2:
@@ -278,7 +278,7 @@ def _launch_config(variant, heads, K, V, device):
         rg = int(variant[4:])
         layout = _ring_layout(K, V, rg, device)
         if layout is None:
-            raise ValueError(f"variant {variant} cannot hold K={K}, V={V} heads in shared memory")
+            raise ValueError(f"variant {variant} cannot take K={K}, V={V} (shared memory or row groups)")
         nstage, smem, per_sm = layout
         kernel = get_kernel("comba_decode", f"comba::comba_decode_step_pipelined<{K}, {rg}>", device)
         if kernel.max_dynamic_shared_size_bytes < smem:

@@ -29,8 +29,8 @@
 //   Block = (V/4) x RG threads: thread (cg, rg) owns columns 4cg..4cg+3 and
 //   rows rg*R .. rg*R+R-1, R = K/RG.  Pass 1 reads its R float4 from the slot
 //   into registers and forms partial S^T p, S^T q, q.k; partials meet in
-//   shared memory (one barrier), after which the slot is handed back to the
-//   copy engine.  Pass 2 writes the new state from registers with streaming
+//   shared memory (one barrier, after which the slot is handed back to the
+//   copy engine), one thread per column group sums them (a second barrier).  Pass 2 writes the new state from registers with streaming
 //   128-bit stores (a warp writes whole 512-byte rows).  The small vectors of
 //   the next head are loaded into registers during this head and parked in a
 //   double-buffered shared scratch, so their latency is never exposed.
@@ -188,7 +188,7 @@ comba_decode_step(const float* state, float* state_out,
 // ---------------------------------------------------------------------------
 // Pipelined (bulk-copy ring) kernel.  Dynamic shared memory, in order:
 //   bars[nstage] (u64, padded to 128 B) | tiles[nstage][K*V] | vecs[2][NV]
-//   | red[2][2][RG][V/4] (float4) | qkred[2][RG]
+//   | red[2][RG][V/4] (float4) | tot[2][V/4] (float4) | qkred[RG + 1]
 // with NV = 3K + V + 2 rounded up to a multiple of 4: q | k | p | v | beta, g.
 template <int K, int RG>
 __global__ void __launch_bounds__(kMaxTileFloats / K / 4 * RG)  // (V/4) x RG threads at the largest V
@@ -214,8 +214,9 @@ comba_decode_step_pipelined(const float* state, float* state_out,
     unsigned long long* bars = reinterpret_cast<unsigned long long*>(smem);
     float* tiles = reinterpret_cast<float*>(smem + ((nstage * 8 + 127) & ~127));
     float* vecs = tiles + nstage * tile;
-    float4* red = reinterpret_cast<float4*>(vecs + 2 * NV);
-    float* qkred = reinterpret_cast<float*>(red + 4 * RG * CG);
+    float4* red = reinterpret_cast<float4*>(vecs + 2 * NV);   // [2][RG][CG]: S^T p, S^T q partials
+    float4* tot = red + 2 * RG * CG;                           // [2][CG]: their sums
+    float* qkred = reinterpret_cast<float*>(tot + 2 * CG);     // [RG] partials of q.k, then the sum
 
     // Small vectors of head t -> registers (element j of the concatenation).
     float pf[PF];
@@ -282,7 +283,7 @@ comba_decode_step_pipelined(const float* state, float* state_out,
         float sp[4] = {0.f, 0.f, 0.f, 0.f}, sq[4] = {0.f, 0.f, 0.f, 0.f}, qk = 0.f;
 #pragma unroll
         for (int j = 0; j < R; ++j) {
-            const int r = rg * R + j;
+            const int r = j * RG + rg;
             s[j] = *reinterpret_cast<const float4*>(slot + r * V);
             const float pr = vp[r], qr = vq[r];
             sp[0] = fmaf(pr, s[j].x, sp[0]); sq[0] = fmaf(qr, s[j].x, sq[0]);
@@ -291,11 +292,9 @@ comba_decode_step_pipelined(const float* state, float* state_out,
             sp[3] = fmaf(pr, s[j].w, sp[3]); sq[3] = fmaf(qr, s[j].w, sq[3]);
             qk = fmaf(qr, vk[r], qk);
         }
-        float4* red_p = red + (buf * 2 + 0) * RG * CG;
-        float4* red_q = red + (buf * 2 + 1) * RG * CG;
-        red_p[rg * CG + cg] = make_float4(sp[0], sp[1], sp[2], sp[3]);
-        red_q[rg * CG + cg] = make_float4(sq[0], sq[1], sq[2], sq[3]);
-        if (cg == 0) qkred[buf * RG + rg] = qk;
+        red[rg * CG + cg] = make_float4(sp[0], sp[1], sp[2], sp[3]);
+        red[(RG + rg) * CG + cg] = make_float4(sq[0], sq[1], sq[2], sq[3]);
+        if (cg == 0) qkred[rg] = qk;
         __syncthreads();  // partials visible; every thread is done reading the slot
 
         if (tid == 0) {
@@ -305,16 +304,28 @@ comba_decode_step_pipelined(const float* state, float* state_out,
                 issue(stage, next);
             }
         }
-
-        float4 P = red_p[cg], Q = red_q[cg];
-        float QK = qkred[buf * RG];
+        // Row groups -> totals: one thread per column group sums the RG partials
+        // (every thread summing them would read RG times more shared memory).
+        if (rg == 0) {
+            float4 P = red[cg], Q = red[RG * CG + cg];
 #pragma unroll
-        for (int w = 1; w < RG; ++w) {
-            const float4 a = red_p[w * CG + cg], c = red_q[w * CG + cg];
-            P.x += a.x; P.y += a.y; P.z += a.z; P.w += a.w;
-            Q.x += c.x; Q.y += c.y; Q.z += c.z; Q.w += c.w;
-            QK += qkred[buf * RG + w];
+            for (int w = 1; w < RG; ++w) {
+                const float4 a = red[w * CG + cg], c = red[(RG + w) * CG + cg];
+                P.x += a.x; P.y += a.y; P.z += a.z; P.w += a.w;
+                Q.x += c.x; Q.y += c.y; Q.z += c.z; Q.w += c.w;
+            }
+            tot[cg] = P;
+            tot[CG + cg] = Q;
+            if (cg == 0) {
+                float QK = 0.f;
+#pragma unroll
+                for (int w = 0; w < RG; ++w) QK += qkred[w];
+                qkred[RG] = QK;
+            }
         }
+        __syncthreads();  // totals visible
+        const float4 P = tot[cg], Q = tot[CG + cg];
+        const float QK = qkred[RG];
         const float bt = vv[V], e = expf(vv[V + 1]);
         const float4 vc = *reinterpret_cast<const float4*>(vv + cg * 4);
         const float u0 = bt * (vc.x - e * P.x), u1 = bt * (vc.y - e * P.y);
@@ -333,7 +344,7 @@ comba_decode_step_pipelined(const float* state, float* state_out,
         float* dst = state_out + t * tile + cg * 4;
 #pragma unroll
         for (int j = 0; j < R; ++j) {
-            const int r = rg * R + j;
+            const int r = j * RG + rg;
             const float kr = vk[r];
             store_stream(dst + r * V, make_float4(fmaf(e, s[j].x, kr * u0), fmaf(e, s[j].y, kr * u1),
                                                   fmaf(e, s[j].z, kr * u2), fmaf(e, s[j].w, kr * u3)));
