@@ -22,12 +22,16 @@ from ._backend import cupy
 # (K = 64 stops at 16: at its largest V, 32 row groups would need 2048 threads).
 _PIPELINED_ROW_GROUPS = ((64, 8), (64, 16), (128, 8), (128, 16), (128, 32))
 
+# (K, row groups) of the head-per-CTA decode kernel: R = K / RG float4 per thread.
+_HEAD_ROW_GROUPS = ((64, 8), (64, 16), (128, 8), (128, 16), (128, 32))
+
 #: module name -> (source file, kernel name expressions compiled from it)
 SPECIALISATIONS = {
     "comba_decode": (
         "comba_decode.cu",
         tuple(f"comba::comba_decode_step<{K}, {cols}>" for K in (64, 128) for cols in (32, 16, 8))
-        + tuple(f"comba::comba_decode_step_pipelined<{K}, {rg}>" for K, rg in _PIPELINED_ROW_GROUPS),
+        + tuple(f"comba::comba_decode_step_pipelined<{K}, {rg}>" for K, rg in _PIPELINED_ROW_GROUPS)
+        + tuple(f"comba::comba_decode_step_head<{K}, {rg}>" for K, rg in _HEAD_ROW_GROUPS),
     ),
     "copy": ("copy.cu", ("comba::copy_float4",)),
 }

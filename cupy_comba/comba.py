@@ -6,7 +6,7 @@ import numpy
 
 from . import reference
 from ._backend import cupy
-from ._build import _PIPELINED_ROW_GROUPS, get_kernel
+from ._build import _HEAD_ROW_GROUPS, _PIPELINED_ROW_GROUPS, get_kernel
 from ._checks import (
     check_head_sizes, check_heads, check_no_overlap, expect_shape, check_state_dtype, check_writable_output,
     extent, namespace_of, overlaps, real_scalar, resolve_scale,
@@ -20,7 +20,7 @@ _MAX_STAGES = 4             # heads in the shared-memory ring at most
 
 #: Kernel variants (see _build.SPECIALISATIONS): warp slabs of 32 / 16 / 8 columns, and the
 #: pipelined bulk-copy ring with 8 / 16 / 32 row groups (pipe32 only for K = 128).
-VARIANTS = ("warp32", "warp16", "warp8", "pipe8", "pipe16", "pipe32")
+VARIANTS = ("warp32", "warp16", "warp8", "pipe8", "pipe16", "pipe32", "head8", "head16", "head32")
 
 
 def comba_decode_step(state, q, k, v, p, beta, g, scale=None, *, out=None, state_out=None, o_dtype=None):
@@ -275,6 +275,15 @@ def _launch_config(variant, heads, K, V, device):
             tasks = heads * (V // cols)
             kernel = get_kernel("comba_decode", f"comba::comba_decode_step<{K}, {cols}>", device)
             return kernel, ((tasks + _WARPS_PER_BLOCK - 1) // _WARPS_PER_BLOCK,), (_WARPS_PER_BLOCK * 32,), 0, ()
+        if variant.startswith("head"):
+            rg = int(variant[4:])
+            if (K, rg) not in _HEAD_ROW_GROUPS or V > 128:
+                raise ValueError(f"variant {variant} cannot take K={K}, V={V} (row groups or block size)")
+            kernel = get_kernel("comba_decode", f"comba::comba_decode_step_head<{K}, {rg}>", device)
+            smem = (2 * rg + 2) * (V // 4) * 16 + (rg + 1) * 4
+            if kernel.max_dynamic_shared_size_bytes < smem:
+                kernel.max_dynamic_shared_size_bytes = smem
+            return kernel, (heads,), ((V // 4) * rg,), smem, ()
         rg = int(variant[4:])
         layout = _ring_layout(K, V, rg, device)
         if layout is None:

@@ -353,4 +353,107 @@ comba_decode_step_pipelined(const float* state, float* state_out,
     }
 }
 
+// ---------------------------------------------------------------------------
+// Head-per-CTA kernel: one CTA of (V/4) x RG threads per head, every state
+// element loaded straight into registers with 128-bit loads (a warp reads or
+// writes whole V-rows), no shared-memory staging of the state.  Small
+// register footprints (R = K/RG float4) give 32-64 warps per SM, and that
+// many independent load/store streams are what the H200's memory system needs.
+// Static shared memory: red[2][RG][V/4] (float4) | tot[2][V/4] | qkred[RG + 1].
+template <int K, int RG>
+__global__ void __launch_bounds__(32 * RG)  // V <= 128
+comba_decode_step_head(const float* state, float* state_out,
+                       const void* __restrict__ q, const void* __restrict__ k,
+                       const void* __restrict__ v, const void* __restrict__ p,
+                       const void* __restrict__ beta, const void* __restrict__ g,
+                       void* __restrict__ o, const DecodeParams prm, const float scale) {
+    constexpr int R = K / RG;
+    const int V = static_cast<int>(prm.V);
+    const int CG = V / 4;
+    const int tid = threadIdx.x;
+    const int cg = tid % CG;
+    const int rg = tid / CG;
+    const long long t = blockIdx.x;
+    const long long b = t / prm.H, h = t - b * prm.H, hk = h / prm.group;
+
+    extern __shared__ __align__(16) float4 shm[];
+    float4* red = shm;                                          // [2][RG][CG]
+    float4* tot = red + 2 * RG * CG;                            // [2][CG]
+    float* qkred = reinterpret_cast<float*>(tot + 2 * CG);      // [RG + 1]
+
+    // 1. State first, then this thread's rows of q, k, p and columns of v.
+    const float* src = state + t * K * V + cg * 4;
+    float4 s[R];
+#pragma unroll
+    for (int j = 0; j < R; ++j) s[j] = load_stream(src + (j * RG + rg) * V);
+    float qr[R], kr[R], pr[R];
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+        const long long r = j * RG + rg;
+        qr[j] = load_act(q, b * prm.q_sb + hk * prm.q_sh + r * prm.q_sk, prm.q_t);
+        kr[j] = load_act(k, b * prm.k_sb + hk * prm.k_sh + r * prm.k_sk, prm.k_t);
+        pr[j] = load_act(p, b * prm.p_sb + hk * prm.p_sh + r * prm.p_sk, prm.p_t);
+    }
+    float vv[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) vv[c] = load_act(v, b * prm.v_sb + h * prm.v_sh + (cg * 4 + c) * prm.v_sv, prm.v_t);
+    const float bt = load_act(beta, b * prm.beta_sb + h * prm.beta_sh, prm.beta_t);
+    const float e = expf(load_act(g, b * prm.g_sb + h * prm.g_sh, prm.g_t));
+
+    // 2. Partial S^T p, S^T q, q.k over this thread's rows.
+    float sp[4] = {0.f, 0.f, 0.f, 0.f}, sq[4] = {0.f, 0.f, 0.f, 0.f}, qk = 0.f;
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+        sp[0] = fmaf(pr[j], s[j].x, sp[0]); sq[0] = fmaf(qr[j], s[j].x, sq[0]);
+        sp[1] = fmaf(pr[j], s[j].y, sp[1]); sq[1] = fmaf(qr[j], s[j].y, sq[1]);
+        sp[2] = fmaf(pr[j], s[j].z, sp[2]); sq[2] = fmaf(qr[j], s[j].z, sq[2]);
+        sp[3] = fmaf(pr[j], s[j].w, sp[3]); sq[3] = fmaf(qr[j], s[j].w, sq[3]);
+        qk = fmaf(qr[j], kr[j], qk);
+    }
+    red[rg * CG + cg] = make_float4(sp[0], sp[1], sp[2], sp[3]);
+    red[(RG + rg) * CG + cg] = make_float4(sq[0], sq[1], sq[2], sq[3]);
+    if (cg == 0) qkred[rg] = qk;
+    __syncthreads();
+
+    // 3. One thread per column group sums the row groups.
+    if (rg == 0) {
+        float4 P = red[cg], Q = red[RG * CG + cg];
+#pragma unroll
+        for (int w = 1; w < RG; ++w) {
+            const float4 a = red[w * CG + cg], c = red[(RG + w) * CG + cg];
+            P.x += a.x; P.y += a.y; P.z += a.z; P.w += a.w;
+            Q.x += c.x; Q.y += c.y; Q.z += c.z; Q.w += c.w;
+        }
+        tot[cg] = P;
+        tot[CG + cg] = Q;
+        if (cg == 0) {
+            float QK = 0.f;
+#pragma unroll
+            for (int w = 0; w < RG; ++w) QK += qkred[w];
+            qkred[RG] = QK;
+        }
+    }
+    __syncthreads();
+    const float4 P = tot[cg];
+    const float u0 = bt * (vv[0] - e * P.x), u1 = bt * (vv[1] - e * P.y);
+    const float u2 = bt * (vv[2] - e * P.z), u3 = bt * (vv[3] - e * P.w);
+    if (rg == 0) {
+        const float4 Q = tot[CG + cg];
+        const float QK = qkred[RG];
+        const long long ob = b * prm.o_sb + h * prm.o_sh + static_cast<long long>(cg * 4) * prm.o_sv;
+        store_act(o, ob, prm.o_t, scale * fmaf(e, Q.x, QK * u0));
+        store_act(o, ob + prm.o_sv, prm.o_t, scale * fmaf(e, Q.y, QK * u1));
+        store_act(o, ob + 2 * prm.o_sv, prm.o_t, scale * fmaf(e, Q.z, QK * u2));
+        store_act(o, ob + 3 * prm.o_sv, prm.o_t, scale * fmaf(e, Q.w, QK * u3));
+    }
+
+    // 4. Rank-1 write with the decay folded in.
+    float* dst = state_out + t * K * V + cg * 4;
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+        store_stream(dst + (j * RG + rg) * V, make_float4(fmaf(e, s[j].x, kr[j] * u0), fmaf(e, s[j].y, kr[j] * u1),
+                                                          fmaf(e, s[j].z, kr[j] * u2), fmaf(e, s[j].w, kr[j] * u3)));
+    }
+}
+
 }  // namespace comba
