@@ -18,20 +18,19 @@ from importlib import resources
 
 from ._backend import cupy
 
-# (K, row groups) of the pipelined decode kernel: 8 to 32 warps per CTA at V = 128
-# (K = 64 stops at 16: at its largest V, 32 row groups would need 2048 threads).
-_PIPELINED_ROW_GROUPS = ((64, 8), (64, 16), (128, 8), (128, 16), (128, 32))
+# (columns per warp, warps sharing the K axis) of the warp-slab decode kernel.
+_WARP_TILINGS = ((32, 1), (16, 1), (32, 2), (32, 4))
 
-# (K, row groups) of the head-per-CTA decode kernel: R = K / RG float4 per thread.
-_HEAD_ROW_GROUPS = ((64, 8), (64, 16), (128, 8), (128, 16), (128, 32))
+# (K, row groups) of the pipelined decode kernel: 16 warps per CTA at V = 128.
+_PIPELINED_ROW_GROUPS = ((64, 16), (128, 16))
 
 #: module name -> (source file, kernel name expressions compiled from it)
 SPECIALISATIONS = {
     "comba_decode": (
         "comba_decode.cu",
-        tuple(f"comba::comba_decode_step<{K}, {cols}>" for K in (64, 128) for cols in (32, 16, 8))
+        tuple(f"comba::comba_decode_step<{K}, {cols}, {ks}>" for K in (64, 128) for cols, ks in _WARP_TILINGS)
         + tuple(f"comba::comba_decode_step_pipelined<{K}, {rg}>" for K, rg in _PIPELINED_ROW_GROUPS)
-        + tuple(f"comba::comba_decode_step_head<{K}, {rg}>" for K, rg in _HEAD_ROW_GROUPS),
+
     ),
     "copy": ("copy.cu", ("comba::copy_float4",)),
 }
@@ -60,27 +59,25 @@ def kernel_source(filename):
 
 
 @functools.cache
-def _module(name, defines):
+def _module(name):
     filename, expressions = SPECIALISATIONS[name]
     # RawModule compiles lazily and keeps one binary per device.
-    options = NVRTC_OPTIONS + tuple(f"-D{d}" for d in defines)
-    return cupy.RawModule(code=kernel_source(filename), options=options, name_expressions=list(expressions))
+    return cupy.RawModule(code=kernel_source(filename), options=NVRTC_OPTIONS, name_expressions=list(expressions))
 
 
 _kernels = {}
 
 
-def get_kernel(module, expression, device_id, defines=()):
+def get_kernel(module, expression, device_id):
     """The compiled kernel ``expression`` of ``module`` on device ``device_id``.
 
     The caller must already have ``device_id`` current (RawModule loads its
-    binary for the current device).  ``defines`` (``"NAME=value"`` strings)
-    build an experimental variant; the library itself never passes any.
+    binary for the current device).
     """
-    key = (module, expression, device_id, tuple(defines))
+    key = (module, expression, device_id)
     fn = _kernels.get(key)
     if fn is None:
-        fn = _kernels[key] = _module(module, tuple(defines)).get_function(expression)
+        fn = _kernels[key] = _module(module).get_function(expression)
     return fn
 
 

@@ -6,7 +6,7 @@ import numpy
 
 from . import reference
 from ._backend import cupy
-from ._build import _HEAD_ROW_GROUPS, _PIPELINED_ROW_GROUPS, get_kernel
+from ._build import _PIPELINED_ROW_GROUPS, get_kernel
 from ._checks import (
     check_head_sizes, check_heads, check_no_overlap, expect_shape, check_state_dtype, check_writable_output,
     extent, namespace_of, overlaps, real_scalar, resolve_scale,
@@ -18,9 +18,10 @@ _WARPS_PER_BLOCK = 4        # kDecodeWarps in kernels_cu/comba_decode.cu
 _MAX_TILE_FLOATS = 16384    # kMaxTileFloats: largest K*V head the pipelined kernel takes
 _MAX_STAGES = 4             # heads in the shared-memory ring at most
 
-#: Kernel variants (see _build.SPECIALISATIONS): warp slabs of 32 / 16 / 8 columns, and the
-#: pipelined bulk-copy ring with 8 / 16 / 32 row groups (pipe32 only for K = 128).
-VARIANTS = ("warp32", "warp16", "warp8", "pipe8", "pipe16", "pipe32", "head8", "head16", "head32")
+#: Kernel variants (see _build.SPECIALISATIONS): ``warpC[kS]`` -- a task is a C-column slab of
+#: one head, handled by S warps that split the K axis (S = 1 when absent); ``pipe16`` -- the
+#: persistent bulk-copy ring, 16 row groups.
+VARIANTS = ("warp32", "warp16", "warp32k2", "warp32k4", "pipe16")
 
 
 def comba_decode_step(state, q, k, v, p, beta, g, scale=None, *, out=None, state_out=None, o_dtype=None):
@@ -254,15 +255,23 @@ def _ring_layout(K, V, rg, device):
 
 
 def choose_launch(heads, K, V, device):
-    """The kernel variant for a shape: the pipelined ring once the batch fills every SM several
-    times over, else warp slabs, narrower for smaller batches (more warps, fewer registers each)."""
+    """The kernel variant for a shape, from the H200 sweep (benchmarks/sweep_decode.py):
+
+    * K = 128, a large batch (>= 32 heads per SM): the pipelined ring (0.77 of copy at
+      B*H = 14336 against 0.72 for the best warp tiling);
+    * otherwise warp slabs: 16 columns for K = 64 batches that fill the GPU; for smaller
+      batches the K axis is split over 2 or 4 warps, so that more, shorter tasks spread
+      over the SMs (B*H = 128: 6.1 us against 7.9 us unsplit).
+    """
     sms = _device_limits(device)[0]
-    if heads >= 4 * sms and _ring_layout(K, V, 8, device) is not None:
-        return "pipe8"
-    warps32 = heads * V // 32
-    if warps32 >= 32 * sms:
+    if K == 128 and heads >= 32 * sms and _ring_layout(K, V, 16, device) is not None:
+        return "pipe16"
+    slab_tasks = heads * V // 32
+    if K == 64 and slab_tasks >= 32 * sms:
         return "warp16"
-    return "warp8"
+    if slab_tasks >= 8 * sms:
+        return "warp32k2"
+    return "warp32k4"
 
 
 def _launch_config(variant, heads, K, V, device):
@@ -271,19 +280,11 @@ def _launch_config(variant, heads, K, V, device):
         raise ValueError(f"unknown kernel variant {variant!r}; expected one of {VARIANTS}")
     with cupy.cuda.Device(device):
         if variant.startswith("warp"):
-            cols = int(variant[4:])
-            tasks = heads * (V // cols)
-            kernel = get_kernel("comba_decode", f"comba::comba_decode_step<{K}, {cols}>", device)
-            return kernel, ((tasks + _WARPS_PER_BLOCK - 1) // _WARPS_PER_BLOCK,), (_WARPS_PER_BLOCK * 32,), 0, ()
-        if variant.startswith("head"):
-            rg = int(variant[4:])
-            if (K, rg) not in _HEAD_ROW_GROUPS or V > 128:
-                raise ValueError(f"variant {variant} cannot take K={K}, V={V} (row groups or block size)")
-            kernel = get_kernel("comba_decode", f"comba::comba_decode_step_head<{K}, {rg}>", device)
-            smem = (2 * rg + 2) * (V // 4) * 16 + (rg + 1) * 4
-            if kernel.max_dynamic_shared_size_bytes < smem:
-                kernel.max_dynamic_shared_size_bytes = smem
-            return kernel, (heads,), ((V // 4) * rg,), smem, ()
+            cols, _, ks = variant[4:].partition("k")
+            cols, ks = int(cols), int(ks or 1)
+            tasks, per_block = heads * (V // cols), _WARPS_PER_BLOCK // ks
+            kernel = get_kernel("comba_decode", f"comba::comba_decode_step<{K}, {cols}, {ks}>", device)
+            return kernel, ((tasks + per_block - 1) // per_block,), (_WARPS_PER_BLOCK * 32,), 0, ()
         rg = int(variant[4:])
         layout = _ring_layout(K, V, rg, device)
         if layout is None:

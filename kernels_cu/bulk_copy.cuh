@@ -51,20 +51,8 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
 // Global -> shared copy of `bytes` (a multiple of 16, both addresses 16-byte
 // aligned), completing `bytes` transactions on `bar`.  The state is read
 // exactly once, so hint the L2 to evict it first.
-#ifndef COMBA_BULK_HINT
-#define COMBA_BULK_HINT 1
-#endif
-
 __device__ __forceinline__ void bulk_load(void* dst_smem, const void* src, unsigned bytes,
                                           unsigned long long* bar) {
-#if COMBA_BULK_HINT == 0
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-            smem_addr(dst_smem)),
-        "l"(src), "r"(bytes), "r"(smem_addr(bar))
-        : "memory");
-    return;
-#endif
     asm volatile(
         "{\n"
         "  .reg .b64 policy;\n"

@@ -16,40 +16,38 @@
 // f32 / f16 / bf16 (codes in common.cuh), g log-space.  GVA: head h reads q,
 // k, p of head h / (H / Hk).
 //
-// Two kernels compute this step; the op picks one per shape (comba.py):
+// Two kernels compute this step; the op picks one per shape (comba.py's
+// choose_launch, from the H200 sweep in benchmarks/sweep_decode.py):
 //
-// comba_decode_step_pipelined -- large batches.  A persistent CTA walks the
-// heads t = blockIdx.x, blockIdx.x + gridDim.x, ...  Each head's state is one
-// contiguous K*V*4-byte tile that the bulk copy engine lands in a ring of
-// NSTAGE shared-memory slots, NSTAGE-1 heads ahead of the one being computed,
-// so HBM always has reads in flight while the CTA computes and streams the
-// previous head's writes out.  (A kernel that loads, reduces, then stores
-// leaves all SMs reading together and then writing together; measured on an
-// H200 that costs a quarter of the bandwidth.)
-//   Block = (V/4) x RG threads: thread (cg, rg) owns columns 4cg..4cg+3 and
-//   rows rg*R .. rg*R+R-1, R = K/RG.  Pass 1 reads its R float4 from the slot
-//   into registers and forms partial S^T p, S^T q, q.k; partials meet in
-//   shared memory (one barrier, after which the slot is handed back to the
-//   copy engine), one thread per column group sums them (a second barrier).  Pass 2 writes the new state from registers with streaming
-//   128-bit stores (a warp writes whole 512-byte rows).  The small vectors of
-//   the next head are loaded into registers during this head and parked in a
-//   double-buffered shared scratch, so their latency is never exposed.
-//   Grid = min(heads, SMs): one CTA per SM (its ring takes most of the shared
-//   memory).
+// comba_decode_step<K, COLS, KS> -- warp slabs (small and mid batches, K = 64).
+//   A task is (b, h, slab of COLS columns of V), handled by KS warps that split
+//   the K axis (KS = 1: one warp holds the whole K axis).  In a warp, lanes form
+//   an LC x RG grid: LC = COLS/4 lanes across the slab, one float4 of columns
+//   each, RG = 32/LC lane groups down K; lane group rg owns rows rg, rg+RG, ...
+//   of its warp's K/KS rows (R float4 registers).  One warp-wide load covers RG
+//   consecutive rows x COLS*4 contiguous bytes.  The K reduction is an
+//   in-register sum and log2(RG) xor-shuffles; with KS > 1 the KS partials meet
+//   in shared memory behind a named barrier for those warps only, so tasks stay
+//   independent and one task's loads overlap another's stores.  Block = 4 warps
+//   = 4/KS tasks; grid = ceil(tasks / (4/KS)).
 //
-// comba_decode_step -- small batches and tiles too large for the ring.
-// Launch geometry: one WARP per task = (b, h, slab of COLS columns of V).
-// Lanes form an LC x RG grid: LC = COLS/4 lanes across the slab, one float4
-// of columns each, and RG = 32/LC lane groups down K.  Lane group rg owns rows
-// rg, rg+RG, rg+2RG, ... (R = K/RG rows, R float4 registers).  For a fixed
-// register index the warp touches RG consecutive rows x COLS columns: full
-// 32-byte sectors, COLS*4-byte contiguous runs.  The K-reduction is an
-// in-register sum over R rows and then log2(RG) xor-shuffles -- no shared
-// memory barrier, no __syncthreads: warps are fully independent, so the
-// load phase of one warp overlaps the store phase of its neighbours.
-// The small vectors q, k, p go through a per-warp shared-memory scratch
-// (3*K floats) so each lane reads only the rows it owns.
-// Block = WARPS warps = WARPS independent tasks; grid = ceil(tasks / WARPS).
+// comba_decode_step_pipelined<K, RG> -- large batches at K = 128.  A persistent
+//   CTA walks the heads t = blockIdx.x, blockIdx.x + gridDim.x, ...  Each head's
+//   state is one contiguous K*V*4-byte tile that the bulk copy engine lands in
+//   a ring of nstage shared-memory slots, up to nstage heads ahead of the one
+//   being computed, so reads stay in flight while the CTA computes and streams
+//   the previous head's writes out.  Block = (V/4) x RG threads: thread (cg, rg)
+//   owns columns 4cg..4cg+3 and rows rg, rg+RG, ... (R = K/RG).  Pass 1 copies
+//   its R float4 from the slot into registers and forms partial S^T p, S^T q,
+//   q.k; the partials meet in shared memory (barrier 1, after which the slot
+//   goes back to the copy engine) and one thread per column group sums them
+//   (barrier 2).  Pass 2 writes the new state from registers with streaming
+//   128-bit stores, each warp whole 512-byte rows.  The next head's small
+//   vectors are loaded into registers during this head and parked in a
+//   double-buffered shared scratch.  Grid = min(heads, SMs x CTAs per SM).
+//
+// The state is 16-byte aligned (checked by the op) and touched once per
+// launch, hence streaming cache hints throughout.
 #include "common.cuh"
 #include "bulk_copy.cuh"
 
@@ -79,7 +77,7 @@ __host__ __device__ constexpr int prefetch_slots() {
     return (3 * K + kMaxTileFloats / K + 2 + 8 * RG - 1) / (8 * RG);
 }
 
-template <int K, int COLS>
+template <int K, int COLS, int KS>
 __global__ void __launch_bounds__(kDecodeWarps * 32)
 comba_decode_step(const float* state, float* state_out,
                   const void* __restrict__ q, const void* __restrict__ k,
@@ -88,16 +86,21 @@ comba_decode_step(const float* state, float* state_out,
                   void* __restrict__ o, const DecodeParams prm, const float scale) {
     constexpr int LC = COLS / 4;   // lanes across the slab
     constexpr int RG = 32 / LC;    // lane groups down K
-    constexpr int R = K / RG;      // rows (float4 registers) per lane
-    static_assert(K % RG == 0 && R >= 1, "K must be a multiple of the lane groups");
+    constexpr int KR = K / KS;     // rows of K per warp (KS warps share a task)
+    constexpr int R = KR / RG;     // rows (float4 registers) per lane
+    constexpr int TASKS = kDecodeWarps / KS;
+    static_assert(KR % RG == 0 && R >= 1 && kDecodeWarps % KS == 0, "bad decode tiling");
 
-    __shared__ float vec[kDecodeWarps][3][K];  // q, k, p per warp
+    __shared__ float vec[kDecodeWarps][3][K];       // q, k, p rows of each warp
+    __shared__ float4 xred[kDecodeWarps][2][LC];    // per-warp S^T p, S^T q (KS > 1)
+    __shared__ float xqk[kDecodeWarps];
 
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
+    const int ks = warp % KS;
     const long long slabs = prm.V / COLS;
-    const long long task = static_cast<long long>(blockIdx.x) * kDecodeWarps + warp;
-    if (task >= prm.B * prm.H * slabs) return;  // whole warp leaves together
+    const long long task = static_cast<long long>(blockIdx.x) * TASKS + warp / KS;
+    if (task >= prm.B * prm.H * slabs) return;  // the KS warps of a task leave together
 
     const long long bh = task / slabs;
     const int slab = static_cast<int>(task - bh * slabs);
@@ -106,6 +109,7 @@ comba_decode_step(const float* state, float* state_out,
     const long long hk = h / prm.group;
     const int lc = lane % LC;
     const int rg = lane / LC;
+    const int row0 = ks * KR + rg;
     const long long col = static_cast<long long>(slab) * COLS + lc * 4;
 
     // 1. Issue every state load of the task before anything else: R x 16 B
@@ -114,17 +118,18 @@ comba_decode_step(const float* state, float* state_out,
     const float* src = state + head + col;
     float4 s[R];
 #pragma unroll
-    for (int i = 0; i < R; ++i) s[i] = load_stream(src + static_cast<long long>(i * RG + rg) * prm.V);
+    for (int i = 0; i < R; ++i) s[i] = load_stream(src + static_cast<long long>(row0 + i * RG) * prm.V);
 
-    // 2. Small vectors while the state is in flight.
+    // 2. Small vectors (this warp's rows) while the state is in flight.
     float* qs = vec[warp][0];
-    float* ks = vec[warp][1];
+    float* ks_ = vec[warp][1];
     float* ps = vec[warp][2];
 #pragma unroll
-    for (int i = lane; i < K; i += 32) {
-        qs[i] = load_act(q, b * prm.q_sb + hk * prm.q_sh + i * prm.q_sk, prm.q_t);
-        ks[i] = load_act(k, b * prm.k_sb + hk * prm.k_sh + i * prm.k_sk, prm.k_t);
-        ps[i] = load_act(p, b * prm.p_sb + hk * prm.p_sh + i * prm.p_sk, prm.p_t);
+    for (int i = lane; i < KR; i += 32) {
+        const long long r = ks * KR + i;
+        qs[r] = load_act(q, b * prm.q_sb + hk * prm.q_sh + r * prm.q_sk, prm.q_t);
+        ks_[r] = load_act(k, b * prm.k_sb + hk * prm.k_sh + r * prm.k_sk, prm.k_t);
+        ps[r] = load_act(p, b * prm.p_sb + hk * prm.p_sh + r * prm.p_sk, prm.p_t);
     }
     float vv[4];
 #pragma unroll
@@ -139,13 +144,13 @@ comba_decode_step(const float* state, float* state_out,
     float qk = 0.f;
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-        const int r = i * RG + rg;
+        const int r = row0 + i * RG;
         const float pr = ps[r], qr = qs[r];
         sp[0] = fmaf(pr, s[i].x, sp[0]); sq[0] = fmaf(qr, s[i].x, sq[0]);
         sp[1] = fmaf(pr, s[i].y, sp[1]); sq[1] = fmaf(qr, s[i].y, sq[1]);
         sp[2] = fmaf(pr, s[i].z, sp[2]); sq[2] = fmaf(qr, s[i].z, sq[2]);
         sp[3] = fmaf(pr, s[i].w, sp[3]); sq[3] = fmaf(qr, s[i].w, sq[3]);
-        qk = fmaf(qr, ks[r], qk);
+        qk = fmaf(qr, ks_[r], qk);
     }
     // Lanes of one column group differ in bits LC, 2LC, ..., 16 of the lane id.
 #pragma unroll
@@ -157,6 +162,28 @@ comba_decode_step(const float* state, float* state_out,
         }
         qk += __shfl_xor_sync(0xffffffffu, qk, off);
     }
+    if constexpr (KS > 1) {
+        // The KS warps of a task meet at a named barrier (id 1 + task slot):
+        // no CTA-wide sync, so other tasks of the block run on undisturbed.
+        if (rg == 0) {
+            xred[warp][0][lc] = make_float4(sp[0], sp[1], sp[2], sp[3]);
+            xred[warp][1][lc] = make_float4(sq[0], sq[1], sq[2], sq[3]);
+            if (lc == 0) xqk[warp] = qk;
+        }
+        asm volatile("bar.sync %0, %1;" ::"r"(1 + warp / KS), "r"(KS * 32) : "memory");
+        const int first = warp - ks;
+        float4 P = xred[first][0][lc], Q = xred[first][1][lc];
+        qk = xqk[first];
+#pragma unroll
+        for (int w = 1; w < KS; ++w) {  // same order in every warp: identical u everywhere
+            const float4 a = xred[first + w][0][lc], c = xred[first + w][1][lc];
+            P.x += a.x; P.y += a.y; P.z += a.z; P.w += a.w;
+            Q.x += c.x; Q.y += c.y; Q.z += c.z; Q.w += c.w;
+            qk += xqk[first + w];
+        }
+        sp[0] = P.x; sp[1] = P.y; sp[2] = P.z; sp[3] = P.w;
+        sq[0] = Q.x; sq[1] = Q.y; sq[2] = Q.z; sq[3] = Q.w;
+    }
 
     float u[4];
 #pragma unroll
@@ -166,17 +193,18 @@ comba_decode_step(const float* state, float* state_out,
     float* dst = state_out + head + col;
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-        const float kr = ks[i * RG + rg];
+        const int r = row0 + i * RG;
+        const float kr = ks_[r];
         float4 n;
         n.x = fmaf(e, s[i].x, kr * u[0]);
         n.y = fmaf(e, s[i].y, kr * u[1]);
         n.z = fmaf(e, s[i].z, kr * u[2]);
         n.w = fmaf(e, s[i].w, kr * u[3]);
-        store_stream(dst + static_cast<long long>(i * RG + rg) * prm.V, n);
+        store_stream(dst + static_cast<long long>(r) * prm.V, n);
     }
 
-    // 5. o: lane group 0 holds the whole reduction for its four columns.
-    if (rg == 0) {
+    // 5. o: lane group 0 of the task's first warp holds the whole reduction.
+    if (rg == 0 && ks == 0) {
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             const float oc = scale * fmaf(e, sq[c], qk * u[c]);
@@ -350,109 +378,6 @@ comba_decode_step_pipelined(const float* state, float* state_out,
                                                   fmaf(e, s[j].z, kr * u2), fmaf(e, s[j].w, kr * u3)));
         }
         park(buf ^ 1);
-    }
-}
-
-// ---------------------------------------------------------------------------
-// Head-per-CTA kernel: one CTA of (V/4) x RG threads per head, every state
-// element loaded straight into registers with 128-bit loads (a warp reads or
-// writes whole V-rows), no shared-memory staging of the state.  Small
-// register footprints (R = K/RG float4) give 32-64 warps per SM, and that
-// many independent load/store streams are what the H200's memory system needs.
-// Static shared memory: red[2][RG][V/4] (float4) | tot[2][V/4] | qkred[RG + 1].
-template <int K, int RG>
-__global__ void __launch_bounds__(32 * RG)  // V <= 128
-comba_decode_step_head(const float* state, float* state_out,
-                       const void* __restrict__ q, const void* __restrict__ k,
-                       const void* __restrict__ v, const void* __restrict__ p,
-                       const void* __restrict__ beta, const void* __restrict__ g,
-                       void* __restrict__ o, const DecodeParams prm, const float scale) {
-    constexpr int R = K / RG;
-    const int V = static_cast<int>(prm.V);
-    const int CG = V / 4;
-    const int tid = threadIdx.x;
-    const int cg = tid % CG;
-    const int rg = tid / CG;
-    const long long t = blockIdx.x;
-    const long long b = t / prm.H, h = t - b * prm.H, hk = h / prm.group;
-
-    extern __shared__ __align__(16) float4 shm[];
-    float4* red = shm;                                          // [2][RG][CG]
-    float4* tot = red + 2 * RG * CG;                            // [2][CG]
-    float* qkred = reinterpret_cast<float*>(tot + 2 * CG);      // [RG + 1]
-
-    // 1. State first, then this thread's rows of q, k, p and columns of v.
-    const float* src = state + t * K * V + cg * 4;
-    float4 s[R];
-#pragma unroll
-    for (int j = 0; j < R; ++j) s[j] = load_stream(src + (j * RG + rg) * V);
-    float qr[R], kr[R], pr[R];
-#pragma unroll
-    for (int j = 0; j < R; ++j) {
-        const long long r = j * RG + rg;
-        qr[j] = load_act(q, b * prm.q_sb + hk * prm.q_sh + r * prm.q_sk, prm.q_t);
-        kr[j] = load_act(k, b * prm.k_sb + hk * prm.k_sh + r * prm.k_sk, prm.k_t);
-        pr[j] = load_act(p, b * prm.p_sb + hk * prm.p_sh + r * prm.p_sk, prm.p_t);
-    }
-    float vv[4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) vv[c] = load_act(v, b * prm.v_sb + h * prm.v_sh + (cg * 4 + c) * prm.v_sv, prm.v_t);
-    const float bt = load_act(beta, b * prm.beta_sb + h * prm.beta_sh, prm.beta_t);
-    const float e = expf(load_act(g, b * prm.g_sb + h * prm.g_sh, prm.g_t));
-
-    // 2. Partial S^T p, S^T q, q.k over this thread's rows.
-    float sp[4] = {0.f, 0.f, 0.f, 0.f}, sq[4] = {0.f, 0.f, 0.f, 0.f}, qk = 0.f;
-#pragma unroll
-    for (int j = 0; j < R; ++j) {
-        sp[0] = fmaf(pr[j], s[j].x, sp[0]); sq[0] = fmaf(qr[j], s[j].x, sq[0]);
-        sp[1] = fmaf(pr[j], s[j].y, sp[1]); sq[1] = fmaf(qr[j], s[j].y, sq[1]);
-        sp[2] = fmaf(pr[j], s[j].z, sp[2]); sq[2] = fmaf(qr[j], s[j].z, sq[2]);
-        sp[3] = fmaf(pr[j], s[j].w, sp[3]); sq[3] = fmaf(qr[j], s[j].w, sq[3]);
-        qk = fmaf(qr[j], kr[j], qk);
-    }
-    red[rg * CG + cg] = make_float4(sp[0], sp[1], sp[2], sp[3]);
-    red[(RG + rg) * CG + cg] = make_float4(sq[0], sq[1], sq[2], sq[3]);
-    if (cg == 0) qkred[rg] = qk;
-    __syncthreads();
-
-    // 3. One thread per column group sums the row groups.
-    if (rg == 0) {
-        float4 P = red[cg], Q = red[RG * CG + cg];
-#pragma unroll
-        for (int w = 1; w < RG; ++w) {
-            const float4 a = red[w * CG + cg], c = red[(RG + w) * CG + cg];
-            P.x += a.x; P.y += a.y; P.z += a.z; P.w += a.w;
-            Q.x += c.x; Q.y += c.y; Q.z += c.z; Q.w += c.w;
-        }
-        tot[cg] = P;
-        tot[CG + cg] = Q;
-        if (cg == 0) {
-            float QK = 0.f;
-#pragma unroll
-            for (int w = 0; w < RG; ++w) QK += qkred[w];
-            qkred[RG] = QK;
-        }
-    }
-    __syncthreads();
-    const float4 P = tot[cg];
-    const float u0 = bt * (vv[0] - e * P.x), u1 = bt * (vv[1] - e * P.y);
-    const float u2 = bt * (vv[2] - e * P.z), u3 = bt * (vv[3] - e * P.w);
-    if (rg == 0) {
-        const float4 Q = tot[CG + cg];
-        const float QK = qkred[RG];
-        const long long ob = b * prm.o_sb + h * prm.o_sh + static_cast<long long>(cg * 4) * prm.o_sv;
-        store_act(o, ob, prm.o_t, scale * fmaf(e, Q.x, QK * u0));
-        store_act(o, ob + prm.o_sv, prm.o_t, scale * fmaf(e, Q.y, QK * u1));
-        store_act(o, ob + 2 * prm.o_sv, prm.o_t, scale * fmaf(e, Q.z, QK * u2));
-        store_act(o, ob + 3 * prm.o_sv, prm.o_t, scale * fmaf(e, Q.w, QK * u3));
-    }
-
-    // 4. Rank-1 write with the decay folded in.
-    float* dst = state_out + t * K * V + cg * 4;
-#pragma unroll
-    for (int j = 0; j < R; ++j) {
-        store_stream(dst + (j * RG + rg) * V, make_float4(fmaf(e, s[j].x, kr[j] * u0), fmaf(e, s[j].y, kr[j] * u1),
-                                                          fmaf(e, s[j].z, kr[j] * u2), fmaf(e, s[j].w, kr[j] * u3)));
     }
 }
 

@@ -61,35 +61,12 @@ __device__ __forceinline__ void store_act(void* base, long long i, long long dty
 // (evict-first) so it does not push the small vectors out of cache.  Plain
 // `ld.global.cs`, not the read-only `.nc` path: the state may be updated in
 // place (state_out == state).
-//
-// COMBA_LOAD_HINT / COMBA_STORE_HINT select the cache policy (benchmarks/hints_decode.py
-// measures them): 1 = streaming (.cs), 0 = default caching, 2 = loads bypass L1.
-#ifndef COMBA_LOAD_HINT
-#define COMBA_LOAD_HINT 1
-#endif
-#ifndef COMBA_STORE_HINT
-#define COMBA_STORE_HINT 1
-#endif
-
 __device__ __forceinline__ float4 load_stream(const float* p) {
-#if COMBA_LOAD_HINT == 1
     return __ldcs(reinterpret_cast<const float4*>(p));
-#elif COMBA_LOAD_HINT == 2
-    float4 x;
-    asm volatile("ld.global.L1::no_allocate.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w) : "l"(p));
-    return x;
-#else
-    return *reinterpret_cast<const float4*>(p);
-#endif
 }
 
 __device__ __forceinline__ void store_stream(float* p, float4 x) {
-#if COMBA_STORE_HINT == 1
     __stcs(reinterpret_cast<float4*>(p), x);
-#else
-    *reinterpret_cast<float4*>(p) = x;
-#endif
 }
 
 }  // namespace comba

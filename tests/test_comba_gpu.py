@@ -6,7 +6,7 @@ import numpy
 import pytest
 
 from cupy_comba import bfloat16, comba_decode_step, reference
-from cupy_comba._build import _HEAD_ROW_GROUPS, _PIPELINED_ROW_GROUPS
+from cupy_comba._build import _PIPELINED_ROW_GROUPS
 from cupy_comba.comba import VARIANTS, _decode_step
 from cupy_comba.inputs import decode_inputs, decode_token
 
@@ -45,8 +45,6 @@ RING = [(600, 4, 128, 128), (257, 9, 64, 96), (100, 11, 64, 256), (301, 7, 128, 
 
 
 def _fits_ring(variant, K, V):
-    if variant and variant.startswith("head"):
-        return (K, int(variant[4:])) in _HEAD_ROW_GROUPS and V <= 128
     if not variant or not variant.startswith("pipe"):
         return True
     return K * V <= 16384 and (K, int(variant[4:])) in _PIPELINED_ROW_GROUPS
@@ -198,6 +196,8 @@ def test_gpu_argument_errors():
         comba_decode_step(flat[1:].reshape(args[0].shape), *args[1:])
     with pytest.raises(ValueError, match="unknown kernel variant"):
         _decode_step(*args, None, None, None, None, "warp7")
+    with pytest.raises(ValueError, match="cannot take"):
+        _decode_step(*_gpu_inputs(2, 2, 128, 256), None, None, None, None, "pipe16")
 
 
 def test_arrays_on_different_devices():
