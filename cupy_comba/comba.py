@@ -220,7 +220,9 @@ def _plan(state, q, k, v, p, beta, g, scale, out, o_dtype, has_state_out, device
 
     launch = choose_launch(B * H, K, V, device) if variant is None else variant
     plan.kernel, plan.grid, plan.block, plan.shared_mem, extra = _launch_config(launch, B * H, K, V, device)
-    plan.args_tail = (plan.params, numpy.float32(plan.scale)) + extra
+    with cupy.cuda.Device(device):
+        params = cupy.asarray(numpy.frombuffer(plan.params.tobytes(), numpy.uint8))
+    plan.args_tail = (params, numpy.float32(plan.scale)) + extra
     return plan
 
 
