@@ -64,39 +64,12 @@ def resolve_scale(scale, K):
     return K ** -0.5 if scale is None else real_scalar("scale", scale)
 
 
-def extent(a):
-    """``[lo, hi)`` byte addresses an array can touch (its strides may be negative)."""
-    ptr = a.data.ptr if is_cupy_array(a) else a.__array_interface__["data"][0]
-    lo = hi = ptr
-    for n, s in zip(a.shape, a.strides):
-        if n == 0:
-            return ptr, ptr
-        if s < 0:
-            lo += (n - 1) * s
-        else:
-            hi += (n - 1) * s
-    return lo, hi + a.itemsize
-
-
-def overlaps(a, b):
-    (alo, ahi), (blo, bhi) = extent(a), extent(b)
-    return alo < bhi and blo < ahi and alo < ahi and blo < bhi
-
-
-def check_writable_output(name, a, expected_shape, meaning):
+def check_writable_output(name, shape, strides, itemsize, expected_shape, meaning):
     """An output buffer: right shape, and no element written twice (no zero or overlapping strides)."""
-    expect_shape(name, a.shape, expected_shape, meaning)
-    if a.size > 1:
-        order = sorted((abs(s), n) for n, s in zip(a.shape, a.strides) if n > 1)
-        span = a.itemsize
-        for stride, n in order:
-            if stride < span:
-                raise ValueError(f"{name} has overlapping elements (strides {a.strides}): "
-                                 "it would be written more than once")
-            span = stride * n
-
-
-def check_no_overlap(out_name, out, inputs):
-    for name, a in inputs.items():
-        if a is not None and overlaps(out, a):
-            raise ValueError(f"{out_name} overlaps {name}: outputs must not share memory with inputs")
+    expect_shape(name, shape, expected_shape, meaning)
+    span = itemsize
+    for stride, n in sorted((abs(s), n) for n, s in zip(shape, strides) if n > 1):
+        if stride < span:
+            raise ValueError(f"{name} has overlapping elements (strides {tuple(strides)}): "
+                             "it would be written more than once")
+        span = stride * n

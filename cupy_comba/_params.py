@@ -1,8 +1,8 @@
-"""Host-side mirror of the kernels' parameter structs.
+"""Host-side mirror of the kernels' parameter structs, passed by value in one argument.
 
-The op packs a struct once per call signature, keeps it in device memory and
-passes its address: the launch then converts one pointer instead of thirty
-scalars (CuPy converts each kernel argument separately, on every call).
+One struct instead of thirty scalars keeps the launch cheap on the host (CuPy
+converts each kernel argument separately); the struct is built once per call
+signature and cached by the op.
 """
 
 import numpy

@@ -53,9 +53,7 @@
 
 namespace comba {
 
-// Must match DECODE_FIELDS in cupy_comba/_params.py (all int64, same order).  The op
-// keeps one copy per call signature in device memory and passes its address: one
-// pointer argument launches faster than a by-value struct or thirty scalars.
+// Must match DECODE_FIELDS in cupy_comba/_params.py (all int64, same order).
 struct DecodeParams {
     long long B, H, group, V;                 // group = H / Hk
     long long q_sb, q_sh, q_sk;
@@ -85,8 +83,7 @@ comba_decode_step(const float* state, float* state_out,
                   const void* __restrict__ q, const void* __restrict__ k,
                   const void* __restrict__ v, const void* __restrict__ p,
                   const void* __restrict__ beta, const void* __restrict__ g,
-                  void* __restrict__ o, const DecodeParams* __restrict__ params, const float scale) {
-    const DecodeParams& prm = *params;
+                  void* __restrict__ o, const DecodeParams prm, const float scale) {
     constexpr int LC = COLS / 4;   // lanes across the slab
     constexpr int RG = 32 / LC;    // lane groups down K
     constexpr int KR = K / KS;     // rows of K per warp (KS warps share a task)
@@ -227,9 +224,8 @@ comba_decode_step_pipelined(const float* state, float* state_out,
                             const void* __restrict__ q, const void* __restrict__ k,
                             const void* __restrict__ v, const void* __restrict__ p,
                             const void* __restrict__ beta, const void* __restrict__ g,
-                            void* __restrict__ o, const DecodeParams* __restrict__ params, const float scale,
+                            void* __restrict__ o, const DecodeParams prm, const float scale,
                             const int nstage) {
-    const DecodeParams& prm = *params;
     constexpr int R = K / RG;
     constexpr int PF = prefetch_slots<K, RG>();
     const int V = static_cast<int>(prm.V);
