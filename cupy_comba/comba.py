@@ -290,14 +290,14 @@ def _c_strides(shape, itemsize):
 def _device_limits(device):
     attrs = cupy.cuda.Device(device).attributes
     return (attrs["MultiProcessorCount"], attrs["MaxSharedMemoryPerBlockOptin"],
-            attrs["MaxSharedMemoryPerMultiprocessor"])
+            attrs["MaxSharedMemoryPerMultiprocessor"], int(cupy.cuda.Device(device).compute_capability))
 
 
 def _ring_layout(K, V, rg, device):
     """``(nstage, shared bytes, CTAs per SM)`` of the pipelined kernel, or None if it cannot take the shape."""
-    if K * V > _MAX_TILE_FLOATS or (K, rg) not in _PIPELINED_ROW_GROUPS:
+    if K * V > _MAX_TILE_FLOATS or (K, rg) not in _PIPELINED_ROW_GROUPS or _device_limits(device)[3] < 90:
         return None
-    _, per_block, per_sm = _device_limits(device)
+    _, per_block, per_sm, _ = _device_limits(device)
     nv = (3 * K + V + 2 + 3) & ~3
     fixed = 128 + 2 * nv * 4 + (2 * rg + 2) * (V // 4) * 16 + (rg + 1) * 4
     tile = K * V * 4

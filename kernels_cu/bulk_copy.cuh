@@ -4,8 +4,13 @@
 // completion is counted in bytes on an mbarrier that every consumer thread
 // waits on by phase parity.  The copy runs without registers or issue slots,
 // so a CTA can keep several tiles in flight while it computes on another.
-// sm_90 and newer.
+// sm_90 and newer: on older GPUs these compile to traps (the op never picks the
+// pipelined kernel there), so one source still builds for every architecture.
 #pragma once
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define COMBA_NO_BULK_COPY 1
+#endif
 
 namespace comba {
 
@@ -14,26 +19,45 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
 }
 
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
+#ifdef COMBA_NO_BULK_COPY
+    __trap();
+#else
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+#endif
 }
 
 // Make initialised barriers visible to the async proxy (the copy engine).
 __device__ __forceinline__ void mbar_fence_init() {
+#ifdef COMBA_NO_BULK_COPY
+    __trap();
+#else
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
 }
 
 // Order this thread's earlier generic-proxy shared-memory accesses before later
 // async-proxy (bulk copy) writes to the same bytes.
 __device__ __forceinline__ void fence_proxy_async_shared() {
+#ifdef COMBA_NO_BULK_COPY
+    __trap();
+#else
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
 }
 
 __device__ __forceinline__ void mbar_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
+#ifdef COMBA_NO_BULK_COPY
+    __trap();
+#else
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
                  : "memory");
+#endif
 }
 
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+#ifdef COMBA_NO_BULK_COPY
+    __trap();
+#else
     unsigned done;
     do {
         asm volatile(
@@ -46,6 +70,7 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
             : "r"(smem_addr(bar)), "r"(parity)
             : "memory");
     } while (!done);
+#endif
 }
 
 // Global -> shared copy of `bytes` (a multiple of 16, both addresses 16-byte
@@ -53,6 +78,9 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
 // exactly once, so hint the L2 to evict it first.
 __device__ __forceinline__ void bulk_load(void* dst_smem, const void* src, unsigned bytes,
                                           unsigned long long* bar) {
+#ifdef COMBA_NO_BULK_COPY
+    __trap();
+#else
     asm volatile(
         "{\n"
         "  .reg .b64 policy;\n"
@@ -62,6 +90,7 @@ __device__ __forceinline__ void bulk_load(void* dst_smem, const void* src, unsig
         "}\n" ::"r"(smem_addr(dst_smem)),
         "l"(src), "r"(bytes), "r"(smem_addr(bar))
         : "memory");
+#endif
 }
 
 }  // namespace comba

@@ -24,3 +24,9 @@ def test_nvrtc_compiles_every_specialisation_for_sm90(module):
         assert spill and regs, f"no resource report for {expression}:\n{report}"
         assert spill.groups() == ("0", "0", "0"), f"{expression} spills or uses a stack frame:\n{report}"
         assert int(regs.group(1)) <= 255
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89"])
+def test_every_module_also_builds_for_pre_hopper_gpus(arch):
+    for module in _build.SPECIALISATIONS:
+        assert set(_build.compile_for_arch(module, arch)) == set(_build.SPECIALISATIONS[module][1])

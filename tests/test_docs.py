@@ -1,0 +1,19 @@
+"""The runnable examples in the public docstrings (they use the NumPy path, so they run on any machine)."""
+
+import doctest
+
+import pytest
+
+import cupy_comba
+import cupy_comba.bench
+import cupy_comba.comba
+import cupy_comba.inputs
+import cupy_comba.reference
+
+
+@pytest.mark.parametrize("module", [cupy_comba.comba, cupy_comba.reference, cupy_comba.inputs, cupy_comba.bench],
+                         ids=lambda m: m.__name__)
+def test_docstring_examples(module):
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0, f"{module.__name__} has no examples"
+    assert result.failed == 0
