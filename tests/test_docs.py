@@ -17,3 +17,11 @@ def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0, f"{module.__name__} has no examples"
     assert result.failed == 0
+
+
+def test_api_page_example():
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+    result = doctest.testfile(str(page), module_relative=False, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0
