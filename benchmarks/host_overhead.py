@@ -10,26 +10,18 @@ call path.
 import cProfile
 import pstats
 import sys
-import time
 
 import cupy
 import numpy
 
 from cupy_comba import bfloat16, comba_decode_step
-from cupy_comba.bench import parse_shapes
+from cupy_comba.bench import host_overhead, parse_shapes
 from cupy_comba.comba import _plan, _signature
 from cupy_comba.inputs import decode_inputs
 
 
-def per_call_us(fn, n=2000):
-    fn()
-    cupy.cuda.Device().synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    elapsed = time.perf_counter() - start
-    cupy.cuda.Device().synchronize()
-    return elapsed / n * 1e6
+def per_call_us(fn):
+    return host_overhead(fn, calls=2000)
 
 
 def main():

@@ -145,12 +145,8 @@ comba_decode_step(const float* state, float* state_out,
 #pragma unroll
     for (int i = 0; i < R; ++i) {
         const int r = row0 + i * RG;
-        const float pr = ps[r], qr = qs[r];
-        sp[0] = fmaf(pr, s[i].x, sp[0]); sq[0] = fmaf(qr, s[i].x, sq[0]);
-        sp[1] = fmaf(pr, s[i].y, sp[1]); sq[1] = fmaf(qr, s[i].y, sq[1]);
-        sp[2] = fmaf(pr, s[i].z, sp[2]); sq[2] = fmaf(qr, s[i].z, sq[2]);
-        sp[3] = fmaf(pr, s[i].w, sp[3]); sq[3] = fmaf(qr, s[i].w, sq[3]);
-        qk = fmaf(qr, ks_[r], qk);
+        accumulate_pq(s[i], ps[r], qs[r], sp, sq);
+        qk = fmaf(qs[r], ks_[r], qk);
     }
     // Lanes of one column group differ in bits LC, 2LC, ..., 16 of the lane id.
 #pragma unroll
@@ -195,12 +191,7 @@ comba_decode_step(const float* state, float* state_out,
     for (int i = 0; i < R; ++i) {
         const int r = row0 + i * RG;
         const float kr = ks_[r];
-        float4 n;
-        n.x = fmaf(e, s[i].x, kr * u[0]);
-        n.y = fmaf(e, s[i].y, kr * u[1]);
-        n.z = fmaf(e, s[i].z, kr * u[2]);
-        n.w = fmaf(e, s[i].w, kr * u[3]);
-        store_stream(dst + static_cast<long long>(r) * prm.V, n);
+        store_stream(dst + static_cast<long long>(r) * prm.V, decay_write(s[i], e, kr, u));
     }
 
     // 5. o: lane group 0 of the task's first warp holds the whole reduction.
@@ -313,12 +304,8 @@ comba_decode_step_pipelined(const float* state, float* state_out,
         for (int j = 0; j < R; ++j) {
             const int r = j * RG + rg;
             s[j] = *reinterpret_cast<const float4*>(slot + r * V);
-            const float pr = vp[r], qr = vq[r];
-            sp[0] = fmaf(pr, s[j].x, sp[0]); sq[0] = fmaf(qr, s[j].x, sq[0]);
-            sp[1] = fmaf(pr, s[j].y, sp[1]); sq[1] = fmaf(qr, s[j].y, sq[1]);
-            sp[2] = fmaf(pr, s[j].z, sp[2]); sq[2] = fmaf(qr, s[j].z, sq[2]);
-            sp[3] = fmaf(pr, s[j].w, sp[3]); sq[3] = fmaf(qr, s[j].w, sq[3]);
-            qk = fmaf(qr, vk[r], qk);
+            accumulate_pq(s[j], vp[r], vq[r], sp, sq);
+            qk = fmaf(vq[r], vk[r], qk);
         }
         red[rg * CG + cg] = make_float4(sp[0], sp[1], sp[2], sp[3]);
         red[(RG + rg) * CG + cg] = make_float4(sq[0], sq[1], sq[2], sq[3]);
@@ -356,16 +343,16 @@ comba_decode_step_pipelined(const float* state, float* state_out,
         const float QK = qkred[RG];
         const float bt = vv[V], e = expf(vv[V + 1]);
         const float4 vc = *reinterpret_cast<const float4*>(vv + cg * 4);
-        const float u0 = bt * (vc.x - e * P.x), u1 = bt * (vc.y - e * P.y);
-        const float u2 = bt * (vc.z - e * P.z), u3 = bt * (vc.w - e * P.w);
+        const float u[4] = {bt * (vc.x - e * P.x), bt * (vc.y - e * P.y), bt * (vc.z - e * P.z),
+                            bt * (vc.w - e * P.w)};
 
         const long long b = t / prm.H, h = t - b * prm.H;
         if (rg == 0) {
             const long long ob = b * prm.o_sb + h * prm.o_sh + static_cast<long long>(cg * 4) * prm.o_sv;
-            store_act(o, ob, prm.o_t, scale * fmaf(e, Q.x, QK * u0));
-            store_act(o, ob + prm.o_sv, prm.o_t, scale * fmaf(e, Q.y, QK * u1));
-            store_act(o, ob + 2 * prm.o_sv, prm.o_t, scale * fmaf(e, Q.z, QK * u2));
-            store_act(o, ob + 3 * prm.o_sv, prm.o_t, scale * fmaf(e, Q.w, QK * u3));
+            store_act(o, ob, prm.o_t, scale * fmaf(e, Q.x, QK * u[0]));
+            store_act(o, ob + prm.o_sv, prm.o_t, scale * fmaf(e, Q.y, QK * u[1]));
+            store_act(o, ob + 2 * prm.o_sv, prm.o_t, scale * fmaf(e, Q.z, QK * u[2]));
+            store_act(o, ob + 3 * prm.o_sv, prm.o_t, scale * fmaf(e, Q.w, QK * u[3]));
         }
 
         // Pass 2: rank-1 write with the decay folded in, straight from registers.
@@ -374,8 +361,7 @@ comba_decode_step_pipelined(const float* state, float* state_out,
         for (int j = 0; j < R; ++j) {
             const int r = j * RG + rg;
             const float kr = vk[r];
-            store_stream(dst + r * V, make_float4(fmaf(e, s[j].x, kr * u0), fmaf(e, s[j].y, kr * u1),
-                                                  fmaf(e, s[j].z, kr * u2), fmaf(e, s[j].w, kr * u3)));
+            store_stream(dst + r * V, decay_write(s[j], e, kr, u));
         }
         park(buf ^ 1);
     }

@@ -69,4 +69,19 @@ __device__ __forceinline__ void store_stream(float* p, float4 x) {
     __stcs(reinterpret_cast<float4*>(p), x);
 }
 
+// The two K-reductions of the delta rule for one float4 of state columns:
+// sp += p * s (the correction read), sq += q * s (the readout).
+__device__ __forceinline__ void accumulate_pq(float4 s, float p, float q, float (&sp)[4], float (&sq)[4]) {
+    sp[0] = fmaf(p, s.x, sp[0]); sq[0] = fmaf(q, s.x, sq[0]);
+    sp[1] = fmaf(p, s.y, sp[1]); sq[1] = fmaf(q, s.y, sq[1]);
+    sp[2] = fmaf(p, s.z, sp[2]); sq[2] = fmaf(q, s.z, sq[2]);
+    sp[3] = fmaf(p, s.w, sp[3]); sq[3] = fmaf(q, s.w, sq[3]);
+}
+
+// Decay and rank-1 write for one float4 of state columns: e * s + k * u.
+__device__ __forceinline__ float4 decay_write(float4 s, float e, float k, const float (&u)[4]) {
+    return make_float4(fmaf(e, s.x, k * u[0]), fmaf(e, s.y, k * u[1]), fmaf(e, s.z, k * u[2]),
+                       fmaf(e, s.w, k * u[3]));
+}
+
 }  // namespace comba

@@ -106,3 +106,18 @@ def test_bad_device(runner):
     result = runner.invoke(main, ["info", "--device", "99"])
     assert result.exit_code != 0
     assert "device" in result.output.lower()
+
+
+@pytest.mark.gpu
+def test_bench_quick_on_the_gpu_gives_sane_numbers(runner, tmp_path):
+    path = tmp_path / "quick.json"
+    result = runner.invoke(main, ["bench", "--shapes", "quick", "--iters", "5", "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(path.read_text())
+    assert report["environment"]["backend"] == "cuda" and report["environment"]["gpu"]
+    assert len(report["results"]) == 3
+    for row in report["results"]:
+        assert row["ok"]
+        assert 0.0 < row["fraction_of_copy"] <= 1.05
+        assert row["errors"]["state"] < 1e-6 and row["errors"]["o"] < 4e-3
+        assert row["host_us"] > 0 and row["us_eager"] > 0
