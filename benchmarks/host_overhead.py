@@ -16,7 +16,8 @@ import numpy
 
 from cupy_comba import bfloat16, comba_decode_step
 from cupy_comba.bench import host_overhead, parse_shapes
-from cupy_comba.comba import _plan, _signature
+from cupy_comba._checks import signature
+from cupy_comba.comba import _plan
 from cupy_comba.inputs import decode_inputs
 
 
@@ -31,7 +32,7 @@ def main():
     state_out = cupy.empty(shape, numpy.float32)
     out = cupy.empty((B, H, V), bfloat16)
     call = lambda: comba_decode_step(*args, out=out, state_out=state_out)  # noqa: E731
-    plan = _plan(*(_signature(a) for a in args), None, _signature(out), None, True, 0, None)
+    plan = _plan(*(signature(a) for a in args), None, signature(out), None, True, 0, None)
     launch_args = (args[0], state_out, *args[1:], out) + plan.args_tail
     launch = lambda: plan.kernel(plan.grid, plan.block, launch_args, shared_mem=plan.shared_mem)  # noqa: E731
     alloc = lambda: comba_decode_step(*args)  # noqa: E731

@@ -32,6 +32,11 @@ SPECIALISATIONS = {
         + tuple(f"comba::comba_decode_step_pipelined<{K}, {rg}>" for K, rg in _PIPELINED_ROW_GROUPS)
 
     ),
+    "delta_rule": (
+        "delta_rule.cu",
+        tuple(f"comba::delta_rule_forward<{K}, {str(vk).lower()}, {str(sep).lower()}>"
+              for K in (64, 128) for vk in (False, True) for sep in (True, False)),
+    ),
     "copy": ("copy.cu", ("comba::copy_float4",)),
 }
 

@@ -73,3 +73,42 @@ def check_writable_output(name, shape, strides, itemsize, expected_shape, meanin
             raise ValueError(f"{name} has overlapping elements (strides {tuple(strides)}): "
                              "it would be written more than once")
         span = stride * n
+
+
+# -- per-call helpers: cheap enough to run on every launch --------------------------------------
+
+def signature(a):
+    """What a launch plan depends on: shape, strides (bytes) and dtype."""
+    return a.shape, a.strides, a.dtype
+
+
+def ptr_of(a):
+    """Data pointer of a CuPy or NumPy array."""
+    return a.data.ptr if type(a) is not numpy.ndarray else a.__array_interface__["data"][0]
+
+
+def span_of(shape, strides, itemsize):
+    """``(lo, hi)`` byte offsets from the data pointer that an array can touch."""
+    lo = hi = 0
+    for n, s in zip(shape, strides):
+        if n == 0:
+            return 0, 0
+        if s < 0:
+            lo += (n - 1) * s
+        else:
+            hi += (n - 1) * s
+    return lo, hi + itemsize
+
+
+def intersect(a, b):
+    """Whether two non-empty byte ranges ``(lo, hi)`` overlap."""
+    return a[0] < b[1] and b[0] < a[1] and a[0] < a[1] and b[0] < b[1]
+
+
+def c_strides(shape, itemsize):
+    """Byte strides of a C-contiguous array."""
+    strides, acc = [], itemsize
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))

@@ -30,6 +30,18 @@ def pack(dtype, values):
     return numpy.array(tuple(int(values[n]) for n in dtype.names), dtype=dtype)[()]
 
 
-def element_strides(a):
-    """Strides in elements (CuPy and NumPy both report bytes)."""
-    return tuple(s // a.itemsize for s in a.strides)
+
+# Field order of ``struct ForwardParams`` in kernels_cu/delta_rule.cu; every field is int64.
+FORWARD_FIELDS = (
+    "B", "T", "H", "group", "V",
+    "q_sb", "q_st", "q_sh", "q_sk",
+    "k_sb", "k_st", "k_sh", "k_sk",
+    "p_sb", "p_st", "p_sh", "p_sk",
+    "v_sb", "v_st", "v_sh", "v_sv",
+    "beta_sb", "beta_st", "beta_sh",
+    "g_sb", "g_st", "g_sh",
+    "o_sb", "o_st", "o_sh", "o_sv",
+    "q_t", "k_t", "p_t", "v_t", "beta_t", "g_t", "o_t",
+    "gate_linear", "l2norm", "has_initial", "write_final",
+)
+FORWARD_PARAMS = numpy.dtype([(name, numpy.int64) for name in FORWARD_FIELDS], align=True)

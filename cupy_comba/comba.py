@@ -8,8 +8,8 @@ from . import reference
 from ._backend import cupy
 from ._build import _PIPELINED_ROW_GROUPS, get_kernel
 from ._checks import (
-    check_head_sizes, check_heads, check_state_dtype, check_writable_output, expect_shape, namespace_of,
-    real_scalar, resolve_scale,
+    c_strides, check_head_sizes, check_heads, check_state_dtype, check_writable_output, expect_shape, intersect,
+    namespace_of, ptr_of, real_scalar, resolve_scale, signature, span_of,
 )
 from ._dtypes import ACTIVATION_CODES, ACTIVATION_NAMES, dtype_name, float32
 from ._params import DECODE_PARAMS, pack
@@ -121,9 +121,9 @@ def _decode_step(state, q, k, v, p, beta, g, scale, out, state_out, o_dtype, var
     device = _common_device(inputs, out, state_out) if xp is cupy else None
     if scale is not None:
         scale = real_scalar("scale", scale)
-    plan = _plan(_signature(state), _signature(q), _signature(k), _signature(v), _signature(p),
-                 _signature(beta), _signature(g), scale,
-                 None if out is None else _signature(out),
+    plan = _plan(signature(state), signature(q), signature(k), signature(v), signature(p),
+                 signature(beta), signature(g), scale,
+                 None if out is None else signature(out),
                  None if o_dtype is None else numpy.dtype(o_dtype),
                  state_out is not None, device, variant)
     _check_outputs(plan, inputs, out, state_out)
@@ -132,15 +132,11 @@ def _decode_step(state, q, k, v, p, beta, g, scale, out, state_out, o_dtype, var
     return _cuda_step(plan, state, q, k, v, p, beta, g, out, state_out)
 
 
-def _ptr(a):
-    return a.data.ptr if type(a) is not numpy.ndarray else a.__array_interface__["data"][0]
-
-
 def _check_outputs(plan, inputs, out, state_out):
     """Outputs never share memory with inputs (``state_out is state`` excepted)."""
     if state_out is None and out is None:
         return
-    spans = [(p + lo, p + hi) for p, (lo, hi) in zip(map(_ptr, inputs), plan.spans)]
+    spans = [(p + lo, p + hi) for p, (lo, hi) in zip(map(ptr_of, inputs), plan.spans)]
     if state_out is not None:
         state = inputs[0]
         if state_out.shape != state.shape or state_out.dtype != float32:
@@ -149,42 +145,21 @@ def _check_outputs(plan, inputs, out, state_out):
             check_state_dtype("state_out", state_out)
         if not state_out.flags.c_contiguous:
             raise ValueError("state_out must be C-contiguous")
-        lo = _ptr(state_out)
+        lo = ptr_of(state_out)
         so = (lo, lo + state_out.nbytes)
-        if so != spans[0] and _intersect(so, spans[0]):
+        if so != spans[0] and intersect(so, spans[0]):
             raise ValueError("state_out partially overlaps state: pass state itself for an "
                              "in-place update, or a separate buffer")
         for name, span in zip(_INPUTS[1:], spans[1:]):
-            if _intersect(so, span):
+            if intersect(so, span):
                 raise ValueError(f"state_out overlaps {name}: outputs must not share memory with inputs")
         spans.append(so)
     if out is not None:
-        lo = _ptr(out)
+        lo = ptr_of(out)
         o = (lo + plan.out_span[0], lo + plan.out_span[1])
         for name, span in zip(_INPUTS + ("state_out",), spans):
-            if _intersect(o, span):
+            if intersect(o, span):
                 raise ValueError(f"out overlaps {name}: outputs must not share memory with inputs")
-
-
-def _intersect(a, b):
-    return a[0] < b[1] and b[0] < a[1] and a[0] < a[1] and b[0] < b[1]
-
-
-def _span(shape, strides, itemsize):
-    """``(lo, hi)`` byte offsets from the data pointer that an array can touch."""
-    lo = hi = 0
-    for n, s in zip(shape, strides):
-        if n == 0:
-            return 0, 0
-        if s < 0:
-            lo += (n - 1) * s
-        else:
-            hi += (n - 1) * s
-    return lo, hi + itemsize
-
-
-def _signature(a):
-    return a.shape, a.strides, a.dtype
 
 
 def _common_device(inputs, out, state_out):
@@ -227,7 +202,7 @@ def _plan(state, q, k, v, p, beta, g, scale, out, o_dtype, has_state_out, device
     for name in ("q", "k", "v", "p", "beta", "g"):
         if sig[name][2] not in ACTIVATION_CODES:
             raise TypeError(f"{name} must be {ACTIVATION_NAMES}, got {dtype_name(sig[name][2])}")
-    if device is not None and B * H and state[1] != _c_strides(state[0], 4):
+    if device is not None and B * H and state[1] != c_strides(state[0], 4):
         raise ValueError("state must be C-contiguous on the GPU (pass cupy.ascontiguousarray(state))")
     for name, s in sig.items():
         if any(st % s[2].itemsize for st in s[1]):
@@ -250,8 +225,8 @@ def _plan(state, q, k, v, p, beta, g, scale, out, o_dtype, has_state_out, device
 
     plan = _Plan()
     plan.B, plan.H, plan.K, plan.V = B, H, K, V
-    plan.spans = tuple(_span(*sig[n][:2], sig[n][2].itemsize) for n in _INPUTS)
-    plan.out_span = None if out is None else _span(out[0], out[1], out[2].itemsize)
+    plan.spans = tuple(span_of(*sig[n][:2], sig[n][2].itemsize) for n in _INPUTS)
+    plan.out_span = None if out is None else span_of(out[0], out[1], out[2].itemsize)
     plan.scale = resolve_scale(scale, K)
     plan.o_dtype = o_dtype
     plan.params = plan.kernel = plan.grid = plan.block = plan.shared_mem = plan.args_tail = None
@@ -276,14 +251,6 @@ def _plan(state, q, k, v, p, beta, g, scale, out, o_dtype, has_state_out, device
     plan.kernel, plan.grid, plan.block, plan.shared_mem, extra = _launch_config(launch, B * H, K, V, device)
     plan.args_tail = (plan.params, numpy.float32(plan.scale)) + extra
     return plan
-
-
-def _c_strides(shape, itemsize):
-    strides, acc = [], itemsize
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(strides))
 
 
 @functools.lru_cache(maxsize=None)
