@@ -15,8 +15,8 @@ import cupy
 import numpy
 
 from cupy_comba import bfloat16, comba_decode_step
-from cupy_comba.bench import host_overhead, parse_shapes
 from cupy_comba._checks import signature
+from cupy_comba.bench import host_overhead, parse_shapes
 from cupy_comba.comba import _plan
 from cupy_comba.inputs import decode_inputs
 

@@ -5,6 +5,7 @@ import functools
 import numpy
 
 from . import reference
+from .recurrent import comba_step_with_options
 from ._backend import cupy
 from ._build import _PIPELINED_ROW_GROUPS, get_kernel
 from ._checks import (
@@ -24,7 +25,8 @@ _MAX_STAGES = 4             # heads in the shared-memory ring at most
 VARIANTS = ("warp32", "warp16", "warp32k2", "warp32k4", "pipe16")
 
 
-def comba_decode_step(state, q, k, v, p, beta, g, scale=None, *, out=None, state_out=None, o_dtype=None):
+def comba_decode_step(state, q, k, v, p, beta, g, scale=None, *, out=None, state_out=None, o_dtype=None,
+                      state_layout="kv", gate="log", use_qk_l2norm=False):
     """One Comba recurrent step for every sequence of a decode batch.
 
     Per ``(b, h)``, with ``S = state[b, h]`` and ``e = exp(g[b, h])``::
@@ -59,6 +61,12 @@ def comba_decode_step(state, q, k, v, p, beta, g, scale=None, *, out=None, state
         Buffer for the new state. ``state_out=state`` updates in place.
     o_dtype : dtype, optional
         dtype of a newly allocated ``o``; default ``v.dtype``.
+    state_layout : {"kv", "vk"}
+        ``"vk"``: the state is ``(B, H, V, K)``, K contiguous.
+    gate : {"log", "linear"}
+        ``"linear"``: the state is scaled by ``g`` itself.
+    use_qk_l2norm : bool
+        L2-normalise q, k and p along K first (eps 1e-6).
 
     Activations (q, k, v, p, beta, g) may each be bfloat16, float16 or
     float32 and may be strided views; K is 64 or 128, V a multiple of 32.
@@ -97,6 +105,10 @@ def comba_decode_step(state, q, k, v, p, beta, g, scale=None, *, out=None, state
     >>> state_new.shape, state_new.dtype, o.shape, o.dtype == bfloat16
     ((2, 4, 64, 64), dtype('float32'), (2, 4, 64), True)
     """
+    if state_layout != "kv" or gate != "log" or use_qk_l2norm is not False:
+        # The options run the delta-rule family's kernel; the default form keeps the tuned decode kernels.
+        return comba_step_with_options(state, q, k, v, p, beta, g, scale, out, state_out, o_dtype,
+                                       state_layout, gate, use_qk_l2norm)
     return _decode_step(state, q, k, v, p, beta, g, scale, out, state_out, o_dtype, None)
 
 

@@ -23,21 +23,41 @@ def _expand_heads(xp, x, heads):
     return x if group == 1 else xp.repeat(x, group, axis=1)
 
 
-def comba_step(state, q, k, v, p, beta, g, scale=None):
+#: L2-normalisation epsilon of ``use_qk_l2norm``: ``x / sqrt(sum(x**2) + L2NORM_EPS)``.
+L2NORM_EPS = 1e-6
+
+
+def l2_normalize(x, eps=L2NORM_EPS):
+    """``x / sqrt(sum(x**2, axis=-1) + eps)``, in the precision of ``x``."""
+    xp = array_namespace(x)
+    return x / xp.sqrt((x * x).sum(axis=-1, keepdims=True) + eps)
+
+
+def _check_options(state_layout, gate):
+    if state_layout not in ("kv", "vk"):
+        raise ValueError(f"state_layout must be 'kv' or 'vk', got {state_layout!r}")
+    if gate not in ("log", "linear"):
+        raise ValueError(f"gate must be 'log' or 'linear', got {gate!r}")
+
+
+def comba_step(state, q, k, v, p, beta, g, scale=None, *, state_layout="kv", gate="log", use_qk_l2norm=False):
     """One Comba step in float64: decay, correction read with ``p``, write with ``k``.
 
     Parameters
     ----------
-    state : array, shape (B, H, K, V)
+    state : array, shape (B, H, K, V) (``state_layout="kv"``) or (B, H, V, K) (``"vk"``)
     q, k, p : arrays, shape (B, Hk, K)
     v : array, shape (B, H, V)
-    beta, g : arrays, shape (B, H); ``g`` is the log-decay.
+    beta, g : arrays, shape (B, H); ``g`` is the log-decay (``gate="log"``: the
+        state is scaled by ``exp(g)``) or the gate itself (``gate="linear"``).
     scale : float, optional
         Query scale, ``K ** -0.5`` when None.
+    use_qk_l2norm : bool
+        L2-normalise q, k and p along K first (:data:`L2NORM_EPS`).
 
     Returns
     -------
-    state_new : float64 array, shape (B, H, K, V)
+    state_new : float64 array, the layout of ``state``
     o : float64 array, shape (B, H, V)
 
     Examples
@@ -49,34 +69,54 @@ def comba_step(state, q, k, v, p, beta, g, scale=None):
     >>> S1[0, 0].tolist(), o[0, 0].tolist()
     ([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]], [1.0, 1.0, 1.0])
     """
+    _check_options(state_layout, gate)
     xp = array_namespace(state, q, k, v, p, beta, g)
     S = _f64(xp, state)
+    if state_layout == "vk":
+        S = xp.swapaxes(S, -1, -2)
     H, K = S.shape[1], S.shape[2]
     if scale is None:
         scale = K ** -0.5
-    q = _expand_heads(xp, _f64(xp, q), H)
-    k = _expand_heads(xp, _f64(xp, k), H)
-    p = _expand_heads(xp, _f64(xp, p), H)
+    q, k, p = (_expand_heads(xp, _f64(xp, x), H) for x in (q, k, p))
+    if use_qk_l2norm:
+        q, k, p = l2_normalize(q), l2_normalize(k), l2_normalize(p)
     v, beta, g = _f64(xp, v), _f64(xp, beta), _f64(xp, g)
+    gate_value = xp.exp(g) if gate == "log" else g
 
-    S = xp.exp(g)[..., None, None] * S                       # decay first
+    S = gate_value[..., None, None] * S                       # decay first
     u = beta[..., None] * (v - (p[..., None, :] @ S)[..., 0, :])  # read with p
-    S_new = S + k[..., :, None] * u[..., None, :]            # write with k
-    o = ((scale * q)[..., None, :] @ S_new)[..., 0, :]       # read the new state
+    S_new = S + k[..., :, None] * u[..., None, :]             # write with k
+    o = ((scale * q)[..., None, :] @ S_new)[..., 0, :]        # read the new state
+    if state_layout == "vk":
+        S_new = xp.swapaxes(S_new, -1, -2)
     return S_new, o
 
 
-def comba_loop(state, q, k, v, p, beta, g, scale=None):
+def gated_delta_step(state, q, k, v, beta, g, scale=None, **options):
+    """One Gated DeltaNet step: :func:`comba_step` with the read key ``p = k``."""
+    return comba_step(state, q, k, v, k, beta, g, scale, **options)
+
+
+def comba_loop(state, q, k, v, p, beta, g, scale=None, **options):
     """``T`` Comba steps: ``q, k, p [B, T, Hk, K]``, ``v [B, T, H, V]``, ``beta, g [B, T, H]``.
 
-    Returns the final state ``[B, H, K, V]`` and ``o [B, T, H, V]``, float64.
+    Returns the final state (the layout of ``state``) and ``o [B, T, H, V]``, float64.
+    Takes the options of :func:`comba_step`.
     """
     xp = array_namespace(state, q, k, v, p, beta, g)
     S, outs = _f64(xp, state), []
     for t in range(q.shape[1]):
-        S, o = comba_step(S, q[:, t], k[:, t], v[:, t], p[:, t], beta[:, t], g[:, t], scale)
+        S, o = comba_step(S, q[:, t], k[:, t], v[:, t], p[:, t], beta[:, t], g[:, t], scale, **options)
         outs.append(o)
+    if not outs:
+        B, _, H, V = v.shape
+        return S, xp.zeros((B, 0, H, V), dtype=xp.float64)
     return S, xp.stack(outs, axis=1)
+
+
+def gated_delta_loop(state, q, k, v, beta, g, scale=None, **options):
+    """``T`` Gated DeltaNet steps (:func:`comba_loop` with ``p = k``)."""
+    return comba_loop(state, q, k, v, k, beta, g, scale, **options)
 
 
 def relative_error(x, ref):

@@ -6,6 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from cupy_comba import gpu_available
+from cupy_comba.bench import OPS
 from cupy_comba.cli import main
 
 TINY = ["--shapes", "4,2,64,64", "--iters", "2", "--warmup", "1"]
@@ -115,7 +116,7 @@ def test_bench_quick_on_the_gpu_gives_sane_numbers(runner, tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(path.read_text())
     assert report["environment"]["backend"] == "cuda" and report["environment"]["gpu"]
-    assert len(report["results"]) == 3
+    assert len(report["results"]) == 3 * len(OPS)
     for row in report["results"]:
         assert row["ok"]
         assert 0.0 < row["fraction_of_copy"] <= 1.05

@@ -2,7 +2,7 @@
 
 >>> from cupy_comba import bench
 >>> sorted(bench.OPS)
-['comba_decode_step']
+['comba_decode_step', 'comba_decode_step[vk]', 'gated_delta_decode_step', 'gated_delta_decode_step[vk]']
 >>> bench.parse_shapes(["8,4,128,128"])
 [(8, 4, 128, 128)]
 """

@@ -11,7 +11,8 @@ import numpy
 
 from .. import reference
 from .._dtypes import bfloat16, float16, float32
-from ..comba import VARIANTS, _decode_step
+from ..comba import VARIANTS, _decode_step, comba_decode_step
+from ..recurrent import gated_delta_decode_step
 from ..inputs import decode_inputs
 
 #: Error gates of the full-size check: fp32 state, and o by its dtype's rounding.
@@ -75,3 +76,41 @@ register(BenchOp(
     prepare=_comba_decode_prepare,
     variants=VARIANTS,
 ))
+
+
+def _family_decode_prepare(comba, layout):
+    """A decode-step case of the delta-rule family kernel (Gated DeltaNet, or Comba in the "vk" layout)."""
+
+    def prepare(shape, dtype, xp, seed=0, variant=None):
+        B, H, K, V = shape
+        state, q, k, v, p, beta, g = decode_inputs(B, H, K, V, dtype=dtype, xp=xp, seed=seed)
+        if not comba:
+            p = k
+        if layout == "vk":
+            state = xp.ascontiguousarray(xp.swapaxes(state, -1, -2))
+        state_out = xp.full(state.shape, numpy.nan, dtype=float32)
+        out = xp.full((B, H, V), numpy.nan, dtype=dtype)
+        opts = dict(out=out, state_out=state_out, state_layout=layout)
+
+        def run():
+            if comba:
+                return comba_decode_step(state, q, k, v, p, beta, g, **opts)
+            return gated_delta_decode_step(state, q, k, v, beta, g, **opts)
+
+        def check():
+            state_out.fill(numpy.nan)
+            out.fill(numpy.nan)
+            run()
+            S_ref, o_ref = reference.comba_step(state, q, k, v, p, beta, g, state_layout=layout)
+            return {"state": reference.relative_error(state_out, S_ref), "o": reference.relative_error(out, o_ref)}
+
+        isz = numpy.dtype(dtype).itemsize
+        nbytes = B * H * (2 * K * V * 4 + (3 if comba else 2) * K * isz + 2 * V * isz + isz + 4)
+        return Case(run, check, nbytes, {"state": STATE_TOLERANCE, "o": OUTPUT_TOLERANCE[numpy.dtype(dtype)]})
+
+    return prepare
+
+
+register(BenchOp("gated_delta_decode_step", ("B", "H", "K", "V"), _family_decode_prepare(False, "kv")))
+register(BenchOp("gated_delta_decode_step[vk]", ("B", "H", "K", "V"), _family_decode_prepare(False, "vk")))
+register(BenchOp("comba_decode_step[vk]", ("B", "H", "K", "V"), _family_decode_prepare(True, "vk")))

@@ -1,0 +1,162 @@
+"""The delta-rule family's CUDA kernel against the float64 reference and the seed port (``pytest -m gpu``)."""
+
+import numpy
+import pytest
+
+from cupy_comba import (
+    bfloat16, comba_decode_step, comba_forward, gated_delta_decode_step, gated_delta_forward, reference,
+)
+
+from recurrent_inputs import forward_inputs
+from seed_port import mt_gated_delta_chunk
+
+cupy = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+F16, F32 = numpy.dtype(numpy.float16), numpy.dtype(numpy.float32)
+O_TOL = {numpy.dtype(bfloat16): 4e-3, F16: 1e-3, F32: 2e-6}
+
+
+def _poisoned(shape, dtype):
+    return cupy.full(shape, cupy.nan, dtype)
+
+
+def _run(comba, q, k, v, p, beta, g, S, **opts):
+    B, T, H, V = v.shape
+    out = _poisoned((B, T, H, V), opts.pop("o_dtype", v.dtype))
+    state_out = _poisoned(S.shape, F32)
+    if comba:
+        o, S_new = comba_forward(q, k, v, p, beta, g, initial_state=S, out=out, state_out=state_out, **opts)
+    else:
+        o, S_new = gated_delta_forward(q, k, v, beta, g, initial_state=S, out=out, state_out=state_out, **opts)
+    assert o is out and S_new is state_out
+    return o, S_new
+
+
+def _ref(comba, q, k, v, p, beta, g, S, scale=None, **opts):
+    return reference.comba_loop(S, q, k, v, p if comba else k, beta, g, scale, **opts)
+
+
+@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
+@pytest.mark.parametrize("gate", ["log", "linear"])
+@pytest.mark.parametrize("l2norm", [False, True], ids=["raw", "l2norm"])
+@pytest.mark.parametrize("T", [1, 5])
+def test_forward_matches_reference(K, layout, comba, gate, l2norm, T):
+    args = forward_inputs(cupy, 3, T, 4, K, 64, Hk=2, layout=layout, gate=gate, seed=K + T, dtype=bfloat16,
+                          unit_keys=not l2norm)
+    opts = dict(state_layout=layout, gate=gate, use_qk_l2norm=l2norm)
+    o, S = _run(comba, *args, **opts)
+    S_ref, o_ref = _ref(comba, *args, **opts)
+    assert reference.relative_error(S, S_ref) <= 1e-6
+    assert reference.relative_error(o, o_ref) <= O_TOL[numpy.dtype(bfloat16)]
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 64, 32), (2, 3, 5, 128, 96), (3, 2, 3, 64, 256), (257, 2, 3, 128, 32),
+                                   (2, 7, 8, 128, 128)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("dtype", [bfloat16, F16, F32], ids=lambda d: numpy.dtype(d).name)
+def test_odd_shapes_and_dtypes(shape, layout, dtype):
+    B, T, H, K, V = shape
+    args = forward_inputs(cupy, B, T, H, K, V, layout=layout, seed=sum(shape), dtype=dtype)
+    o, S = _run(True, *args, state_layout=layout)
+    S_ref, o_ref = _ref(True, *args, state_layout=layout)
+    assert reference.relative_error(S, S_ref) <= 1e-6
+    assert reference.relative_error(o, o_ref) <= O_TOL[numpy.dtype(dtype)]
+
+
+@pytest.mark.parametrize("T", [1, 6])
+@pytest.mark.parametrize("Hk,H", [(2, 2), (2, 8), (1, 3)])
+def test_seed_parity(T, Hk, H):
+    """vk layout, linear gate, scale 1: the metaltile seed's step (T = 1) and chunk (T > 1) kernels."""
+    q, k, v, _, beta, g, S = forward_inputs(numpy, 2, T, H, 128, 64, Hk=Hk, layout="vk", gate="linear", seed=T)
+    y, S_seed = mt_gated_delta_chunk(q, k, v, g, beta, S)
+    dev = [cupy.asarray(a) for a in (q, k, v, beta, g, S)]
+    if T == 1:
+        S_new, o = gated_delta_decode_step(dev[5], *(a[:, 0] for a in dev[:5]), 1.0, state_layout="vk",
+                                           gate="linear")
+        o = o[:, None]
+    else:
+        o, S_new = gated_delta_forward(*dev[:5], 1.0, initial_state=dev[5], state_layout="vk", gate="linear")
+    assert reference.relative_error(S_new, S_seed) <= 1e-6
+    assert reference.relative_error(o, y) <= 1e-6
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_forward_equals_repeated_steps(layout):
+    T = 6
+    q, k, v, p, beta, g, S = forward_inputs(cupy, 4, T, 4, 128, 64, layout=layout, dtype=F32)
+    o, S_fwd = comba_forward(q, k, v, p, beta, g, initial_state=S, state_layout=layout)
+    state = S
+    for t in range(T):
+        # "kv" runs the tuned decode kernels, "vk" the family's kernel: both must agree with forward
+        state, o_t = comba_decode_step(state, q[:, t], k[:, t], v[:, t], p[:, t], beta[:, t], g[:, t],
+                                       state_layout=layout)
+        assert reference.relative_error(o[:, t], o_t) <= 1e-6
+    assert reference.relative_error(S_fwd, state) <= 1e-6
+
+
+def test_comba_with_p_equal_k_is_gated_delta_and_layouts_agree():
+    q, k, v, p, beta, g, S = forward_inputs(cupy, 3, 4, 4, 128, 64, dtype=F32)
+    o1, S1 = comba_forward(q, k, v, k, beta, g, initial_state=S)
+    o2, S2 = gated_delta_forward(q, k, v, beta, g, initial_state=S)
+    assert reference.relative_error(o1, o2) <= 1e-6 and reference.relative_error(S1, S2) <= 1e-6
+    o3, S3 = gated_delta_forward(q, k, v, beta, g, initial_state=cupy.ascontiguousarray(S.swapaxes(-1, -2)),
+                                 state_layout="vk")
+    assert reference.relative_error(S3.swapaxes(-1, -2), S2) <= 1e-6
+    assert reference.relative_error(o3, o2) <= 1e-6
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_in_place_inputs_unchanged_zero_state_no_final(layout):
+    args = forward_inputs(cupy, 4, 3, 4, 64, 64, layout=layout, seed=3)
+    q, k, v, p, beta, g, S = args
+    before = [a.copy() for a in args]
+    o, S_new = comba_forward(q, k, v, p, beta, g, initial_state=S, state_layout=layout)
+    for a, b in zip(args, before):
+        assert bool(cupy.array_equal(a, b))
+    o2, S_same = comba_forward(q, k, v, p, beta, g, initial_state=S, state_out=S, state_layout=layout)
+    assert S_same is S and bool(cupy.array_equal(S, S_new)) and bool(cupy.array_equal(o2, o))
+    o_zero, S_zero = comba_forward(q, k, v, p, beta, g, state_layout=layout)
+    S_ref, o_ref = reference.comba_loop(cupy.zeros(S.shape), q, k, v, p, beta, g, state_layout=layout)
+    assert reference.relative_error(S_zero, S_ref) <= 1e-6
+    o_only, none = comba_forward(q, k, v, p, beta, g, state_layout=layout, output_final_state=False)
+    assert none is None and bool(cupy.array_equal(o_only, o_zero))
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_strided_packed_projection(layout):
+    B, T, H, K, V = 3, 4, 4, 128, 64
+    q, k, v, p, beta, g, S = forward_inputs(cupy, B, T, H, K, V, layout=layout, dtype=bfloat16)
+    packed = _poisoned((B, T, H, 3 * K + V + 8), bfloat16)
+    packed[..., :K], packed[..., K:2 * K], packed[..., 2 * K:3 * K], packed[..., 3 * K:3 * K + V] = q, k, p, v
+    views = (packed[..., :K], packed[..., K:2 * K], packed[..., 3 * K:3 * K + V], packed[..., 2 * K:3 * K])
+    o, S_new = comba_forward(*views, beta, g, initial_state=S, state_layout=layout)
+    S_ref, o_ref = reference.comba_loop(S, q, k, v, p, beta, g, state_layout=layout)
+    assert reference.relative_error(S_new, S_ref) <= 1e-6
+    assert reference.relative_error(o, o_ref) <= O_TOL[numpy.dtype(bfloat16)]
+
+
+def test_decode_steps_with_options():
+    q, k, v, p, beta, g, S = forward_inputs(cupy, 5, 1, 6, 128, 128, Hk=3, layout="vk", gate="linear",
+                                            dtype=bfloat16, unit_keys=False)
+    step = [a[:, 0] for a in (q, k, v, p, beta, g)]
+    S1, o1 = comba_decode_step(S, *step, state_layout="vk", gate="linear", use_qk_l2norm=True)
+    S_ref, o_ref = reference.comba_step(S, *step, state_layout="vk", gate="linear", use_qk_l2norm=True)
+    assert reference.relative_error(S1, S_ref) <= 1e-6
+    assert reference.relative_error(o1, o_ref) <= O_TOL[numpy.dtype(bfloat16)]
+    S2, o2 = gated_delta_decode_step(S, step[0], step[1], step[2], step[4], step[5], state_layout="vk",
+                                     gate="linear", use_qk_l2norm=True)
+    S_ref, o_ref = reference.gated_delta_step(S, step[0], step[1], step[2], step[4], step[5], state_layout="vk",
+                                              gate="linear", use_qk_l2norm=True)
+    assert reference.relative_error(S2, S_ref) <= 1e-6
+    assert reference.relative_error(o2, o_ref) <= O_TOL[numpy.dtype(bfloat16)]
+
+
+def test_long_sequence_stays_accurate():
+    q, k, v, p, beta, g, S = forward_inputs(cupy, 2, 512, 2, 128, 128, dtype=bfloat16, seed=9)
+    o, S_new = comba_forward(q, k, v, p, beta, g, initial_state=S)
+    S_ref, o_ref = reference.comba_loop(S, q, k, v, p, beta, g)
+    assert reference.relative_error(S_new, S_ref) <= 1e-5
+    assert reference.relative_error(o, o_ref) <= O_TOL[numpy.dtype(bfloat16)]
