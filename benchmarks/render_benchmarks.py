@@ -2,7 +2,8 @@
 
     python benchmarks/render_benchmarks.py docs/benchmarks.md docs/bench-h200-regime.json [more.json ...]
 
-Rewrites the text between ``<!-- bench:begin -->`` and ``<!-- bench:end -->``.
+Rewrites the text between ``<!-- bench:begin -->`` and ``<!-- bench:end -->``.  Takes both the
+CLI's reports and ``benchmarks/sweep_forward.py --json`` files.
 """
 
 import json
@@ -12,6 +13,26 @@ BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
 def table(report):
+    return forward_table(report) if "rows" in report else decode_table(report)
+
+
+def forward_table(report):
+    """A ``benchmarks/sweep_forward.py --json`` file: one row per (layout, B*H, T)."""
+    env, roof = report["environment"], report["roofline"]
+    lines = [
+        f"**{env.get('gpu')}**, {env['date']}, Gated DeltaNet forward, K = V = 128, H = 16, bf16; copy roofline "
+        f"{roof['copy_gbps']:.0f} GB/s; CUDA-graph replay, median of 10.",
+        "",
+        "| layout | B*H | T | us | M tokens/s | GB/s | x copy | time / time(T=1) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        lines.append(f"| {r['layout']} | {r['B'] * r['H']} | {r['T']} | {r['us']:.1f} | {r['tokens_per_s'] / 1e6:.2f} "
+                     f"| {r['gbps']:.0f} | {r['fraction_of_copy']:.2f} | {r['ratio_to_T1']:.2f} |")
+    return "\n".join(lines)
+
+
+def decode_table(report):
     env, roof = report["environment"], report["roofline"]
     lines = [
         f"**{env.get('gpu', 'CPU (NumPy backend)')}**, {env['date']}, CuPy {env['cupy']}, "

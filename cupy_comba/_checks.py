@@ -6,7 +6,7 @@ import numbers
 import numpy
 
 from ._backend import cupy, is_cupy_array
-from ._dtypes import dtype_name, float32
+from ._dtypes import ACTIVATION_CODES, ACTIVATION_NAMES, dtype_name, float32
 from ._build import SUPPORTED_K
 
 
@@ -47,6 +47,21 @@ def check_head_sizes(K, V):
 def check_heads(H, Hk):
     if Hk < 1 or H % Hk:
         raise ValueError(f"value heads H={H} must be a multiple of key heads Hk={Hk} (q, k, p have Hk heads)")
+
+
+def resolve_output_dtype(out, o_dtype, default):
+    """dtype of ``o``: ``out``'s (from its signature) if given, else ``o_dtype``, else ``default``."""
+    if out is not None:
+        if out[2] not in ACTIVATION_CODES:
+            raise TypeError(f"out must be {ACTIVATION_NAMES}, got {dtype_name(out[2])}")
+        if o_dtype is not None and o_dtype != out[2]:
+            raise TypeError(f"o_dtype={dtype_name(o_dtype)} disagrees with out.dtype={dtype_name(out[2])}")
+        return out[2]
+    if o_dtype is None:
+        return default
+    if o_dtype not in ACTIVATION_CODES:
+        raise TypeError(f"o_dtype must be {ACTIVATION_NAMES}, got {dtype_name(o_dtype)}")
+    return o_dtype
 
 
 def real_scalar(name, x):

@@ -10,7 +10,7 @@ from ._backend import cupy
 from ._build import _PIPELINED_ROW_GROUPS, get_kernel
 from ._checks import (
     c_strides, check_head_sizes, check_heads, check_state_dtype, check_writable_output, expect_shape, intersect,
-    namespace_of, ptr_of, real_scalar, resolve_scale, signature, span_of,
+    namespace_of, ptr_of, real_scalar, resolve_output_dtype, resolve_scale, signature, span_of,
 )
 from ._dtypes import ACTIVATION_CODES, ACTIVATION_NAMES, dtype_name, float32
 from ._params import DECODE_PARAMS, pack
@@ -221,19 +221,8 @@ def _plan(state, q, k, v, p, beta, g, scale, out, o_dtype, has_state_out, device
             raise ValueError(f"{name} has strides {s[1]} that are not a multiple of its itemsize")
 
     if out is not None:
-        expect_shape("out", out[0], (B, H, V), "(B, H, V)")
-        if out[2] not in ACTIVATION_CODES:
-            raise TypeError(f"out must be {ACTIVATION_NAMES}, got {dtype_name(out[2])}")
-        if o_dtype is not None and o_dtype != out[2]:
-            raise TypeError(f"o_dtype={dtype_name(o_dtype)} disagrees with out.dtype={dtype_name(out[2])}")
-        o_dtype = out[2]
-    elif o_dtype is None:
-        o_dtype = v[2]
-    elif o_dtype not in ACTIVATION_CODES:
-        raise TypeError(f"o_dtype must be {ACTIVATION_NAMES}, got {dtype_name(o_dtype)}")
-
-    if out is not None:
         check_writable_output("out", out[0], out[1], out[2].itemsize, (B, H, V), "(B, H, V)")
+    o_dtype = resolve_output_dtype(out, o_dtype, v[2])
 
     plan = _Plan()
     plan.B, plan.H, plan.K, plan.V = B, H, K, V

@@ -23,7 +23,7 @@ from ._backend import cupy
 from ._build import get_kernel
 from ._checks import (
     c_strides, check_head_sizes, check_heads, check_state_dtype, check_writable_output, expect_shape, intersect,
-    namespace_of, ptr_of, real_scalar, resolve_scale, signature, span_of,
+    namespace_of, ptr_of, real_scalar, resolve_output_dtype, resolve_scale, signature, span_of,
 )
 from ._dtypes import ACTIVATION_CODES, ACTIVATION_NAMES, dtype_name, float32
 from ._params import FORWARD_PARAMS, pack
@@ -229,15 +229,7 @@ def _plan(q, k, v, p, beta, g, state, out, o_dtype, scale, write_final, state_la
     o_shape = tok + (H, V)
     if out is not None:
         check_writable_output("out", out[0], out[1], out[2].itemsize, o_shape, lead_name + "H, V)")
-        if out[2] not in ACTIVATION_CODES:
-            raise TypeError(f"out must be {ACTIVATION_NAMES}, got {dtype_name(out[2])}")
-        if o_dtype is not None and o_dtype != out[2]:
-            raise TypeError(f"o_dtype={dtype_name(o_dtype)} disagrees with out.dtype={dtype_name(out[2])}")
-        o_dtype = out[2]
-    elif o_dtype is None:
-        o_dtype = v[2]
-    elif o_dtype not in ACTIVATION_CODES:
-        raise TypeError(f"o_dtype must be {ACTIVATION_NAMES}, got {dtype_name(o_dtype)}")
+    o_dtype = resolve_output_dtype(out, o_dtype, v[2])
 
     plan = _Plan()
     plan.B, plan.T, plan.H, plan.K, plan.V, plan.step = B, T, H, K, V, step
