@@ -127,3 +127,38 @@ def c_strides(shape, itemsize):
         strides.append(acc)
         acc *= max(n, 1)
     return tuple(reversed(strides))
+
+
+def check_outputs(named_inputs, spans, out, out_span, state_out, state_shape, state_meaning):
+    """Per call: outputs never share memory with inputs; ``state_out`` may be the state itself.
+
+    ``named_inputs`` maps names to arrays (None for absent ones, the state under ``"state"``);
+    ``spans`` are their ``(lo, hi)`` offsets from :func:`span_of`, ``out_span`` that of ``out``.
+    """
+    if out is None and state_out is None:
+        return
+    ranges = {name: (ptr_of(a) + sp[0], ptr_of(a) + sp[1])
+              for (name, a), sp in zip(named_inputs.items(), spans) if a is not None}
+    if state_out is not None:
+        if state_out.shape != state_shape or state_out.dtype != float32:
+            check_writable_output("state_out", state_out.shape, state_out.strides, state_out.itemsize,
+                                  state_shape, state_meaning)
+            check_state_dtype("state_out", state_out)
+        if not state_out.flags.c_contiguous:
+            raise ValueError("state_out must be C-contiguous")
+        lo = ptr_of(state_out)
+        so = (lo, lo + state_out.nbytes)
+        for name, span in ranges.items():
+            if name == "state":
+                if span != so and intersect(so, span):
+                    raise ValueError("state_out partially overlaps state: pass state itself for an "
+                                     "in-place update, or a separate buffer")
+            elif intersect(so, span):
+                raise ValueError(f"state_out overlaps {name}: outputs must not share memory with inputs")
+        ranges["state_out"] = so
+    if out is not None:
+        lo = ptr_of(out)
+        o = (lo + out_span[0], lo + out_span[1])
+        for name, span in ranges.items():
+            if intersect(o, span):
+                raise ValueError(f"out overlaps {name}: outputs must not share memory with inputs")

@@ -9,8 +9,8 @@ from .recurrent import comba_step_with_options
 from ._backend import cupy
 from ._build import _PIPELINED_ROW_GROUPS, get_kernel
 from ._checks import (
-    c_strides, check_head_sizes, check_heads, check_state_dtype, check_writable_output, expect_shape, intersect,
-    namespace_of, ptr_of, real_scalar, resolve_output_dtype, resolve_scale, signature, span_of,
+    c_strides, check_head_sizes, check_heads, check_outputs, check_writable_output, expect_shape, namespace_of,
+    real_scalar, resolve_output_dtype, resolve_scale, signature, span_of,
 )
 from ._dtypes import ACTIVATION_CODES, ACTIVATION_NAMES, dtype_name, float32
 from ._params import DECODE_PARAMS, pack
@@ -138,40 +138,11 @@ def _decode_step(state, q, k, v, p, beta, g, scale, out, state_out, o_dtype, var
                  None if out is None else signature(out),
                  None if o_dtype is None else numpy.dtype(o_dtype),
                  state_out is not None, device, variant)
-    _check_outputs(plan, inputs, out, state_out)
+    check_outputs(dict(zip(_INPUTS, inputs)), plan.spans, out, plan.out_span, state_out, state.shape,
+                  "(B, H, K, V)")
     if xp is numpy:
         return _numpy_step(plan, state, q, k, v, p, beta, g, out, state_out)
     return _cuda_step(plan, state, q, k, v, p, beta, g, out, state_out)
-
-
-def _check_outputs(plan, inputs, out, state_out):
-    """Outputs never share memory with inputs (``state_out is state`` excepted)."""
-    if state_out is None and out is None:
-        return
-    spans = [(p + lo, p + hi) for p, (lo, hi) in zip(map(ptr_of, inputs), plan.spans)]
-    if state_out is not None:
-        state = inputs[0]
-        if state_out.shape != state.shape or state_out.dtype != float32:
-            check_writable_output("state_out", state_out.shape, state_out.strides, state_out.itemsize,
-                                  state.shape, "(B, H, K, V)")
-            check_state_dtype("state_out", state_out)
-        if not state_out.flags.c_contiguous:
-            raise ValueError("state_out must be C-contiguous")
-        lo = ptr_of(state_out)
-        so = (lo, lo + state_out.nbytes)
-        if so != spans[0] and intersect(so, spans[0]):
-            raise ValueError("state_out partially overlaps state: pass state itself for an "
-                             "in-place update, or a separate buffer")
-        for name, span in zip(_INPUTS[1:], spans[1:]):
-            if intersect(so, span):
-                raise ValueError(f"state_out overlaps {name}: outputs must not share memory with inputs")
-        spans.append(so)
-    if out is not None:
-        lo = ptr_of(out)
-        o = (lo + plan.out_span[0], lo + plan.out_span[1])
-        for name, span in zip(_INPUTS + ("state_out",), spans):
-            if intersect(o, span):
-                raise ValueError(f"out overlaps {name}: outputs must not share memory with inputs")
 
 
 def _common_device(inputs, out, state_out):

@@ -22,8 +22,8 @@ from . import reference
 from ._backend import cupy
 from ._build import get_kernel
 from ._checks import (
-    c_strides, check_head_sizes, check_heads, check_state_dtype, check_writable_output, expect_shape, intersect,
-    namespace_of, ptr_of, real_scalar, resolve_output_dtype, resolve_scale, signature, span_of,
+    c_strides, check_head_sizes, check_heads, check_outputs, check_writable_output, expect_shape,
+    namespace_of, real_scalar, resolve_output_dtype, resolve_scale, signature, span_of,
 )
 from ._dtypes import ACTIVATION_CODES, ACTIVATION_NAMES, dtype_name, float32
 from ._params import FORWARD_PARAMS, pack
@@ -172,7 +172,8 @@ def _run(q, k, v, p, beta, g, scale, state, output_final_state, out, state_out, 
                  None if out is None else signature(out), None if o_dtype is None else numpy.dtype(o_dtype),
                  scale, bool(output_final_state), state_layout, gate, bool(use_qk_l2norm), step, device)
     inputs = (q, k, v, p, beta, g, state)
-    _check_outputs(plan, inputs, out, state_out)
+    check_outputs(dict(zip(_NAMES + ("state",), inputs)), plan.spans, out, plan.out_span, state_out,
+                  plan.state_shape, "the state's shape")
     if xp is numpy:
         o, S = _numpy_run(plan, inputs, out, state_out, state_layout, gate, bool(use_qk_l2norm))
     else:
@@ -269,40 +270,6 @@ def _plan(q, k, v, p, beta, g, state, out, o_dtype, scale, write_final, state_la
         plan.kernel = get_kernel("delta_rule", f"comba::delta_rule_forward<{K}, {str(vk).lower()}, "
                                                f"{str(p is not None).lower()}>", device)
     return plan
-
-
-def _check_outputs(plan, inputs, out, state_out):
-    """Outputs never share memory with inputs (``state_out`` may be the initial state itself)."""
-    if out is None and state_out is None:
-        return
-    names = _NAMES + ("state",)
-    spans = [None if a is None else (ptr_of(a) + sp[0], ptr_of(a) + sp[1])
-             for a, sp in zip((inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5], inputs[6]),
-                              plan.spans)]
-    if state_out is not None:
-        if state_out.shape != plan.state_shape or state_out.dtype != float32:
-            check_writable_output("state_out", state_out.shape, state_out.strides, state_out.itemsize,
-                                  plan.state_shape, "the state's shape")
-            check_state_dtype("state_out", state_out)
-        if not state_out.flags.c_contiguous:
-            raise ValueError("state_out must be C-contiguous")
-        lo = ptr_of(state_out)
-        so = (lo, lo + state_out.nbytes)
-        for name, span in zip(names, spans):
-            if span is None:
-                continue
-            if name == "state" and span == so:
-                continue  # in-place update of the state
-            if intersect(so, span):
-                raise ValueError(f"state_out overlaps {name}: outputs must not share memory with inputs")
-        spans.append(so)
-        names = names + ("state_out",)
-    if out is not None:
-        lo = ptr_of(out)
-        o = (lo + plan.out_span[0], lo + plan.out_span[1])
-        for name, span in zip(names, spans):
-            if span is not None and intersect(o, span):
-                raise ValueError(f"out overlaps {name}: outputs must not share memory with inputs")
 
 
 def _cuda_run(plan, inputs, out, state_out):
