@@ -32,7 +32,7 @@ def main():
     state_out = cupy.empty(shape, numpy.float32)
     out = cupy.empty((B, H, V), bfloat16)
     call = lambda: comba_decode_step(*args, out=out, state_out=state_out)  # noqa: E731
-    plan = _plan(*(signature(a) for a in args), None, signature(out), None, True, 0, None)
+    plan = _plan(*(signature(a) for a in args), None, signature(out), None, 0, None)
     launch_args = (args[0], state_out, *args[1:], out) + plan.args_tail
     launch = lambda: plan.kernel(plan.grid, plan.block, launch_args, shared_mem=plan.shared_mem)  # noqa: E731
     alloc = lambda: comba_decode_step(*args)  # noqa: E731

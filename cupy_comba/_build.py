@@ -86,11 +86,6 @@ def get_kernel(module, expression, device_id):
     return fn
 
 
-def loaded_kernels():
-    """``(module, expression, device_id)`` of every kernel loaded by this process."""
-    return list(_kernels)
-
-
 def compile_for_arch(module, arch="sm_90"):
     """Compile every specialisation of ``module`` with NVRTC for ``arch``; no GPU needed.
 

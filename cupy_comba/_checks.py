@@ -12,6 +12,8 @@ from ._build import SUPPORTED_K
 
 def namespace_of(named):
     """``numpy`` or ``cupy`` for a dict ``{name: array}``; TypeError on anything else or a mix."""
+    if cupy is not None and all(type(a) is cupy.ndarray for a in named.values()):
+        return cupy  # the common case, decided without the per-name bookkeeping below
     kinds = {}
     for name, a in named.items():
         if is_cupy_array(a):
@@ -127,6 +129,15 @@ def c_strides(shape, itemsize):
         strides.append(acc)
         acc *= max(n, 1)
     return tuple(reversed(strides))
+
+
+def common_device(arrays):
+    """The device id shared by every CuPy array of ``{name: array or None}``; ValueError if they differ."""
+    devices = {name: a.data.device_id for name, a in arrays.items() if a is not None}
+    if len(set(devices.values())) > 1:
+        where = ", ".join(f"{n} on device {d}" for n, d in devices.items())
+        raise ValueError(f"all arrays must be on one device, got {where}")
+    return next(iter(devices.values()))
 
 
 def check_outputs(named_inputs, spans, out, out_span, state_out, state_shape, state_meaning):

@@ -9,8 +9,8 @@ from .recurrent import comba_step_with_options
 from ._backend import cupy
 from ._build import _PIPELINED_ROW_GROUPS, get_kernel
 from ._checks import (
-    c_strides, check_head_sizes, check_heads, check_outputs, check_writable_output, expect_shape, namespace_of,
-    real_scalar, resolve_output_dtype, resolve_scale, signature, span_of,
+    c_strides, check_head_sizes, check_heads, check_outputs, check_writable_output, common_device, expect_shape,
+    namespace_of, real_scalar, resolve_output_dtype, resolve_scale, signature, span_of,
 )
 from ._dtypes import ACTIVATION_CODES, ACTIVATION_NAMES, dtype_name, float32
 from ._params import DECODE_PARAMS, pack
@@ -123,35 +123,22 @@ def _decode_step(state, q, k, v, p, beta, g, scale, out, state_out, o_dtype, var
     the host path stays a few microseconds.
     """
     inputs = (state, q, k, v, p, beta, g)
-    if cupy is not None and all(type(a) is cupy.ndarray for a in inputs):
-        xp = cupy
-    else:
-        xp = namespace_of(dict(zip(_INPUTS, inputs)))
+    xp = namespace_of(dict(zip(_INPUTS, inputs)))
     for name, a in (("out", out), ("state_out", state_out)):
         if a is not None and not isinstance(a, xp.ndarray):
             raise TypeError(f"{name} must be a {xp.__name__} array like the inputs, got {type(a).__name__}")
-    device = _common_device(inputs, out, state_out) if xp is cupy else None
+    device = common_device(dict(zip(_INPUTS, inputs), out=out, state_out=state_out)) if xp is cupy else None
     if scale is not None:
         scale = real_scalar("scale", scale)
     plan = _plan(signature(state), signature(q), signature(k), signature(v), signature(p),
                  signature(beta), signature(g), scale,
                  None if out is None else signature(out),
-                 None if o_dtype is None else numpy.dtype(o_dtype),
-                 state_out is not None, device, variant)
+                 None if o_dtype is None else numpy.dtype(o_dtype), device, variant)
     check_outputs(dict(zip(_INPUTS, inputs)), plan.spans, out, plan.out_span, state_out, state.shape,
                   "(B, H, K, V)")
     if xp is numpy:
         return _numpy_step(plan, state, q, k, v, p, beta, g, out, state_out)
     return _cuda_step(plan, state, q, k, v, p, beta, g, out, state_out)
-
-
-def _common_device(inputs, out, state_out):
-    arrays = dict(zip(_INPUTS, inputs), out=out, state_out=state_out)
-    devices = {name: a.data.device_id for name, a in arrays.items() if a is not None}
-    if len(set(devices.values())) > 1:
-        where = ", ".join(f"{n} on device {d}" for n, d in devices.items())
-        raise ValueError(f"all arrays must be on one device, got {where}")
-    return devices["state"]
 
 
 class _Plan:
@@ -162,7 +149,7 @@ class _Plan:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(state, q, k, v, p, beta, g, scale, out, o_dtype, has_state_out, device, variant):
+def _plan(state, q, k, v, p, beta, g, scale, out, o_dtype, device, variant):
     """Validate a call signature once and precompute its launch (cached per signature)."""
     sig = {"state": state, "q": q, "k": k, "v": v, "p": p, "beta": beta, "g": g}
     shapes = {n: s[0] for n, s in sig.items()}

@@ -22,7 +22,7 @@ from . import reference
 from ._backend import cupy
 from ._build import get_kernel
 from ._checks import (
-    c_strides, check_head_sizes, check_heads, check_outputs, check_writable_output, expect_shape,
+    c_strides, check_head_sizes, check_heads, check_outputs, common_device, check_writable_output, expect_shape,
     namespace_of, real_scalar, resolve_output_dtype, resolve_scale, signature, span_of,
 )
 from ._dtypes import ACTIVATION_CODES, ACTIVATION_NAMES, dtype_name, float32
@@ -154,13 +154,7 @@ def _run(q, k, v, p, beta, g, scale, state, output_final_state, out, state_out, 
     for name, a in (("out", out), ("state_out", state_out)):
         if a is not None and not isinstance(a, xp.ndarray):
             raise TypeError(f"{name} must be a {xp.__name__} array like the inputs, got {type(a).__name__}")
-    device = None
-    if xp is cupy:
-        devices = {n: a.data.device_id for n, a in dict(named, out=out, state_out=state_out).items() if a is not None}
-        if len(set(devices.values())) > 1:
-            raise ValueError("all arrays must be on one device, got "
-                             + ", ".join(f"{n} on device {d}" for n, d in devices.items()))
-        device = devices["q"]
+    device = common_device(dict(named, out=out, state_out=state_out)) if xp is cupy else None
     if scale is not None:
         scale = real_scalar("scale", scale)
     if not isinstance(use_qk_l2norm, (bool, numpy.bool_)):
@@ -182,8 +176,8 @@ def _run(q, k, v, p, beta, g, scale, state, output_final_state, out, state_out, 
 
 
 class _Plan:
-    __slots__ = ("B", "T", "H", "K", "V", "scale", "o_dtype", "o_shape", "state_shape", "write_final", "spans",
-                 "out_span", "kernel", "grid", "params", "step")
+    __slots__ = ("B", "T", "H", "K", "V", "scale", "scale_arg", "o_dtype", "o_shape", "state_shape", "write_final",
+                 "spans", "out_span", "kernel", "grid", "params", "step")
 
 
 @functools.lru_cache(maxsize=256)
@@ -235,6 +229,7 @@ def _plan(q, k, v, p, beta, g, state, out, o_dtype, scale, write_final, state_la
     plan = _Plan()
     plan.B, plan.T, plan.H, plan.K, plan.V, plan.step = B, T, H, K, V, step
     plan.scale, plan.o_dtype, plan.o_shape = resolve_scale(scale, K), o_dtype, o_shape
+    plan.scale_arg = numpy.float32(plan.scale)  # the kernel's exact C type, built once
     plan.state_shape, plan.write_final = state_shape, write_final
     plan.spans = tuple(None if s is None else span_of(s[0], s[1], s[2].itemsize)
                        for s in (q, k, v, p, beta, g, state))
@@ -289,7 +284,7 @@ def _cuda_run(plan, inputs, out, state_out):
         dst = state_out if state_out is not None else out  # not written when write_final is off
         plan.kernel(plan.grid, (_WARPS_PER_BLOCK * 32,),
                     (src, dst, q, k, v, p if p is not None else k, beta, g, out, plan.params,
-                     numpy.float32(plan.scale)))
+                     plan.scale_arg))
     return out, state_out
 
 

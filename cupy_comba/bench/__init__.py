@@ -10,10 +10,10 @@
 from .registry import OPS, BenchOp, Case, register
 from .roofline import Roofline, measure_copy, measure_copy_cpu, theoretical_peak_gbps
 from .suite import SHAPES, bench, environment, parse_shapes, selftest
-from .timing import Timing, host_overhead, time_cpu, time_eager, time_graph
+from .timing import Timing, host_overhead, time_calls, time_cpu, time_eager, time_graph
 
 __all__ = [
     "OPS", "BenchOp", "Case", "register", "Roofline", "measure_copy", "measure_copy_cpu",
     "theoretical_peak_gbps", "SHAPES", "bench", "environment", "parse_shapes", "selftest",
-    "Timing", "host_overhead", "time_cpu", "time_eager", "time_graph",
+    "Timing", "host_overhead", "time_calls", "time_cpu", "time_eager", "time_graph",
 ]

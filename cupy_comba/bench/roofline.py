@@ -6,14 +6,13 @@ a vectorised float4 copy kernel (``kernels_cu/copy.cu``).  The better of the
 two is the denominator of every "fraction of copy".
 """
 
-import statistics
 from dataclasses import asdict, dataclass
 
 import numpy
 
 from .._backend import cupy
 from .._build import get_kernel
-from .timing import time_cpu
+from .timing import time_calls, time_cpu
 
 
 @dataclass
@@ -69,26 +68,12 @@ def measure_copy(buffer_bytes=None, *, iters=20, warmup=3):
 
     # Each call moves gigabytes, so launch overhead is noise: plain events around one call.
     # (A memcpy captured into a CUDA graph may run on a copy engine, slower than the SMs.)
-    t_memcpy = _time_calls(memcpy, stream, iters, warmup)
-    t_kernel = _time_calls(copy_kernel, stream, iters, warmup)
+    t_memcpy = time_calls(memcpy, iters=iters, warmup=warmup)
+    t_kernel = time_calls(copy_kernel, iters=iters, warmup=warmup)
     if not bool(cupy.array_equal(src, dst)):
         raise RuntimeError("copy kernel produced a wrong copy")
     moved = 2.0 * nbytes
     return Roofline("cuda", nbytes, moved / t_memcpy / 1e3, moved / t_kernel / 1e3, theoretical_peak_gbps(device))
-
-
-def _time_calls(fn, stream, iters, warmup):
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(iters):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(stream)
-        fn()
-        stop.record(stream)
-        stop.synchronize()
-        samples.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3)
-    return statistics.median(samples)
 
 
 def measure_copy_cpu(buffer_bytes=256 << 20, *, iters=5):

@@ -43,6 +43,14 @@ def _events_us(stream, launch):
     return cupy.cuda.get_elapsed_time(start, stop) * 1e3
 
 
+def time_calls(fn, *, iters=20, warmup=3):
+    """Median microseconds of single calls of ``fn``, each between two CUDA events (for long calls)."""
+    stream = cupy.cuda.get_current_stream()
+    for _ in range(warmup):
+        fn()
+    return statistics.median(_events_us(stream, fn) for _ in range(iters))
+
+
 def time_graph(fn, *, iters=20, warmup=3, sample_ms=2.0, max_calls=256):
     """Median per-call GPU time of ``fn`` replayed from a CUDA graph.
 
