@@ -12,22 +12,11 @@ import json
 
 import cupy
 
-from cupy_comba import bfloat16, gated_delta_forward, reference
+from cupy_comba import bfloat16, gated_delta_forward
+from cupy_comba.inputs import forward_inputs
 from cupy_comba.bench import environment, measure_copy, time_graph
 
 H, K, V = 16, 128, 128
-
-
-def inputs(B, T, layout, seed=0):
-    rng = cupy.random.default_rng(seed)
-    q = rng.standard_normal((B, T, H, K), dtype=cupy.float32).astype(bfloat16)
-    k = reference.l2_normalize(rng.standard_normal((B, T, H, K), dtype=cupy.float32)).astype(bfloat16)
-    v = rng.standard_normal((B, T, H, V), dtype=cupy.float32).astype(bfloat16)
-    beta = rng.random((B, T, H), dtype=cupy.float32).astype(bfloat16)
-    g = (-rng.random((B, T, H), dtype=cupy.float32) / 4).astype(cupy.float32)
-    shape = (B, H, K, V) if layout == "kv" else (B, H, V, K)
-    state = rng.standard_normal(shape, dtype=cupy.float32) * 0.1
-    return q, k, v, beta, g, state
 
 
 def main():
@@ -45,7 +34,8 @@ def main():
                 act_bytes = B * T * H * (2 * K * 2 + 2 * V * 2 + 2 + 4)
                 if act_bytes > 6e9 or (heads == 8192 and T > 16):
                     continue
-                q, k, v, beta, g, state = inputs(B, T, layout)
+                q, k, v, _, beta, g, state = forward_inputs(B, T, H, K, V, xp=cupy, state_layout=layout,
+                                                            warm_steps=2)
                 out = cupy.empty((B, T, H, V), bfloat16)
                 state_out = cupy.empty_like(state)
 

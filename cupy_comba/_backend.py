@@ -32,3 +32,11 @@ def array_namespace(*arrays):
         if is_cupy_array(a):
             return cupy
     return numpy
+
+
+def deliver(value, buffer, dtype):
+    """``value`` cast to ``dtype``: into ``buffer`` when the caller handed one over, else a new array."""
+    if buffer is None:
+        return value.astype(dtype)
+    buffer[...] = value.astype(dtype)
+    return buffer

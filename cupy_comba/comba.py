@@ -6,7 +6,7 @@ import numpy
 
 from . import reference
 from .recurrent import comba_step_with_options
-from ._backend import cupy
+from ._backend import cupy, deliver
 from ._build import _PIPELINED_ROW_GROUPS, get_kernel
 from ._checks import (
     c_strides, check_head_sizes, check_heads, check_outputs, check_writable_output, common_device, expect_shape,
@@ -298,12 +298,4 @@ def _cuda_step(plan, state, q, k, v, p, beta, g, out, state_out):
 
 def _numpy_step(plan, state, q, k, v, p, beta, g, out, state_out):
     S, o = reference.comba_step(state, q, k, v, p, beta, g, plan.scale)
-    if state_out is None:
-        state_out = S.astype(float32)
-    else:
-        state_out[...] = S
-    if out is None:
-        out = o.astype(plan.o_dtype)
-    else:
-        out[...] = o.astype(plan.o_dtype)
-    return state_out, out
+    return deliver(S, state_out, float32), deliver(o, out, plan.o_dtype)

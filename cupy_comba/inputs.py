@@ -18,20 +18,30 @@ def _normal(xp, rng, shape):
     return rng.standard_normal(shape, dtype=xp.float64)
 
 
-def _unit(xp, x):
-    return x / xp.sqrt((x * x).sum(axis=-1, keepdims=True))
+def _tokens(xp, rng, lead, H, K, V, Hk, normalize_keys=True):
+    """float64 ``(q, k, v, p, beta, g)`` with leading axes ``lead``: ``(B,)`` or ``(B, T)``."""
+    Hk = H if Hk is None else Hk
+    q = _normal(xp, rng, lead + (Hk, K))
+    k = _normal(xp, rng, lead + (Hk, K))
+    p = _normal(xp, rng, lead + (Hk, K))
+    if normalize_keys:
+        k, p = reference.l2_normalize(k, 0.0), reference.l2_normalize(p, 0.0)
+    v = _normal(xp, rng, lead + (H, V))
+    beta = 1.0 / (1.0 + xp.exp(-rng.random(lead + (H,), dtype=xp.float64)))
+    g = -xp.log1p(xp.exp(-_normal(xp, rng, lead + (H,)))) / 4.0
+    return q, k, v, p, beta, g
 
 
 def decode_token(xp, rng, B, H, K, V, Hk=None):
     """One token of float64 activations ``(q, k, v, p, beta, g)``."""
-    Hk = H if Hk is None else Hk
-    q = _normal(xp, rng, (B, Hk, K))
-    k = _unit(xp, _normal(xp, rng, (B, Hk, K)))
-    p = _unit(xp, _normal(xp, rng, (B, Hk, K)))
-    v = _normal(xp, rng, (B, H, V))
-    beta = 1.0 / (1.0 + xp.exp(-rng.random((B, H), dtype=xp.float64)))
-    g = -xp.log1p(xp.exp(-_normal(xp, rng, (B, H)))) / 4.0
-    return q, k, v, p, beta, g
+    return _tokens(xp, rng, (B,), H, K, V, Hk)
+
+
+def _warm_state(xp, rng, B, H, K, V, Hk, warm_steps):
+    S = xp.zeros((B, H, K, V), dtype=xp.float64)
+    for _ in range(warm_steps):
+        S, _o = reference.comba_step(S, *decode_token(xp, rng, B, H, K, V, Hk))
+    return S
 
 
 def decode_inputs(B, H, K, V, *, Hk=None, dtype=bfloat16, g_dtype=float32, xp=None, seed=0, warm_steps=16):
@@ -63,9 +73,34 @@ def decode_inputs(B, H, K, V, *, Hk=None, dtype=bfloat16, g_dtype=float32, xp=No
     if xp is None:
         import numpy as xp
     rng = _rng(xp, seed)
-    S = xp.zeros((B, H, K, V), dtype=xp.float64)
-    for _ in range(warm_steps):
-        S, _o = reference.comba_step(S, *decode_token(xp, rng, B, H, K, V, Hk))
+    S = _warm_state(xp, rng, B, H, K, V, Hk, warm_steps)
     q, k, v, p, beta, g = decode_token(xp, rng, B, H, K, V, Hk)
-    acts = [a.astype(dtype) for a in (q, k, v, p, beta)]
-    return (S.astype(float32), *acts[:3], acts[3], acts[4], g.astype(g_dtype))
+    return (S.astype(float32), *(a.astype(dtype) for a in (q, k, v, p, beta)), g.astype(g_dtype))
+
+
+def forward_inputs(B, T, H, K, V, *, Hk=None, dtype=bfloat16, g_dtype=float32, xp=None, seed=0, warm_steps=16,
+                   state_layout="kv", gate="log", normalize_keys=True):
+    """``(q, k, v, p, beta, g, initial_state)`` for ``T`` tokens, ``[B, T, H, *]`` activations.
+
+    The state is warmed as in :func:`decode_inputs` and laid out by ``state_layout``;
+    ``gate="linear"`` returns ``exp(g)`` instead of the log-decay; ``normalize_keys=False``
+    leaves k and p unnormalised (for ``use_qk_l2norm`` runs).
+
+    Examples
+    --------
+    >>> from cupy_comba.inputs import forward_inputs
+    >>> q, k, v, p, beta, g, S = forward_inputs(2, 5, 4, 64, 32, state_layout="vk", warm_steps=1)
+    >>> q.shape, v.shape, g.shape, S.shape
+    ((2, 5, 4, 64), (2, 5, 4, 32), (2, 5, 4), (2, 4, 32, 64))
+    """
+    if xp is None:
+        import numpy as xp
+    rng = _rng(xp, seed)
+    S = _warm_state(xp, rng, B, H, K, V, Hk, warm_steps)
+    if state_layout == "vk":
+        S = xp.swapaxes(S, -1, -2)
+    q, k, v, p, beta, g = _tokens(xp, rng, (B, T), H, K, V, Hk, normalize_keys)
+    if gate == "linear":
+        g = xp.exp(g)
+    return (*(a.astype(dtype) for a in (q, k, v, p, beta)), g.astype(g_dtype),
+            xp.ascontiguousarray(S.astype(float32)))

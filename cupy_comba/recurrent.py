@@ -19,7 +19,7 @@ import functools
 import numpy
 
 from . import reference
-from ._backend import cupy
+from ._backend import cupy, deliver
 from ._build import get_kernel
 from ._checks import (
     c_strides, check_head_sizes, check_heads, check_outputs, common_device, check_writable_output, expect_shape,
@@ -298,15 +298,5 @@ def _numpy_run(plan, inputs, out, state_out, state_layout, gate, l2norm):
         S, o = reference.comba_step(state, q, k, v, p, beta, g, plan.scale, **options)
     else:
         S, o = reference.comba_loop(state, q, k, v, p, beta, g, plan.scale, **options)
-    if out is None:
-        out = o.astype(plan.o_dtype)
-    else:
-        out[...] = o.astype(plan.o_dtype)
-    if not plan.write_final:
-        return out, None
-    if state_out is None:
-        state_out = S.astype(float32)
-    else:
-        state_out[...] = S
-    return out, state_out
+    return deliver(o, out, plan.o_dtype), (deliver(S, state_out, float32) if plan.write_final else None)
 

@@ -6,15 +6,15 @@ import pytest
 from cupy_comba import (
     bfloat16, comba_decode_step, comba_forward, gated_delta_decode_step, gated_delta_forward, reference,
 )
+from cupy_comba.inputs import forward_inputs
 
-from recurrent_inputs import forward_inputs
 from seed_port import mt_gated_delta_chunk, mt_gated_delta_step
 
 F32 = numpy.float32
 
 
 def test_vk_reference_is_the_transposed_kv_reference():
-    q, k, v, p, beta, g, S = forward_inputs(numpy, 2, 1, 3, 8, 5, dtype=numpy.float64)
+    q, k, v, p, beta, g, S = forward_inputs(2, 1, 3, 8, 5, dtype=numpy.float64, xp=numpy)
     S_kv, o_kv = reference.comba_step(S, q[:, 0], k[:, 0], v[:, 0], p[:, 0], beta[:, 0], g[:, 0])
     S_vk, o_vk = reference.comba_step(S.swapaxes(-1, -2), q[:, 0], k[:, 0], v[:, 0], p[:, 0], beta[:, 0], g[:, 0],
                                       state_layout="vk")
@@ -23,7 +23,7 @@ def test_vk_reference_is_the_transposed_kv_reference():
 
 
 def test_linear_gate_is_the_exponentiated_log_gate():
-    q, k, v, p, beta, g, S = forward_inputs(numpy, 2, 1, 2, 8, 4, dtype=numpy.float64)
+    q, k, v, p, beta, g, S = forward_inputs(2, 1, 2, 8, 4, dtype=numpy.float64, xp=numpy)
     a = reference.comba_step(S, q[:, 0], k[:, 0], v[:, 0], p[:, 0], beta[:, 0], g[:, 0])
     b = reference.comba_step(S, q[:, 0], k[:, 0], v[:, 0], p[:, 0], beta[:, 0], numpy.exp(g[:, 0].astype(float)),
                              gate="linear")
@@ -31,7 +31,7 @@ def test_linear_gate_is_the_exponentiated_log_gate():
 
 
 def test_l2norm_option_normalises_q_k_p():
-    q, k, v, p, beta, g, S = forward_inputs(numpy, 2, 1, 2, 8, 4, dtype=numpy.float64, unit_keys=False)
+    q, k, v, p, beta, g, S = forward_inputs(2, 1, 2, 8, 4, dtype=numpy.float64, normalize_keys=False, xp=numpy)
     a = reference.comba_step(S, q[:, 0], k[:, 0], v[:, 0], p[:, 0], beta[:, 0], g[:, 0], use_qk_l2norm=True)
     n = reference.l2_normalize
     b = reference.comba_step(S, n(q[:, 0]), n(k[:, 0]), v[:, 0], n(p[:, 0]), beta[:, 0], g[:, 0])
@@ -43,7 +43,8 @@ def test_l2norm_option_normalises_q_k_p():
 @pytest.mark.parametrize("Hk,H", [(2, 2), (1, 4), (2, 6)])
 def test_reference_matches_the_seed_port(T, Hk, H):
     """Our float64 math with the seed's conventions (vk, linear gate, no scale) is the seed's arithmetic."""
-    q, k, v, _, beta, g, S = forward_inputs(numpy, 2, T, H, 32, 64, Hk=Hk, layout="vk", gate="linear", seed=T)
+    q, k, v, _, beta, g, S = forward_inputs(2, T, H, 32, 64, Hk=Hk, state_layout="vk", gate="linear", seed=T,
+                                            dtype=F32, xp=numpy)
     y, S_seed = mt_gated_delta_chunk(q, k, v, g, beta, S)
     S_ref, o_ref = reference.gated_delta_loop(S, q, k, v, beta, g, 1.0, state_layout="vk", gate="linear")
     assert reference.relative_error(S_seed, S_ref) < 1e-6
@@ -51,7 +52,7 @@ def test_reference_matches_the_seed_port(T, Hk, H):
 
 
 def test_seed_step_is_one_chunk_token():
-    q, k, v, _, beta, g, S = forward_inputs(numpy, 2, 1, 4, 32, 32, layout="vk", gate="linear")
+    q, k, v, _, beta, g, S = forward_inputs(2, 1, 4, 32, 32, state_layout="vk", gate="linear", dtype=F32, xp=numpy)
     y1, S1 = mt_gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S)
     y2, S2 = mt_gated_delta_chunk(q, k, v, g, beta, S)
     numpy.testing.assert_array_equal(S1, S2)
@@ -60,7 +61,8 @@ def test_seed_step_is_one_chunk_token():
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 def test_numpy_ops_match_the_seed_with_its_options(layout):
-    q, k, v, _, beta, g, S = forward_inputs(numpy, 2, 3, 4, 64, 32, Hk=2, layout="vk", gate="linear")
+    q, k, v, _, beta, g, S = forward_inputs(2, 3, 4, 64, 32, Hk=2, state_layout="vk", gate="linear", dtype=F32,
+                                            xp=numpy)
     y, S_seed = mt_gated_delta_chunk(q, k, v, g, beta, S)
     init = S if layout == "vk" else numpy.ascontiguousarray(S.swapaxes(-1, -2))
     o, S_new = gated_delta_forward(q, k, v, beta, g, 1.0, initial_state=init, state_layout=layout, gate="linear")
@@ -70,7 +72,7 @@ def test_numpy_ops_match_the_seed_with_its_options(layout):
 
 
 def test_forward_is_repeated_steps_and_comba_with_p_equal_k_is_gated_delta():
-    q, k, v, p, beta, g, S = forward_inputs(numpy, 2, 4, 2, 64, 32)
+    q, k, v, p, beta, g, S = forward_inputs(2, 4, 2, 64, 32, dtype=F32, xp=numpy)
     o, S_fwd = comba_forward(q, k, v, p, beta, g, initial_state=S)
     state = S
     for t in range(4):
@@ -85,7 +87,7 @@ def test_forward_is_repeated_steps_and_comba_with_p_equal_k_is_gated_delta():
 
 
 def test_forward_defaults_zero_state_and_optional_final_state():
-    q, k, v, p, beta, g, S = forward_inputs(numpy, 1, 2, 2, 64, 32)
+    q, k, v, p, beta, g, S = forward_inputs(1, 2, 2, 64, 32, dtype=F32, xp=numpy)
     o1, S1 = comba_forward(q, k, v, p, beta, g)
     o2, S2 = comba_forward(q, k, v, p, beta, g, initial_state=numpy.zeros_like(S))
     numpy.testing.assert_array_equal(o1, o2)
@@ -96,14 +98,14 @@ def test_forward_defaults_zero_state_and_optional_final_state():
 
 
 def test_forward_with_no_tokens():
-    q, k, v, p, beta, g, S = forward_inputs(numpy, 2, 0, 2, 64, 32)
+    q, k, v, p, beta, g, S = forward_inputs(2, 0, 2, 64, 32, dtype=F32, xp=numpy)
     o, S_new = comba_forward(q, k, v, p, beta, g, initial_state=S)
     assert o.shape == (2, 0, 2, 32)
     numpy.testing.assert_array_equal(S_new, S)
 
 
 def test_decode_step_options_route_through_the_family():
-    q, k, v, p, beta, g, S = forward_inputs(numpy, 2, 1, 2, 64, 32, layout="vk", gate="linear", dtype=bfloat16)
+    q, k, v, p, beta, g, S = forward_inputs(2, 1, 2, 64, 32, state_layout="vk", gate="linear", dtype=bfloat16, xp=numpy)
     S_a, o_a = comba_decode_step(S, q[:, 0], k[:, 0], v[:, 0], p[:, 0], beta[:, 0], g[:, 0],
                                  state_layout="vk", gate="linear", use_qk_l2norm=True)
     o_b, S_b = comba_forward(q, k, v, p, beta, g, initial_state=S, state_layout="vk", gate="linear",
@@ -115,7 +117,7 @@ def test_decode_step_options_route_through_the_family():
 # ---------------------------------------------------------------------------------------------- errors
 
 def _fwd():
-    return forward_inputs(numpy, 2, 3, 4, 64, 32)
+    return forward_inputs(2, 3, 4, 64, 32, dtype=F32, xp=numpy)
 
 
 @pytest.mark.parametrize("kwargs,exc,match", [
@@ -154,7 +156,7 @@ def test_forward_shape_errors(i, shape, match):
 
 
 def test_step_errors():
-    q, k, v, _, beta, g, S = forward_inputs(numpy, 2, 1, 4, 64, 32)
+    q, k, v, _, beta, g, S = forward_inputs(2, 1, 4, 64, 32, dtype=F32, xp=numpy)
     with pytest.raises(TypeError, match="state must be"):
         gated_delta_decode_step(None, q[:, 0], k[:, 0], v[:, 0], beta[:, 0], g[:, 0])
     with pytest.raises(ValueError, match=r"state must have shape \(B, H, V, K\)"):

@@ -6,8 +6,8 @@ import pytest
 from cupy_comba import (
     bfloat16, comba_decode_step, comba_forward, gated_delta_decode_step, gated_delta_forward, reference,
 )
+from cupy_comba.inputs import forward_inputs
 
-from recurrent_inputs import forward_inputs
 from seed_port import mt_gated_delta_chunk
 
 cupy = pytest.importorskip("cupy")
@@ -44,8 +44,8 @@ def _ref(comba, q, k, v, p, beta, g, S, scale=None, **opts):
 @pytest.mark.parametrize("l2norm", [False, True], ids=["raw", "l2norm"])
 @pytest.mark.parametrize("T", [1, 5])
 def test_forward_matches_reference(K, layout, comba, gate, l2norm, T):
-    args = forward_inputs(cupy, 3, T, 4, K, 64, Hk=2, layout=layout, gate=gate, seed=K + T, dtype=bfloat16,
-                          unit_keys=not l2norm)
+    args = forward_inputs(3, T, 4, K, 64, Hk=2, state_layout=layout, gate=gate, seed=K + T, dtype=bfloat16,
+                          normalize_keys=not l2norm, xp=cupy)
     opts = dict(state_layout=layout, gate=gate, use_qk_l2norm=l2norm)
     o, S = _run(comba, *args, **opts)
     S_ref, o_ref = _ref(comba, *args, **opts)
@@ -59,7 +59,7 @@ def test_forward_matches_reference(K, layout, comba, gate, l2norm, T):
 @pytest.mark.parametrize("dtype", [bfloat16, F16, F32], ids=lambda d: numpy.dtype(d).name)
 def test_odd_shapes_and_dtypes(shape, layout, dtype):
     B, T, H, K, V = shape
-    args = forward_inputs(cupy, B, T, H, K, V, layout=layout, seed=sum(shape), dtype=dtype)
+    args = forward_inputs(B, T, H, K, V, state_layout=layout, seed=sum(shape), dtype=dtype, xp=cupy)
     o, S = _run(True, *args, state_layout=layout)
     S_ref, o_ref = _ref(True, *args, state_layout=layout)
     assert reference.relative_error(S, S_ref) <= 1e-6
@@ -70,7 +70,8 @@ def test_odd_shapes_and_dtypes(shape, layout, dtype):
 @pytest.mark.parametrize("Hk,H", [(2, 2), (2, 8), (1, 3)])
 def test_seed_parity(T, Hk, H):
     """vk layout, linear gate, scale 1: the metaltile seed's step (T = 1) and chunk (T > 1) kernels."""
-    q, k, v, _, beta, g, S = forward_inputs(numpy, 2, T, H, 128, 64, Hk=Hk, layout="vk", gate="linear", seed=T)
+    q, k, v, _, beta, g, S = forward_inputs(2, T, H, 128, 64, Hk=Hk, state_layout="vk", gate="linear", seed=T,
+                                            dtype=F32, xp=numpy)
     y, S_seed = mt_gated_delta_chunk(q, k, v, g, beta, S)
     dev = [cupy.asarray(a) for a in (q, k, v, beta, g, S)]
     if T == 1:
@@ -86,7 +87,7 @@ def test_seed_parity(T, Hk, H):
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 def test_forward_equals_repeated_steps(layout):
     T = 6
-    q, k, v, p, beta, g, S = forward_inputs(cupy, 4, T, 4, 128, 64, layout=layout, dtype=F32)
+    q, k, v, p, beta, g, S = forward_inputs(4, T, 4, 128, 64, state_layout=layout, dtype=F32, xp=cupy)
     o, S_fwd = comba_forward(q, k, v, p, beta, g, initial_state=S, state_layout=layout)
     state = S
     for t in range(T):
@@ -98,7 +99,7 @@ def test_forward_equals_repeated_steps(layout):
 
 
 def test_comba_with_p_equal_k_is_gated_delta_and_layouts_agree():
-    q, k, v, p, beta, g, S = forward_inputs(cupy, 3, 4, 4, 128, 64, dtype=F32)
+    q, k, v, p, beta, g, S = forward_inputs(3, 4, 4, 128, 64, dtype=F32, xp=cupy)
     o1, S1 = comba_forward(q, k, v, k, beta, g, initial_state=S)
     o2, S2 = gated_delta_forward(q, k, v, beta, g, initial_state=S)
     assert reference.relative_error(o1, o2) <= 1e-6 and reference.relative_error(S1, S2) <= 1e-6
@@ -110,7 +111,7 @@ def test_comba_with_p_equal_k_is_gated_delta_and_layouts_agree():
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 def test_in_place_inputs_unchanged_zero_state_no_final(layout):
-    args = forward_inputs(cupy, 4, 3, 4, 64, 64, layout=layout, seed=3)
+    args = forward_inputs(4, 3, 4, 64, 64, state_layout=layout, seed=3, dtype=F32, xp=cupy)
     q, k, v, p, beta, g, S = args
     before = [a.copy() for a in args]
     o, S_new = comba_forward(q, k, v, p, beta, g, initial_state=S, state_layout=layout)
@@ -128,7 +129,7 @@ def test_in_place_inputs_unchanged_zero_state_no_final(layout):
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 def test_strided_packed_projection(layout):
     B, T, H, K, V = 3, 4, 4, 128, 64
-    q, k, v, p, beta, g, S = forward_inputs(cupy, B, T, H, K, V, layout=layout, dtype=bfloat16)
+    q, k, v, p, beta, g, S = forward_inputs(B, T, H, K, V, state_layout=layout, dtype=bfloat16, xp=cupy)
     packed = _poisoned((B, T, H, 3 * K + V + 8), bfloat16)
     packed[..., :K], packed[..., K:2 * K], packed[..., 2 * K:3 * K], packed[..., 3 * K:3 * K + V] = q, k, p, v
     views = (packed[..., :K], packed[..., K:2 * K], packed[..., 3 * K:3 * K + V], packed[..., 2 * K:3 * K])
@@ -139,8 +140,8 @@ def test_strided_packed_projection(layout):
 
 
 def test_decode_steps_with_options():
-    q, k, v, p, beta, g, S = forward_inputs(cupy, 5, 1, 6, 128, 128, Hk=3, layout="vk", gate="linear",
-                                            dtype=bfloat16, unit_keys=False)
+    q, k, v, p, beta, g, S = forward_inputs(5, 1, 6, 128, 128, Hk=3, state_layout="vk", gate="linear",
+                                            dtype=bfloat16, normalize_keys=False, xp=cupy)
     step = [a[:, 0] for a in (q, k, v, p, beta, g)]
     S1, o1 = comba_decode_step(S, *step, state_layout="vk", gate="linear", use_qk_l2norm=True)
     S_ref, o_ref = reference.comba_step(S, *step, state_layout="vk", gate="linear", use_qk_l2norm=True)
@@ -155,7 +156,7 @@ def test_decode_steps_with_options():
 
 
 def test_long_sequence_stays_accurate():
-    q, k, v, p, beta, g, S = forward_inputs(cupy, 2, 512, 2, 128, 128, dtype=bfloat16, seed=9)
+    q, k, v, p, beta, g, S = forward_inputs(2, 512, 2, 128, 128, dtype=bfloat16, seed=9, xp=cupy)
     o, S_new = comba_forward(q, k, v, p, beta, g, initial_state=S)
     S_ref, o_ref = reference.comba_loop(S, q, k, v, p, beta, g)
     assert reference.relative_error(S_new, S_ref) <= 1e-5
