@@ -47,39 +47,12 @@ def register(op):
     return op
 
 
-def _comba_decode_prepare(shape, dtype, xp, seed=0, variant=None):
-    B, H, K, V = shape
-    state, q, k, v, p, beta, g = decode_inputs(B, H, K, V, dtype=dtype, xp=xp, seed=seed)
-    state_out = xp.full(state.shape, numpy.nan, dtype=float32)
-    out = xp.full((B, H, V), numpy.nan, dtype=dtype)
+def _decode_prepare(comba, layout):
+    """A decode-step case: Comba or Gated DeltaNet (``p = k``), state in the ``layout`` given.
 
-    def run():
-        return _decode_step(state, q, k, v, p, beta, g, None, out, state_out, None, variant)
-
-    def check():
-        state_out.fill(numpy.nan)
-        out.fill(numpy.nan)
-        run()
-        S_ref, o_ref = reference.comba_step(state, q, k, v, p, beta, g)
-        errors = {"state": reference.relative_error(state_out, S_ref), "o": reference.relative_error(out, o_ref)}
-        del S_ref, o_ref
-        return errors
-
-    isz = numpy.dtype(dtype).itemsize
-    nbytes = B * H * (2 * K * V * 4 + 3 * K * isz + 2 * V * isz + isz + 4)
-    return Case(run, check, nbytes, {"state": STATE_TOLERANCE, "o": OUTPUT_TOLERANCE[numpy.dtype(dtype)]})
-
-
-register(BenchOp(
-    name="comba_decode_step",
-    dims=("B", "H", "K", "V"),
-    prepare=_comba_decode_prepare,
-    variants=VARIANTS,
-))
-
-
-def _family_decode_prepare(comba, layout):
-    """A decode-step case of the delta-rule family kernel (Gated DeltaNet, or Comba in the "vk" layout)."""
+    Comba in the "kv" layout takes the kernel ``variant`` (the tuned decode kernels); the
+    other ops have one kernel each.
+    """
 
     def prepare(shape, dtype, xp, seed=0, variant=None):
         B, H, K, V = shape
@@ -90,12 +63,14 @@ def _family_decode_prepare(comba, layout):
             state = xp.ascontiguousarray(xp.swapaxes(state, -1, -2))
         state_out = xp.full(state.shape, numpy.nan, dtype=float32)
         out = xp.full((B, H, V), numpy.nan, dtype=dtype)
-        opts = dict(out=out, state_out=state_out, state_layout=layout)
 
         def run():
-            if comba:
-                return comba_decode_step(state, q, k, v, p, beta, g, **opts)
-            return gated_delta_decode_step(state, q, k, v, beta, g, **opts)
+            if not comba:
+                return gated_delta_decode_step(state, q, k, v, beta, g, out=out, state_out=state_out,
+                                               state_layout=layout)
+            if layout == "kv":
+                return _decode_step(state, q, k, v, p, beta, g, None, out, state_out, None, variant)
+            return comba_decode_step(state, q, k, v, p, beta, g, out=out, state_out=state_out, state_layout=layout)
 
         def check():
             state_out.fill(numpy.nan)
@@ -111,6 +86,8 @@ def _family_decode_prepare(comba, layout):
     return prepare
 
 
-register(BenchOp("gated_delta_decode_step", ("B", "H", "K", "V"), _family_decode_prepare(False, "kv")))
-register(BenchOp("gated_delta_decode_step[vk]", ("B", "H", "K", "V"), _family_decode_prepare(False, "vk")))
-register(BenchOp("comba_decode_step[vk]", ("B", "H", "K", "V"), _family_decode_prepare(True, "vk")))
+_DIMS = ("B", "H", "K", "V")
+register(BenchOp("comba_decode_step", _DIMS, _decode_prepare(True, "kv"), variants=VARIANTS))
+register(BenchOp("gated_delta_decode_step", _DIMS, _decode_prepare(False, "kv")))
+register(BenchOp("gated_delta_decode_step[vk]", _DIMS, _decode_prepare(False, "vk")))
+register(BenchOp("comba_decode_step[vk]", _DIMS, _decode_prepare(True, "vk")))
