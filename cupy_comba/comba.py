@@ -123,18 +123,19 @@ def _decode_step(state, q, k, v, p, beta, g, scale, out, state_out, o_dtype, var
     the host path stays a few microseconds.
     """
     inputs = (state, q, k, v, p, beta, g)
-    xp = namespace_of(dict(zip(_INPUTS, inputs)))
+    named = dict(zip(_INPUTS, inputs))
+    xp = namespace_of(named)
     for name, a in (("out", out), ("state_out", state_out)):
         if a is not None and not isinstance(a, xp.ndarray):
             raise TypeError(f"{name} must be a {xp.__name__} array like the inputs, got {type(a).__name__}")
-    device = common_device(dict(zip(_INPUTS, inputs), out=out, state_out=state_out)) if xp is cupy else None
+    device = common_device(dict(named, out=out, state_out=state_out)) if xp is cupy else None
     if scale is not None:
         scale = real_scalar("scale", scale)
     plan = _plan(signature(state), signature(q), signature(k), signature(v), signature(p),
                  signature(beta), signature(g), scale,
                  None if out is None else signature(out),
                  None if o_dtype is None else numpy.dtype(o_dtype), device, variant)
-    check_outputs(dict(zip(_INPUTS, inputs)), plan.spans, out, plan.out_span, state_out, state.shape,
+    check_outputs(named, plan.spans, out, plan.out_span, state_out, state.shape,
                   "(B, H, K, V)")
     if xp is numpy:
         return _numpy_step(plan, state, q, k, v, p, beta, g, out, state_out)
@@ -221,9 +222,9 @@ def _device_limits(device):
 
 def _ring_layout(K, V, rg, device):
     """``(nstage, shared bytes, CTAs per SM)`` of the pipelined kernel, or None if it cannot take the shape."""
-    if K * V > _MAX_TILE_FLOATS or (K, rg) not in _PIPELINED_ROW_GROUPS or _device_limits(device)[3] < 90:
+    _, per_block, per_sm, cc = _device_limits(device)
+    if K * V > _MAX_TILE_FLOATS or (K, rg) not in _PIPELINED_ROW_GROUPS or cc < 90:
         return None
-    _, per_block, per_sm, _ = _device_limits(device)
     nv = (3 * K + V + 2 + 3) & ~3
     fixed = 128 + 2 * nv * 4 + (2 * rg + 2) * (V // 4) * 16 + (rg + 1) * 4
     tile = K * V * 4
