@@ -34,9 +34,9 @@ def expect_shape(name, shape, expected, meaning):
         raise ValueError(f"{name} must have shape {meaning} = {tuple(expected)}, got {tuple(shape)}")
 
 
-def check_state_dtype(name, a):
-    if a.dtype != float32:
-        raise TypeError(f"{name} must be float32 (the recurrent state is kept in fp32), got {dtype_name(a.dtype)}")
+def check_state_dtype(name, dtype):
+    if dtype != float32:
+        raise TypeError(f"{name} must be float32 (the recurrent state is kept in fp32), got {dtype_name(dtype)}")
 
 
 def check_head_sizes(K, V):
@@ -154,7 +154,7 @@ def check_outputs(named_inputs, spans, out, out_span, state_out, state_shape, st
         if state_out.shape != state_shape or state_out.dtype != float32:
             check_writable_output("state_out", state_out.shape, state_out.strides, state_out.itemsize,
                                   state_shape, state_meaning)
-            check_state_dtype("state_out", state_out)
+            check_state_dtype("state_out", state_out.dtype)
         if not state_out.flags.c_contiguous:
             raise ValueError("state_out must be C-contiguous")
         lo = ptr_of(state_out)

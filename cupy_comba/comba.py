@@ -9,8 +9,8 @@ from .recurrent import comba_step_with_options
 from ._backend import cupy, deliver
 from ._build import _PIPELINED_ROW_GROUPS, get_kernel
 from ._checks import (
-    c_strides, check_head_sizes, check_heads, check_outputs, check_writable_output, common_device, expect_shape,
-    namespace_of, real_scalar, resolve_output_dtype, resolve_scale, signature, span_of,
+    c_strides, check_head_sizes, check_heads, check_outputs, check_state_dtype, check_writable_output, common_device,
+    expect_shape, namespace_of, real_scalar, resolve_output_dtype, resolve_scale, signature, span_of,
 )
 from ._dtypes import ACTIVATION_CODES, ACTIVATION_NAMES, dtype_name, float32
 from ._params import DECODE_PARAMS, pack
@@ -168,8 +168,7 @@ def _plan(state, q, k, v, p, beta, g, scale, out, o_dtype, device, variant):
     expect_shape("beta", shapes["beta"], (B, H), "(B, H)")
     expect_shape("g", shapes["g"], (B, H), "(B, H)")
     check_head_sizes(K, V)
-    if state[2] != float32:
-        raise TypeError(f"state must be float32 (the recurrent state is kept in fp32), got {dtype_name(state[2])}")
+    check_state_dtype("state", state[2])
     for name in ("q", "k", "v", "p", "beta", "g"):
         if sig[name][2] not in ACTIVATION_CODES:
             raise TypeError(f"{name} must be {ACTIVATION_NAMES}, got {dtype_name(sig[name][2])}")

@@ -22,8 +22,8 @@ from . import reference
 from ._backend import cupy, deliver
 from ._build import get_kernel
 from ._checks import (
-    c_strides, check_head_sizes, check_heads, check_outputs, common_device, check_writable_output, expect_shape,
-    namespace_of, real_scalar, resolve_output_dtype, resolve_scale, signature, span_of,
+    c_strides, check_head_sizes, check_heads, check_outputs, check_state_dtype, check_writable_output, common_device,
+    expect_shape, namespace_of, real_scalar, resolve_output_dtype, resolve_scale, signature, span_of,
 )
 from ._dtypes import ACTIVATION_CODES, ACTIVATION_NAMES, dtype_name, float32
 from ._params import FORWARD_PARAMS, pack
@@ -216,9 +216,7 @@ def _plan(q, k, v, p, beta, g, state, out, o_dtype, scale, write_final, state_la
     sname = "state" if step else "initial_state"
     if state is not None:
         expect_shape(sname, state[0], state_shape, f"{state_meaning} for state_layout={state_layout!r}")
-        if state[2] != float32:
-            raise TypeError(f"{sname} must be float32 (the recurrent state is kept in fp32), "
-                            f"got {dtype_name(state[2])}")
+        check_state_dtype(sname, state[2])
         if device is not None and B * H and state[1] != c_strides(state[0], 4):
             raise ValueError(f"{sname} must be C-contiguous on the GPU")
     o_shape = tok + (H, V)
