@@ -18,23 +18,32 @@ from importlib import resources
 
 from ._backend import cupy
 
-# (columns per warp, warps sharing the K axis) of the warp-slab decode kernel.
-_WARP_TILINGS = ((32, 1), (16, 1), (32, 2), (32, 4))
+#: Tilings of the decode kernels (kernels_cu/decode_step.cu): ``(COLS, RG)`` of
+#: ``decode_step_kv`` -- a CTA is a COLS-column slab of one head, RG row groups -- and, per K,
+#: ``(R, NW)`` of ``decode_step_vk`` -- NW warps, R state rows per lane.
+KV_TILINGS = ((64, 8), (64, 4), (32, 8), (32, 16))
+VK_TILINGS = {64: ((8, 2), (16, 2)), 128: ((16, 2), (16, 4))}
 
-# (K, row groups) of the pipelined decode kernel: 16 warps per CTA at V = 128.
-_PIPELINED_ROW_GROUPS = ((64, 16), (128, 16))
+
+def _flag(x):
+    return str(bool(x)).lower()
+
 
 #: module name -> (source file, kernel name expressions compiled from it)
 SPECIALISATIONS = {
-    "comba_decode": (
-        "comba_decode.cu",
-        tuple(f"comba::comba_decode_step<{K}, {cols}, {ks}>" for K in (64, 128) for cols, ks in _WARP_TILINGS)
-        + tuple(f"comba::comba_decode_step_pipelined<{K}, {rg}>" for K, rg in _PIPELINED_ROW_GROUPS)
-
+    "decode_kv": (
+        "decode_step.cu",
+        tuple(f"comba::decode_step_kv<{K}, {c}, {r}, {_flag(sep)}>"
+              for K in (64, 128) for c, r in KV_TILINGS for sep in (True, False)),
+    ),
+    "decode_vk": (
+        "decode_step.cu",
+        tuple(f"comba::decode_step_vk<{K}, {r}, {w}, {_flag(sep)}>"
+              for K in (64, 128) for r, w in VK_TILINGS[K] for sep in (True, False)),
     ),
     "delta_rule": (
         "delta_rule.cu",
-        tuple(f"comba::delta_rule_forward<{K}, {str(vk).lower()}, {str(sep).lower()}>"
+        tuple(f"comba::delta_rule_forward<{K}, {_flag(vk)}, {_flag(sep)}>"
               for K in (64, 128) for vk in (False, True) for sep in (True, False)),
     ),
     "copy": ("copy.cu", ("comba::copy_float4",)),

@@ -10,8 +10,10 @@ One argument order for every op -- ``(state, q, k, v, [p,] beta, g)`` for steps,
 * grouped value attention: q, k, p have ``Hk`` heads, v, beta, g and the state ``H``,
   ``H % Hk == 0``, head ``h`` reads key head ``h // (H // Hk)``.
 
-All of them run ``kernels_cu/delta_rule.cu`` (one launch; the state stays in registers across
-the T tokens) on CuPy arrays, and the float64 reference on NumPy arrays.
+On CuPy arrays a single token (the decode steps, and a forward pass with T = 1 from a given
+state) runs ``kernels_cu/decode_step.cu`` with the tiling :mod:`cupy_comba.tiling` picks; T > 1
+tokens run ``kernels_cu/delta_rule.cu`` (one launch; the state stays in registers across the
+T tokens).  NumPy arrays run the float64 reference.
 """
 
 import functools
@@ -20,13 +22,14 @@ import numpy
 
 from . import reference
 from ._backend import cupy, deliver
+from . import tiling
 from ._build import get_kernel
 from ._checks import (
     c_strides, check_head_sizes, check_heads, check_outputs, check_state_dtype, check_writable_output, common_device,
     expect_shape, namespace_of, real_scalar, resolve_output_dtype, resolve_scale, signature, span_of,
 )
 from ._dtypes import ACTIVATION_CODES, ACTIVATION_NAMES, dtype_name, float32
-from ._params import FORWARD_PARAMS, pack
+from ._params import pack
 
 _WARPS_PER_BLOCK = 4  # kForwardWarps in kernels_cu/delta_rule.cu
 _NAMES = ("q", "k", "v", "p", "beta", "g")
@@ -132,17 +135,14 @@ def gated_delta_forward(q, k, v, beta, g, scale=None, *, initial_state=None, out
                 state_layout, gate, use_qk_l2norm, step=False)
 
 
-def comba_step_with_options(state, q, k, v, p, beta, g, scale, out, state_out, o_dtype, state_layout, gate,
-                            use_qk_l2norm):
-    """The Comba decode step through this family's kernel (``comba_decode_step`` with options)."""
-    return _run(q, k, v, p, beta, g, scale, state, True, out, state_out, o_dtype, state_layout, gate,
-                use_qk_l2norm, step=True)
-
-
 # ------------------------------------------------------------------------------------------------
 
 def _run(q, k, v, p, beta, g, scale, state, output_final_state, out, state_out, o_dtype, state_layout, gate,
-         use_qk_l2norm, *, step):
+         use_qk_l2norm, *, step, variant=None):
+    """Every op of the family: validate (cached per signature), then launch or run the reference.
+
+    ``variant`` forces a decode tiling (:mod:`cupy_comba.tiling`; benchmarks and tests only).
+    """
     if step and state is None:
         raise TypeError("state must be a cupy.ndarray or numpy.ndarray, got NoneType")
     named = {"q": q, "k": k, "v": v, "beta": beta, "g": g}
@@ -164,7 +164,7 @@ def _run(q, k, v, p, beta, g, scale, state, output_final_state, out, state_out, 
     plan = _plan(signature(q), signature(k), signature(v), None if p is None else signature(p), signature(beta),
                  signature(g), None if state is None else signature(state),
                  None if out is None else signature(out), None if o_dtype is None else numpy.dtype(o_dtype),
-                 scale, bool(output_final_state), state_layout, gate, bool(use_qk_l2norm), step, device)
+                 scale, bool(output_final_state), state_layout, gate, bool(use_qk_l2norm), step, device, variant)
     inputs = (q, k, v, p, beta, g, state)
     check_outputs(dict(zip(_NAMES + ("state",), inputs)), plan.spans, out, plan.out_span, state_out,
                   plan.state_shape, "the state's shape")
@@ -177,22 +177,31 @@ def _run(q, k, v, p, beta, g, scale, state, output_final_state, out, state_out, 
 
 class _Plan:
     __slots__ = ("B", "T", "H", "K", "V", "scale", "scale_arg", "o_dtype", "o_shape", "state_shape", "write_final",
-                 "spans", "out_span", "kernel", "grid", "params", "step")
+                 "spans", "out_span", "kernel", "grid", "block", "params", "step")
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(q, k, v, p, beta, g, state, out, o_dtype, scale, write_final, state_layout, gate, l2norm, step, device):
+def _plan(q, k, v, p, beta, g, state, out, o_dtype, scale, write_final, state_layout, gate, l2norm, step, device,
+          variant):
     """Validate one call signature and precompute its launch (cached)."""
     reference._check_options(state_layout, gate)
     sig = {"q": q, "k": k, "v": v, "p": p, "beta": beta, "g": g}
     lead, lead_name = (2, "(B, ") if step else (3, "(B, T, ")
+    state_meaning = "(B, H, K, V)" if state_layout == "kv" else "(B, H, V, K)"
+    if step and len(state[0]) != 4:
+        raise ValueError(f"state must be 4-D {state_meaning}, got shape {state[0]}")
     for name in ("q", "k", "p"):
         if sig[name] is not None and len(sig[name][0]) != lead + 1:
             raise ValueError(f"{name} must be {lead + 1}-D {lead_name}Hk, K), got shape {sig[name][0]}")
     if len(v[0]) != lead + 1:
         raise ValueError(f"v must be {lead + 1}-D {lead_name}H, V), got shape {v[0]}")
-    if step:
-        (B, Hk, K), (H, V), T = q[0], v[0][1:], 1
+    if step:  # a step's sizes come from its state: every other shape is checked against them
+        B, H, K, V = state[0] if state_layout == "kv" else (*state[0][:2], state[0][3], state[0][2])
+        Hk, T = q[0][1], 1
+        if (K, V) != (q[0][-1], v[0][-1]) and (V, K) == (q[0][-1], v[0][-1]):
+            want = (B, H, V, K) if state_layout == "kv" else (B, H, K, V)
+            raise ValueError(f"state must have shape {state_meaning} for state_layout={state_layout!r} = {want}, "
+                             f"got {state[0]} (a state in the other layout?)")
     else:
         (B, T, Hk, K), (H, V) = q[0], v[0][2:]
     check_heads(H, Hk)
@@ -212,7 +221,6 @@ def _plan(q, k, v, p, beta, g, state, out, o_dtype, scale, write_final, state_la
         if any(st % s[2].itemsize for st in s[1]):
             raise ValueError(f"{name} has strides {s[1]} that are not a multiple of its itemsize")
     state_shape = (B, H, K, V) if state_layout == "kv" else (B, H, V, K)
-    state_meaning = "(B, H, K, V)" if state_layout == "kv" else "(B, H, V, K)"
     sname = "state" if step else "initial_state"
     if state is not None:
         expect_shape(sname, state[0], state_shape, f"{state_meaning} for state_layout={state_layout!r}")
@@ -232,7 +240,7 @@ def _plan(q, k, v, p, beta, g, state, out, o_dtype, scale, write_final, state_la
     plan.spans = tuple(None if s is None else span_of(s[0], s[1], s[2].itemsize)
                        for s in (q, k, v, p, beta, g, state))
     plan.out_span = None if out is None else span_of(out[0], out[1], out[2].itemsize)
-    plan.kernel = plan.grid = plan.params = None
+    plan.kernel = plan.grid = plan.block = plan.params = None
     if device is None:
         return plan
 
@@ -254,11 +262,18 @@ def _plan(q, k, v, p, beta, g, state, out, o_dtype, scale, write_final, state_la
     values["o_t"] = ACTIVATION_CODES[o_dtype]
     values.update(gate_linear=gate == "linear", l2norm=l2norm, has_initial=state is not None,
                   write_final=write_final)
-    plan.params = pack(FORWARD_PARAMS, values)
+    plan.params = pack(values)
     vk = state_layout == "vk"
+    if T == 1 and state is not None and write_final:
+        # One token from a given state: the decode kernels (read once, write once).
+        variant = variant or tiling.choose(state_layout, B * H, K, V, device)
+        plan.kernel, plan.grid, plan.block = tiling.launch(state_layout, variant, B * H, K, V, p is not None, device)
+        return plan
+    if variant is not None:
+        raise ValueError("a decode variant applies to one token from a given state only")
     per_task = 8 * (128 // K) if vk else 16
     tasks = B * H * (V // per_task)
-    plan.grid = ((tasks + _WARPS_PER_BLOCK - 1) // _WARPS_PER_BLOCK,)
+    plan.grid, plan.block = ((tasks + _WARPS_PER_BLOCK - 1) // _WARPS_PER_BLOCK,), (_WARPS_PER_BLOCK * 32,)
     with cupy.cuda.Device(device):
         plan.kernel = get_kernel("delta_rule", f"comba::delta_rule_forward<{K}, {str(vk).lower()}, "
                                                f"{str(p is not None).lower()}>", device)
@@ -280,7 +295,7 @@ def _cuda_run(plan, inputs, out, state_out):
     if plan.B * plan.H:
         src = state if state is not None else out          # not read when there is no initial state
         dst = state_out if state_out is not None else out  # not written when write_final is off
-        plan.kernel(plan.grid, (_WARPS_PER_BLOCK * 32,),
+        plan.kernel(plan.grid, plan.block,
                     (src, dst, q, k, v, p if p is not None else k, beta, g, out, plan.params,
                      plan.scale_arg))
     return out, state_out

@@ -57,16 +57,15 @@ __device__ __forceinline__ void store_act(void* base, long long i, long long dty
     }
 }
 
-// The state is touched exactly once per launch: stream it past L1/L2
-// (evict-first) so it does not push the small vectors out of cache.  Plain
-// `ld.global.cs`, not the read-only `.nc` path: the state may be updated in
-// place (state_out == state).
-__device__ __forceinline__ float4 load_stream(const float* p) {
-    return __ldcs(reinterpret_cast<const float4*>(p));
+// State accesses: plain 16-byte loads and stores.  Not `.nc` (the state may be updated in
+// place, state_out == state) and deliberately no streaming hint: on the H200, `.cs` loads and
+// stores cost 4-7 % of copy bandwidth in every decode tiling we measured (docs/design.md).
+__device__ __forceinline__ float4 load_state(const float* p) {
+    return *reinterpret_cast<const float4*>(p);
 }
 
-__device__ __forceinline__ void store_stream(float* p, float4 x) {
-    __stcs(reinterpret_cast<float4*>(p), x);
+__device__ __forceinline__ void store_state(float* p, float4 x) {
+    *reinterpret_cast<float4*>(p) = x;
 }
 
 // The two K-reductions of the delta rule for one float4 of state columns:

@@ -30,33 +30,11 @@
 // flight at once, so a memory latency is paid once per chunk rather than once per token --
 // normalises them there if asked, then runs the C recurrence steps from shared memory.
 #include "common.cuh"
+#include "params.cuh"
 
 namespace comba {
 
-// Must match FORWARD_FIELDS in cupy_comba/_params.py (all int64, same order).
-struct ForwardParams {
-    long long B, T, H, group, V;              // group = H / Hk
-    long long q_sb, q_st, q_sh, q_sk;
-    long long k_sb, k_st, k_sh, k_sk;
-    long long p_sb, p_st, p_sh, p_sk;
-    long long v_sb, v_st, v_sh, v_sv;
-    long long beta_sb, beta_st, beta_sh;
-    long long g_sb, g_st, g_sh;
-    long long o_sb, o_st, o_sh, o_sv;
-    long long q_t, k_t, p_t, v_t, beta_t, g_t, o_t;
-    long long gate_linear, l2norm, has_initial, write_final;
-};
-
 constexpr int kForwardWarps = 4;
-constexpr float kL2NormEps = 1e-6f;
-
-__device__ __forceinline__ float warp_sum(float x, int first, int last) {
-#pragma unroll
-    for (int off = first; off <= last; off <<= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-    return x;
-}
-
-__device__ __forceinline__ float gate_of(float g, long long linear) { return linear ? g : expf(g); }
 
 template <int K>
 __host__ __device__ constexpr int chunk_tokens() { return 512 / K; }
@@ -83,7 +61,7 @@ struct Stage {
 template <int K, bool SEPARATE_P>
 __device__ __forceinline__ void stage_chunk(const Stage<K, SEPARATE_P>& st, const void* q, const void* k,
                                             const void* v, const void* p, const void* beta, const void* g,
-                                            const ForwardParams& prm, long long b, long long h, long long hk,
+                                            const Params& prm, long long b, long long h, long long hk,
                                             long long t0, long long vbase, int nv) {
     constexpr int C = Stage<K, SEPARATE_P>::C, VS = Stage<K, SEPARATE_P>::VS, E = K / 32;
     const int lane = threadIdx.x & 31;
@@ -119,9 +97,9 @@ __device__ __forceinline__ void stage_chunk(const Stage<K, SEPARATE_P>& st, cons
                 sk = fmaf(st.k[i], st.k[i], sk);
                 if (SEPARATE_P) sp = fmaf(st.p[i], st.p[i], sp);
             }
-            const float fq = rsqrtf(warp_sum(sq, 1, 16) + kL2NormEps);
-            const float fk = rsqrtf(warp_sum(sk, 1, 16) + kL2NormEps);
-            const float fp = SEPARATE_P ? rsqrtf(warp_sum(sp, 1, 16) + kL2NormEps) : 1.f;
+            const float fq = rsqrtf(lane_sum(sq, 1, 16) + kL2NormEps);
+            const float fk = rsqrtf(lane_sum(sk, 1, 16) + kL2NormEps);
+            const float fp = SEPARATE_P ? rsqrtf(lane_sum(sp, 1, 16) + kL2NormEps) : 1.f;
 #pragma unroll
             for (int j = 0; j < E; ++j) {
                 const int i = c * K + lane + 32 * j;
@@ -139,7 +117,7 @@ __device__ __forceinline__ void stage_chunk(const Stage<K, SEPARATE_P>& st, cons
 template <int K, bool SEPARATE_P>
 __device__ __forceinline__ void forward_kv(const float* state, float* state_out, const void* q, const void* k,
                                            const void* v, const void* p, const void* beta, const void* g, void* o,
-                                           const ForwardParams& prm, float scale, long long task, float* scratch) {
+                                           const Params& prm, float scale, long long task, float* scratch) {
     constexpr int COLS = 16, LC = 4, RG = 8, R = K / RG;
     using St = Stage<K, SEPARATE_P>;
     const Stage<K, SEPARATE_P> st(scratch);
@@ -155,7 +133,7 @@ __device__ __forceinline__ void forward_kv(const float* state, float* state_out,
     float4 s[R];
     if (prm.has_initial) {
 #pragma unroll
-        for (int i = 0; i < R; ++i) s[i] = load_stream(state + head + static_cast<long long>(i * RG + rg) * prm.V + col);
+        for (int i = 0; i < R; ++i) s[i] = load_state(state + head + static_cast<long long>(i * RG + rg) * prm.V + col);
     } else {
 #pragma unroll
         for (int i = 0; i < R; ++i) s[i] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -179,10 +157,10 @@ __device__ __forceinline__ void forward_kv(const float* state, float* state_out,
             }
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                sp[j] = warp_sum(sp[j], LC, 16);
-                sq[j] = warp_sum(sq[j], LC, 16);
+                sp[j] = lane_sum(sp[j], LC, 16);
+                sq[j] = lane_sum(sq[j], LC, 16);
             }
-            qk = warp_sum(qk, LC, 16);
+            qk = lane_sum(qk, LC, 16);
             const float u[4] = {bt * (vc.x - e * sp[0]), bt * (vc.y - e * sp[1]), bt * (vc.z - e * sp[2]),
                                 bt * (vc.w - e * sp[3])};
 #pragma unroll
@@ -197,7 +175,7 @@ __device__ __forceinline__ void forward_kv(const float* state, float* state_out,
     }
     if (prm.write_final) {
 #pragma unroll
-        for (int i = 0; i < R; ++i) store_stream(state_out + head + static_cast<long long>(i * RG + rg) * prm.V + col, s[i]);
+        for (int i = 0; i < R; ++i) store_state(state_out + head + static_cast<long long>(i * RG + rg) * prm.V + col, s[i]);
     }
 }
 
@@ -206,7 +184,7 @@ __device__ __forceinline__ void forward_kv(const float* state, float* state_out,
 template <int K, bool SEPARATE_P>
 __device__ __forceinline__ void forward_vk(const float* state, float* state_out, const void* q, const void* k,
                                            const void* v, const void* p, const void* beta, const void* g, void* o,
-                                           const ForwardParams& prm, float scale, long long task, float* scratch) {
+                                           const Params& prm, float scale, long long task, float* scratch) {
     constexpr int LK = K / 4, RG = 32 / LK, NR = 8, ROWS = NR * RG;
     using St = Stage<K, SEPARATE_P>;
     static_assert(ROWS <= St::VS, "the staged v slab must hold the warp's rows");
@@ -223,7 +201,7 @@ __device__ __forceinline__ void forward_vk(const float* state, float* state_out,
     float4 s[NR];
     if (prm.has_initial) {
 #pragma unroll
-        for (int i = 0; i < NR; ++i) s[i] = load_stream(state + head + (row0 + i * RG) * K + kg * 4);
+        for (int i = 0; i < NR; ++i) s[i] = load_state(state + head + (row0 + i * RG) * K + kg * 4);
     } else {
 #pragma unroll
         for (int i = 0; i < NR; ++i) s[i] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -236,12 +214,12 @@ __device__ __forceinline__ void forward_vk(const float* state, float* state_out,
             const float4 ck = *reinterpret_cast<const float4*>(st.k + c * K + kg * 4);
             const float4 cp = *reinterpret_cast<const float4*>(st.p + c * K + kg * 4);
             const float bt = st.bg[2 * c], e = gate_of(st.bg[2 * c + 1], prm.gate_linear);
-            const float qk = warp_sum(cq.x * ck.x + cq.y * ck.y + cq.z * ck.z + cq.w * ck.w, 1, LK / 2);
+            const float qk = lane_sum(cq.x * ck.x + cq.y * ck.y + cq.z * ck.z + cq.w * ck.w, 1, LK / 2);
             const long long ob = b * prm.o_sb + (t0 + c) * prm.o_st + h * prm.o_sh;
 #pragma unroll
             for (int i = 0; i < NR; ++i) {
-                const float sp = warp_sum(cp.x * s[i].x + cp.y * s[i].y + cp.z * s[i].z + cp.w * s[i].w, 1, LK / 2);
-                const float sq = warp_sum(cq.x * s[i].x + cq.y * s[i].y + cq.z * s[i].z + cq.w * s[i].w, 1, LK / 2);
+                const float sp = lane_sum(cp.x * s[i].x + cp.y * s[i].y + cp.z * s[i].z + cp.w * s[i].w, 1, LK / 2);
+                const float sq = lane_sum(cq.x * s[i].x + cq.y * s[i].y + cq.z * s[i].z + cq.w * s[i].w, 1, LK / 2);
                 const float u = bt * (st.v[c * St::VS + rg + i * RG] - e * sp);
                 s[i] = make_float4(fmaf(e, s[i].x, ck.x * u), fmaf(e, s[i].y, ck.y * u), fmaf(e, s[i].z, ck.z * u),
                                    fmaf(e, s[i].w, ck.w * u));
@@ -251,7 +229,7 @@ __device__ __forceinline__ void forward_vk(const float* state, float* state_out,
     }
     if (prm.write_final) {
 #pragma unroll
-        for (int i = 0; i < NR; ++i) store_stream(state_out + head + (row0 + i * RG) * K + kg * 4, s[i]);
+        for (int i = 0; i < NR; ++i) store_state(state_out + head + (row0 + i * RG) * K + kg * 4, s[i]);
     }
 }
 
@@ -260,7 +238,7 @@ template <int K, bool VK, bool SEPARATE_P>
 __global__ void __launch_bounds__(kForwardWarps * 32)
 delta_rule_forward(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
                    const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
-                   const void* __restrict__ g, void* __restrict__ o, const ForwardParams prm, const float scale) {
+                   const void* __restrict__ g, void* __restrict__ o, const Params prm, const float scale) {
     __shared__ __align__(16) float scratch[kForwardWarps][Stage<K, SEPARATE_P>::FLOATS];
     const int warp = threadIdx.x >> 5;
     const long long rows_per_task = VK ? 8 * (128 / K) : 16;  // V-rows (VK) or V-columns (KV) per warp

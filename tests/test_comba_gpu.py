@@ -5,10 +5,9 @@ import itertools
 import numpy
 import pytest
 
-from cupy_comba import bfloat16, comba_decode_step, reference
-from cupy_comba._build import _PIPELINED_ROW_GROUPS
-from cupy_comba.comba import VARIANTS, _decode_step
+from cupy_comba import bfloat16, comba_decode_step, reference, tiling
 from cupy_comba.inputs import decode_inputs, decode_token
+from cupy_comba.recurrent import _run
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -20,6 +19,12 @@ STATE_TOL = 1e-6
 
 def _gpu_inputs(B, H, K, V, seed=0, **kw):
     return list(decode_inputs(B, H, K, V, xp=cupy, seed=seed, **kw))
+
+
+def _decode_step(state, q, k, v, p, beta, g, scale, out, state_out, o_dtype, variant, layout="kv", comba=True):
+    """The op's own path with the tiling forced (None: the op's choice)."""
+    return _run(q, k, v, p if comba else None, beta, g, scale, state, True, out, state_out, o_dtype, layout, "log",
+                False, step=True, variant=variant)
 
 
 def _run_poisoned(args, variant=None, o_dtype=None, **kw):
@@ -40,23 +45,17 @@ def _errors(args, S, o, scale=None):
 SMALL = [(8, 4, 128, 128), (16, 2, 64, 128), (4, 8, 128, 64), (32, 4, 64, 64)]
 ODD = [(1, 1, 128, 128), (1, 1, 64, 32), (3, 5, 64, 96), (2, 3, 128, 256), (5, 2, 128, 96), (2, 2, 64, 512),
        (257, 3, 64, 32)]
-# Many heads per CTA: the pipelined kernel's shared-memory ring wraps around many times.
-RING = [(600, 4, 128, 128), (257, 9, 64, 96), (100, 11, 64, 256), (301, 7, 128, 32)]
+# Large grids: many CTAs per SM, several waves.
+LARGE = [(600, 4, 128, 128), (257, 9, 64, 96), (100, 11, 64, 256), (301, 7, 128, 32)]
 
 
-def _fits_ring(variant, K, V):
-    if not variant or not variant.startswith("pipe"):
-        return True
-    return K * V <= 16384 and (K, int(variant[4:])) in _PIPELINED_ROW_GROUPS
-
-
-@pytest.mark.parametrize("shape", SMALL + ODD + RING, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("variant", (None,) + VARIANTS, ids=lambda v: v or "auto")
+@pytest.mark.parametrize("shape", SMALL + ODD + LARGE, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("variant", (None,) + tiling.KV_VARIANTS, ids=lambda v: v or "auto")
 @pytest.mark.parametrize("dtype", [bfloat16, F16, F32], ids=lambda d: numpy.dtype(d).name)
 def test_matches_reference(shape, variant, dtype):
     args = _gpu_inputs(*shape, dtype=dtype, seed=sum(shape))
-    if not _fits_ring(variant, shape[2], shape[3]):
-        with pytest.raises(ValueError, match="cannot take"):
+    if variant is not None and variant not in tiling.variants("kv", shape[2], shape[3]):
+        with pytest.raises(ValueError, match="cannot run"):
             _run_poisoned(args, variant)
         return
     S, o = _run_poisoned(args, variant)
@@ -66,7 +65,7 @@ def test_matches_reference(shape, variant, dtype):
 
 
 @pytest.mark.parametrize("H,Hk", [(8, 2), (16, 4), (6, 1)])
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", tiling.variants("kv", 128, 64))
 def test_grouped_value_heads(H, Hk, variant):
     args = _gpu_inputs(300, H, 128, 64, Hk=Hk, seed=H)
     S, o = _run_poisoned(args, variant)
@@ -109,7 +108,7 @@ def test_inputs_unchanged_and_new_outputs():
         assert bool(cupy.array_equal(a.view(cupy.uint8), b.view(cupy.uint8)))
 
 
-@pytest.mark.parametrize("shape", [(16, 4, 128, 128), (700, 4, 128, 128)], ids=["small", "ring"])
+@pytest.mark.parametrize("shape", [(16, 4, 128, 128), (700, 4, 128, 128)], ids=["small", "large"])
 def test_in_place_update(shape):
     args = _gpu_inputs(*shape, seed=5)
     S_ref, o_ref = reference.comba_step(*args)
@@ -194,10 +193,10 @@ def test_gpu_argument_errors():
     with pytest.raises(ValueError, match="16-byte boundary"):
         flat = cupy.empty(args[0].size + 1, F32)
         comba_decode_step(flat[1:].reshape(args[0].shape), *args[1:])
-    with pytest.raises(ValueError, match="unknown kernel variant"):
+    with pytest.raises(ValueError, match="cannot run"):
         _decode_step(*args, None, None, None, None, "warp7")
-    with pytest.raises(ValueError, match="cannot take"):
-        _decode_step(*_gpu_inputs(2, 2, 128, 256), None, None, None, None, "pipe16")
+    with pytest.raises(ValueError, match="cannot run"):
+        _decode_step(*_gpu_inputs(2, 2, 128, 96), None, None, None, None, "kv64x8")
 
 
 def test_arrays_on_different_devices():

@@ -4,9 +4,10 @@ import numpy
 import pytest
 
 from cupy_comba import (
-    bfloat16, comba_decode_step, comba_forward, gated_delta_decode_step, gated_delta_forward, reference,
+    bfloat16, comba_decode_step, comba_forward, gated_delta_decode_step, gated_delta_forward, reference, tiling,
 )
 from cupy_comba.inputs import forward_inputs
+from cupy_comba.recurrent import _run as _family_run
 
 from seed_port import mt_gated_delta_chunk
 
@@ -51,6 +52,31 @@ def test_forward_matches_reference(K, layout, comba, gate, l2norm, T):
     S_ref, o_ref = _ref(comba, *args, **opts)
     assert reference.relative_error(S, S_ref) <= 1e-6
     assert reference.relative_error(o, o_ref) <= O_TOL[numpy.dtype(bfloat16)]
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("K,V", [(64, 128), (128, 128), (128, 96), (64, 256), (128, 32)])
+@pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
+@pytest.mark.parametrize("gate,l2norm", [("log", False), ("linear", True)], ids=["log", "linear-l2norm"])
+def test_every_decode_tiling(layout, K, V, comba, gate, l2norm):
+    """Each decode kernel tiling, both layouts, both ops, the options, GVA, a grid of many CTAs."""
+    B, H, Hk = 37, 4, 2
+    q, k, v, p, beta, g, S = forward_inputs(B, 1, H, K, V, Hk=Hk, state_layout=layout, gate=gate, seed=K + V,
+                                            dtype=bfloat16, normalize_keys=not l2norm, xp=cupy)
+    q, k, v, p, beta, g = (a[:, 0] for a in (q, k, v, p, beta, g))
+    p = p if comba else None
+    opts = dict(state_layout=layout, gate=gate, use_qk_l2norm=l2norm)
+    S_ref, o_ref = reference.comba_step(S, q, k, v, k if p is None else p, beta, g, **opts)
+    before = S.copy()
+    for variant in tiling.variants(layout, K, V):
+        out, state_out = _poisoned((B, H, V), bfloat16), _poisoned(S.shape, F32)
+        _family_run(q, k, v, p, beta, g, None, S, True, out, state_out, None, layout, gate, l2norm, step=True,
+                    variant=variant)
+        assert reference.relative_error(state_out, S_ref) <= 1e-6, variant
+        assert reference.relative_error(out, o_ref) <= O_TOL[numpy.dtype(bfloat16)], variant
+    assert bool(cupy.array_equal(S, before))
+    S_new, o = comba_decode_step(S, q, k, v, k if p is None else p, beta, g, state_out=S, **opts)  # in place
+    assert S_new is S and reference.relative_error(S, S_ref) <= 1e-6
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 1, 64, 32), (2, 3, 5, 128, 96), (3, 2, 3, 64, 256), (257, 2, 3, 128, 32),

@@ -11,8 +11,8 @@ import numpy
 
 from .. import reference
 from .._dtypes import bfloat16, float16, float32
-from ..comba import VARIANTS, _decode_step, comba_decode_step
-from ..recurrent import gated_delta_decode_step
+from .. import tiling
+from ..recurrent import _run
 from ..inputs import decode_inputs
 
 #: Error gates of the full-size check: fp32 state, and o by its dtype's rounding.
@@ -35,7 +35,7 @@ class BenchOp:
     name: str
     dims: tuple                          # names of the shape fields, e.g. ("B", "H", "K", "V")
     prepare: Callable                    # (shape, dtype, xp, seed, variant) -> Case
-    variants: tuple = (None,)            # specialisations `check` exercises (None = the default choice)
+    variants: Callable = lambda shape: (None,)  # shape -> specialisations `check` runs (None = default)
 
 
 OPS = {}
@@ -48,11 +48,8 @@ def register(op):
 
 
 def _decode_prepare(comba, layout):
-    """A decode-step case: Comba or Gated DeltaNet (``p = k``), state in the ``layout`` given.
-
-    Comba in the "kv" layout takes the kernel ``variant`` (the tuned decode kernels); the
-    other ops have one kernel each.
-    """
+    """A decode-step case: Comba or Gated DeltaNet (``p = k``), state in the ``layout`` given,
+    run with the decode tiling ``variant`` (None: the one the op chooses)."""
 
     def prepare(shape, dtype, xp, seed=0, variant=None):
         B, H, K, V = shape
@@ -64,13 +61,11 @@ def _decode_prepare(comba, layout):
         state_out = xp.full(state.shape, numpy.nan, dtype=float32)
         out = xp.full((B, H, V), numpy.nan, dtype=dtype)
 
-        def run():
-            if not comba:
-                return gated_delta_decode_step(state, q, k, v, beta, g, out=out, state_out=state_out,
-                                               state_layout=layout)
-            if layout == "kv":
-                return _decode_step(state, q, k, v, p, beta, g, None, out, state_out, None, variant)
-            return comba_decode_step(state, q, k, v, p, beta, g, out=out, state_out=state_out, state_layout=layout)
+        p_arg = p if comba else None
+
+        def run():  # the public ops' own path, with the tiling forced when asked
+            return _run(q, k, v, p_arg, beta, g, None, state, True, out, state_out, None, layout, "log", False,
+                        step=True, variant=variant)
 
         def check():
             state_out.fill(numpy.nan)
@@ -86,8 +81,12 @@ def _decode_prepare(comba, layout):
     return prepare
 
 
+def _tilings(layout):
+    return lambda shape: tiling.variants(layout, shape[2], shape[3])
+
+
 _DIMS = ("B", "H", "K", "V")
-register(BenchOp("comba_decode_step", _DIMS, _decode_prepare(True, "kv"), variants=VARIANTS))
-register(BenchOp("gated_delta_decode_step", _DIMS, _decode_prepare(False, "kv")))
-register(BenchOp("gated_delta_decode_step[vk]", _DIMS, _decode_prepare(False, "vk")))
-register(BenchOp("comba_decode_step[vk]", _DIMS, _decode_prepare(True, "vk")))
+register(BenchOp("comba_decode_step", _DIMS, _decode_prepare(True, "kv"), _tilings("kv")))
+register(BenchOp("gated_delta_decode_step", _DIMS, _decode_prepare(False, "kv"), _tilings("kv")))
+register(BenchOp("gated_delta_decode_step[vk]", _DIMS, _decode_prepare(False, "vk"), _tilings("vk")))
+register(BenchOp("comba_decode_step[vk]", _DIMS, _decode_prepare(True, "vk"), _tilings("vk")))

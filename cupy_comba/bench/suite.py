@@ -122,9 +122,9 @@ def selftest(*, shapes=None, dtypes=None, progress=None):
     dtypes = dtypes or [bfloat16, numpy.dtype(numpy.float16), numpy.dtype(numpy.float32)]
     results = []
     for name, op in OPS.items():
-        for variant in (op.variants if use_gpu else (None,)):
-            for dt in dtypes:
-                for seed, shape in enumerate(shapes):
+        for seed, shape in enumerate(shapes):
+            for variant in (op.variants(shape) if use_gpu else (None,)):
+                for dt in dtypes:
                     if progress:
                         progress(f"{name}[{variant}] {shape} {dtype_name(dt)}")
                     case = op.prepare(shape, dt, xp, seed=seed, variant=variant)

@@ -1,0 +1,56 @@
+"""Which decode kernel tiling runs a shape (kernels_cu/decode_step.cu; data: benchmarks/sweep_decode.py).
+
+Variant names: ``kv{COLS}x{RG}`` -- ``decode_step_kv``, a CTA per COLS-column slab of a
+head with RG row groups; ``vk{R}x{NW}`` -- ``decode_step_vk``, NW warps whose lanes hold
+R state rows each.
+"""
+
+from ._backend import cupy
+from ._build import KV_TILINGS, VK_TILINGS, get_kernel, _flag
+
+KV_VARIANTS = tuple(f"kv{c}x{r}" for c, r in KV_TILINGS)
+VK_VARIANTS = {K: tuple(f"vk{r}x{w}" for r, w in VK_TILINGS[K]) for K in VK_TILINGS}
+
+
+def variants(layout, K, V):
+    """The variants that can run a ``layout`` state with head sizes K, V."""
+    if layout == "kv":
+        return tuple(n for n, (c, _) in zip(KV_VARIANTS, KV_TILINGS) if V % c == 0)
+    return tuple(n for n, (r, w) in zip(VK_VARIANTS[K], VK_TILINGS[K]) if V % _vk_rows(K, r, w) == 0)
+
+
+def _vk_rows(K, r, w):
+    return r * w * (128 // K)
+
+
+def choose(layout, heads, K, V, device):
+    """The variant for a shape, from the H200 sweep (docs/benchmarks.md, "Decode tilings").
+
+    kv: 64-column slabs whenever V allows (256 contiguous bytes per row and warp-load), with 8
+    row groups at K = 128 (16 float4 per thread, 128 threads) and 4 at K = 64 (16 float4, 64
+    threads); else 32-column slabs.  vk: two warps of 16 rows per lane at K = 128, 8 at K = 64.
+    The same tiling also led at B*H = 128 and 1024 within a few percent, so the batch size
+    does not enter the choice (``heads`` and ``device`` are kept for when a GPU needs it).
+    """
+    if layout == "kv":
+        if V % 64:
+            return "kv32x8"
+        return "kv64x8" if K == 128 else "kv64x4"
+    return "vk16x2" if K == 128 else "vk8x2"
+
+
+def launch(layout, variant, heads, K, V, separate_p, device):
+    """``(kernel, grid, block)`` of one decode variant."""
+    if variant not in variants(layout, K, V):
+        raise ValueError(f"decode variant {variant!r} cannot run a {layout!r} state with K={K}, V={V}; "
+                         f"expected one of {variants(layout, K, V)}")
+    a, b = (int(x) for x in variant[2:].split("x"))
+    if layout == "kv":
+        name = f"comba::decode_step_kv<{K}, {a}, {b}, {_flag(separate_p)}>"
+        grid, block = heads * (V // a), a // 4 * b
+    else:
+        name = f"comba::decode_step_vk<{K}, {a}, {b}, {_flag(separate_p)}>"
+        grid, block = heads * (V // _vk_rows(K, a, b)), 32 * b
+    with cupy.cuda.Device(device):
+        kernel = get_kernel(f"decode_{layout}", name, device)
+    return kernel, (grid,), (block,)

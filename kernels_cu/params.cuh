@@ -1,0 +1,34 @@
+// params.cuh -- the launch parameters every delta-rule kernel takes, in one struct passed by value.
+//
+// Strides are in elements and may be anything (activations are often slices of a packed
+// projection); a decode step is the T = 1 case with zero T strides.  Must match FIELDS in
+// cupy_comba/_params.py (all int64, same order).
+#pragma once
+
+namespace comba {
+
+struct Params {
+    long long B, T, H, group, V;              // group = H / Hk: value heads per key head
+    long long q_sb, q_st, q_sh, q_sk;
+    long long k_sb, k_st, k_sh, k_sk;
+    long long p_sb, p_st, p_sh, p_sk;
+    long long v_sb, v_st, v_sh, v_sv;
+    long long beta_sb, beta_st, beta_sh;
+    long long g_sb, g_st, g_sh;
+    long long o_sb, o_st, o_sh, o_sv;
+    long long q_t, k_t, p_t, v_t, beta_t, g_t, o_t;   // dtype codes (common.cuh)
+    long long gate_linear, l2norm, has_initial, write_final;
+};
+
+constexpr float kL2NormEps = 1e-6f;
+
+__device__ __forceinline__ float gate_of(float g, long long linear) { return linear ? g : expf(g); }
+
+// Sum over the lanes that differ in bits first, 2 first, ..., last of the lane id.
+__device__ __forceinline__ float lane_sum(float x, int first, int last) {
+#pragma unroll
+    for (int off = first; off <= last; off <<= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+    return x;
+}
+
+}  // namespace comba
