@@ -1,10 +1,10 @@
-"""Host microseconds of one comba_decode_step call, and where they go.
+"""Host microseconds of one decode-step call, and where they go.
 
     PYTHONPATH=. python benchmarks/host_overhead.py [B,H,K,V]
 
-Times N calls without waiting for the GPU (small shape, preallocated outputs),
-the bare kernel launch with the same arguments, and prints a cProfile of the
-call path.
+Times N calls without waiting for the GPU (small shape, preallocated outputs) for both
+decode ops, the lean launch alone, CuPy's own RawKernel launch of the same kernel with the
+same arguments (for comparison), and prints a cProfile of the call path.
 """
 
 import cProfile
@@ -14,11 +14,11 @@ import sys
 import cupy
 import numpy
 
-from cupy_comba import bfloat16, comba_decode_step
+from cupy_comba import bfloat16, comba_decode_step, gated_delta_decode_step, tiling
 from cupy_comba._checks import signature
 from cupy_comba.bench import host_overhead, parse_shapes
-from cupy_comba.comba import _plan
 from cupy_comba.inputs import decode_inputs
+from cupy_comba.recurrent import _plan
 
 
 def per_call_us(fn):
@@ -29,22 +29,30 @@ def main():
     (shape,) = parse_shapes(sys.argv[1:] or ["8,16,128,128"])
     B, H, K, V = shape
     args = decode_inputs(B, H, K, V, xp=cupy, seed=0, warm_steps=1)
+    state, q, k, v, p, beta, g = args
     state_out = cupy.empty(shape, numpy.float32)
     out = cupy.empty((B, H, V), bfloat16)
     call = lambda: comba_decode_step(*args, out=out, state_out=state_out)  # noqa: E731
-    plan = _plan(*(signature(a) for a in args), None, signature(out), None, 0, None)
-    launch_args = (args[0], state_out, *args[1:], out) + plan.args_tail
-    launch = lambda: plan.kernel(plan.grid, plan.block, launch_args, shared_mem=plan.shared_mem)  # noqa: E731
+    gdn = lambda: gated_delta_decode_step(state, q, k, v, beta, g, out=out, state_out=state_out)  # noqa: E731
     alloc = lambda: comba_decode_step(*args)  # noqa: E731
-    print(f"{shape}: call with out=/state_out= {per_call_us(call):.1f} us, "
-          f"allocating call {per_call_us(alloc):.1f} us, "
-          f"bare launch {per_call_us(launch):.1f} us")
+    dev = cupy.cuda.Device().id
+    plan = _plan(*(signature(a) for a in (q, k, v, p, beta, g, state)), signature(out), None, None, True, "kv",
+                 "log", False, True, dev, None)
+    ptrs = [a.data.ptr for a in (state, state_out, q, k, v, p, beta, g, out)]
+    stream = cupy.cuda.get_current_stream().ptr
+    lean = lambda: plan.launch(stream, *ptrs)  # noqa: E731
+    kernel, grid, block = tiling.launch("kv", tiling.choose("kv", B * H, K, V, dev), B * H, K, V, True, dev)
+    raw_args = (state, state_out, q, k, v, p, beta, g, out, plan.params, plan.scale_arg)
+    raw = lambda: kernel(grid, block, raw_args)  # noqa: E731
+    print(f"{shape}: comba_decode_step with out=/state_out= {per_call_us(call):.1f} us, "
+          f"gated_delta_decode_step {per_call_us(gdn):.1f} us, allocating call {per_call_us(alloc):.1f} us, "
+          f"lean launch alone {per_call_us(lean):.1f} us, CuPy RawKernel launch {per_call_us(raw):.1f} us")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(2000):
         call()
     prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
 
 
 if __name__ == "__main__":
