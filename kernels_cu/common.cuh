@@ -68,6 +68,18 @@ __device__ __forceinline__ void store_state(float* p, float4 x) {
     *reinterpret_cast<float4*>(p) = x;
 }
 
+// The multi-token kernel (delta_rule.cu) is the exception: every warp of a head re-reads the
+// head's q, k, v for each token from L2, so there the state is streamed evict-first (`.cs`)
+// to keep those activations cached -- measured on the H200, plain accesses made T = 2..16
+// 1.2-2x slower there.
+__device__ __forceinline__ float4 load_state_evict_first(const float* p) {
+    return __ldcs(reinterpret_cast<const float4*>(p));
+}
+
+__device__ __forceinline__ void store_state_evict_first(float* p, float4 x) {
+    __stcs(reinterpret_cast<float4*>(p), x);
+}
+
 // The two K-reductions of the delta rule for one float4 of state columns:
 // sp += p * s (the correction read), sq += q * s (the readout).
 __device__ __forceinline__ void accumulate_pq(float4 s, float p, float q, float (&sp)[4], float (&sq)[4]) {

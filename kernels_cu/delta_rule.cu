@@ -133,7 +133,7 @@ __device__ __forceinline__ void forward_kv(const float* state, float* state_out,
     float4 s[R];
     if (prm.has_initial) {
 #pragma unroll
-        for (int i = 0; i < R; ++i) s[i] = load_state(state + head + static_cast<long long>(i * RG + rg) * prm.V + col);
+        for (int i = 0; i < R; ++i) s[i] = load_state_evict_first(state + head + static_cast<long long>(i * RG + rg) * prm.V + col);
     } else {
 #pragma unroll
         for (int i = 0; i < R; ++i) s[i] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -175,7 +175,7 @@ __device__ __forceinline__ void forward_kv(const float* state, float* state_out,
     }
     if (prm.write_final) {
 #pragma unroll
-        for (int i = 0; i < R; ++i) store_state(state_out + head + static_cast<long long>(i * RG + rg) * prm.V + col, s[i]);
+        for (int i = 0; i < R; ++i) store_state_evict_first(state_out + head + static_cast<long long>(i * RG + rg) * prm.V + col, s[i]);
     }
 }
 
@@ -201,7 +201,7 @@ __device__ __forceinline__ void forward_vk(const float* state, float* state_out,
     float4 s[NR];
     if (prm.has_initial) {
 #pragma unroll
-        for (int i = 0; i < NR; ++i) s[i] = load_state(state + head + (row0 + i * RG) * K + kg * 4);
+        for (int i = 0; i < NR; ++i) s[i] = load_state_evict_first(state + head + (row0 + i * RG) * K + kg * 4);
     } else {
 #pragma unroll
         for (int i = 0; i < NR; ++i) s[i] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -229,7 +229,7 @@ __device__ __forceinline__ void forward_vk(const float* state, float* state_out,
     }
     if (prm.write_final) {
 #pragma unroll
-        for (int i = 0; i < NR; ++i) store_state(state_out + head + (row0 + i * RG) * K + kg * 4, s[i]);
+        for (int i = 0; i < NR; ++i) store_state_evict_first(state_out + head + (row0 + i * RG) * K + kg * 4, s[i]);
     }
 }
 
