@@ -23,19 +23,20 @@ def _vk_rows(K, r, w):
     return r * w * (128 // K)
 
 
-def choose(layout, heads, K, V, device):
+def choose(layout, heads, K, V, separate_p, device):
     """The variant for a shape, from the H200 sweep (docs/benchmarks.md, "Decode tilings").
 
-    kv: 64-column slabs whenever V allows (256 contiguous bytes per row and warp-load), with 8
-    row groups at K = 128 (16 float4 per thread, 128 threads) and 4 at K = 64 (16 float4, 64
-    threads); else 32-column slabs.  vk: two warps of 16 rows per lane at K = 128, 8 at K = 64.
-    The same tiling also led at B*H = 128 and 1024 within a few percent, so the batch size
-    does not enter the choice (``heads`` and ``device`` are kept for when a GPU needs it).
+    kv: 64-column slabs whenever V allows (256 contiguous bytes per row per warp-load), with 8
+    row groups (16 float4 per thread at K = 128, 128 threads) -- except Comba at K = 64, which
+    runs best with 4 row groups (64 threads); else 32-column slabs.  vk: two warps, 16 rows
+    per lane at K = 128 and 8 at K = 64.  The same tilings also led at B*H = 128 and 1024
+    within a few percent, so the batch size does not enter the choice (``heads`` and
+    ``device`` stay in the signature for a GPU where it would).
     """
     if layout == "kv":
         if V % 64:
             return "kv32x8"
-        return "kv64x8" if K == 128 else "kv64x4"
+        return "kv64x4" if K == 64 and separate_p else "kv64x8"
     return "vk16x2" if K == 128 else "vk8x2"
 
 
