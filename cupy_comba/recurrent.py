@@ -24,7 +24,6 @@ from . import reference
 from ._backend import cupy, deliver
 from . import tiling
 from ._build import get_kernel
-from ._launch import Launch
 from ._checks import (
     c_strides, check_head_sizes, check_heads, check_outputs, check_state_dtype, check_writable_output, common_device,
     expect_shape, namespace_of, real_scalar, resolve_output_dtype, resolve_scale, signature, span_of,
@@ -178,7 +177,7 @@ def _run(q, k, v, p, beta, g, scale, state, output_final_state, out, state_out, 
 
 class _Plan:
     __slots__ = ("B", "T", "H", "K", "V", "scale", "scale_arg", "o_dtype", "o_shape", "state_shape", "write_final",
-                 "spans", "out_span", "launch", "params", "step")
+                 "spans", "out_span", "kernel", "grid", "block", "params", "step")
 
 
 @functools.lru_cache(maxsize=256)
@@ -241,7 +240,7 @@ def _plan(q, k, v, p, beta, g, state, out, o_dtype, scale, write_final, state_la
     plan.spans = tuple(None if s is None else span_of(s[0], s[1], s[2].itemsize)
                        for s in (q, k, v, p, beta, g, state))
     plan.out_span = None if out is None else span_of(out[0], out[1], out[2].itemsize)
-    plan.launch = plan.params = None
+    plan.kernel = plan.grid = plan.block = plan.params = None
     if device is None:
         return plan
 
@@ -278,9 +277,7 @@ def _plan(q, k, v, p, beta, g, state, out, o_dtype, scale, write_final, state_la
         with cupy.cuda.Device(device):
             kernel = get_kernel("delta_rule", f"comba::delta_rule_forward<{K}, {str(vk).lower()}, "
                                               f"{str(p is not None).lower()}>", device)
-    if B * H:
-        with cupy.cuda.Device(device):
-            plan.launch = Launch(kernel, grid, block, (plan.params, plan.scale_arg), 9)
+    plan.kernel, plan.grid, plan.block = kernel, grid, block
     return plan
 
 
@@ -296,11 +293,11 @@ def _cuda_run(plan, inputs, out, state_out):
         out = cupy.empty(plan.o_shape, plan.o_dtype)
     if state_out is None and plan.write_final:
         state_out = cupy.empty(plan.state_shape, float32)
-    if plan.launch is not None:
+    if plan.B * plan.H:
         src = state if state is not None else out          # not read when there is no initial state
         dst = state_out if state_out is not None else out  # not written when write_final is off
-        plan.launch(cupy.cuda.get_current_stream().ptr, src.data.ptr, dst.data.ptr, q.data.ptr, k.data.ptr,
-                    v.data.ptr, (p if p is not None else k).data.ptr, beta.data.ptr, g.data.ptr, out.data.ptr)
+        plan.kernel(plan.grid, plan.block,
+                    (src, dst, q, k, v, p if p is not None else k, beta, g, out, plan.params, plan.scale_arg))
     return out, state_out
 
 
