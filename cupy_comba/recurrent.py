@@ -266,7 +266,7 @@ def _plan(q, k, v, p, beta, g, state, out, o_dtype, scale, write_final, state_la
     vk = state_layout == "vk"
     if T == 1 and state is not None and write_final:
         # One token from a given state: the decode kernels (read once, write once).
-        variant = variant or tiling.choose(state_layout, B * H, K, V, p is not None, device)
+        variant = variant or tiling.choose(state_layout, K, V, p is not None)
         kernel, grid, block = tiling.launch(state_layout, variant, B * H, K, V, p is not None, device)
     elif variant is not None:
         raise ValueError("a decode variant applies to one token from a given state only")

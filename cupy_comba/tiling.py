@@ -23,15 +23,14 @@ def _vk_rows(K, r, w):
     return r * w * (128 // K)
 
 
-def choose(layout, heads, K, V, separate_p, device):
+def choose(layout, K, V, separate_p):
     """The variant for a shape, from the H200 sweep (docs/benchmarks.md, "Decode tilings").
 
     kv: 64-column slabs whenever V allows (256 contiguous bytes per row per warp-load), with 8
     row groups (16 float4 per thread at K = 128, 128 threads) -- except Comba at K = 64, which
     runs best with 4 row groups (64 threads); else 32-column slabs.  vk: two warps, 16 rows
     per lane at K = 128 and 8 at K = 64.  The same tilings also led at B*H = 128 and 1024
-    within a few percent, so the batch size does not enter the choice (``heads`` and
-    ``device`` stay in the signature for a GPU where it would).
+    within a few percent, so the batch size does not enter the choice.
     """
     if layout == "kv":
         if V % 64:
