@@ -38,7 +38,7 @@ def main():
     dev = cupy.cuda.Device().id
     plan = _plan(*(signature(a) for a in (q, k, v, p, beta, g, state)), signature(out), None, None, True, "kv",
                  "log", False, True, dev, None)
-    kernel, grid, block = tiling.launch("kv", tiling.choose("kv", K, V, True), B * H, K, V, True, dev)
+    kernel, grid, block = tiling.launch("kv", tiling.choose("kv", K, V, True), B * H, K, V, True, False, dev)
     raw_args = (state, state_out, q, k, v, p, beta, g, out, plan.params, plan.scale_arg)
     raw = lambda: kernel(grid, block, raw_args)  # noqa: E731
     print(f"{shape}: comba_decode_step with out=/state_out= {per_call_us(call):.1f} us, "

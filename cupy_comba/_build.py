@@ -18,9 +18,9 @@ from importlib import resources
 
 from ._backend import cupy
 
-#: Tilings of the decode kernels (kernels_cu/decode_step.cu): ``(COLS, RG)`` of
-#: ``decode_step_kv`` -- a CTA is a COLS-column slab of one head, RG row groups -- and, per K,
-#: ``(R, NW)`` of ``decode_step_vk`` -- NW warps, R state rows per lane.
+#: Tilings of the delta-rule kernels (kernels_cu/delta_rule.cu): ``(COLS, RG)`` of
+#: ``delta_rule_kv`` -- a CTA is a COLS-column slab of one head, RG row groups -- and, per K,
+#: ``(R, NW)`` of ``delta_rule_vk`` -- NW warps, R state rows per lane.
 KV_TILINGS = ((64, 8), (64, 4), (32, 8), (32, 16))
 VK_TILINGS = {64: ((8, 2), (16, 2)), 128: ((16, 2), (16, 4))}
 
@@ -31,20 +31,15 @@ def _flag(x):
 
 #: module name -> (source file, kernel name expressions compiled from it)
 SPECIALISATIONS = {
-    "decode_kv": (
-        "decode_step.cu",
-        tuple(f"comba::decode_step_kv<{K}, {c}, {r}, {_flag(sep)}>"
-              for K in (64, 128) for c, r in KV_TILINGS for sep in (True, False)),
-    ),
-    "decode_vk": (
-        "decode_step.cu",
-        tuple(f"comba::decode_step_vk<{K}, {r}, {w}, {_flag(sep)}>"
-              for K in (64, 128) for r, w in VK_TILINGS[K] for sep in (True, False)),
-    ),
-    "delta_rule": (
+    "delta_rule_kv": (
         "delta_rule.cu",
-        tuple(f"comba::delta_rule_forward<{K}, {_flag(vk)}, {_flag(sep)}>"
-              for K in (64, 128) for vk in (False, True) for sep in (True, False)),
+        tuple(f"comba::delta_rule_kv<{K}, {c}, {r}, {_flag(sep)}, {_flag(multi)}>"
+              for K in (64, 128) for c, r in KV_TILINGS for sep in (True, False) for multi in (False, True)),
+    ),
+    "delta_rule_vk": (
+        "delta_rule.cu",
+        tuple(f"comba::delta_rule_vk<{K}, {r}, {w}, {_flag(sep)}, {_flag(multi)}>"
+              for K in (64, 128) for r, w in VK_TILINGS[K] for sep in (True, False) for multi in (False, True)),
     ),
     "copy": ("copy.cu", ("comba::copy_float4",)),
 }

@@ -10,10 +10,9 @@ One argument order for every op -- ``(state, q, k, v, [p,] beta, g)`` for steps,
 * grouped value attention: q, k, p have ``Hk`` heads, v, beta, g and the state ``H``,
   ``H % Hk == 0``, head ``h`` reads key head ``h // (H // Hk)``.
 
-On CuPy arrays a single token (the decode steps, and a forward pass with T = 1 from a given
-state) runs ``kernels_cu/decode_step.cu`` with the tiling :mod:`cupy_comba.tiling` picks; T > 1
-tokens run ``kernels_cu/delta_rule.cu`` (one launch; the state stays in registers across the
-T tokens).  NumPy arrays run the float64 reference.
+On CuPy arrays every op is one launch of ``kernels_cu/delta_rule.cu`` with the tiling
+:mod:`cupy_comba.tiling` picks: the state is read once, stays in registers across the T tokens
+(T = 1 for the steps) and is written once.  NumPy arrays run the float64 reference.
 """
 
 import functools
@@ -23,7 +22,6 @@ import numpy
 from . import reference
 from ._backend import cupy, deliver
 from . import tiling
-from ._build import get_kernel
 from ._checks import (
     c_strides, check_head_sizes, check_heads, check_outputs, check_state_dtype, check_writable_output, common_device,
     expect_shape, namespace_of, real_scalar, resolve_output_dtype, resolve_scale, signature, span_of,
@@ -31,7 +29,6 @@ from ._checks import (
 from ._dtypes import ACTIVATION_CODES, ACTIVATION_NAMES, dtype_name, float32
 from ._params import pack
 
-_WARPS_PER_BLOCK = 4  # kForwardWarps in kernels_cu/delta_rule.cu
 _NAMES = ("q", "k", "v", "p", "beta", "g")
 
 
@@ -141,7 +138,7 @@ def _run(q, k, v, p, beta, g, scale, state, output_final_state, out, state_out, 
          use_qk_l2norm, *, step, variant=None):
     """Every op of the family: validate (cached per signature), then launch or run the reference.
 
-    ``variant`` forces a decode tiling (:mod:`cupy_comba.tiling`; benchmarks and tests only).
+    ``variant`` forces a kernel tiling (:mod:`cupy_comba.tiling`; benchmarks and tests only).
     """
     if step and state is None:
         raise TypeError("state must be a cupy.ndarray or numpy.ndarray, got NoneType")
@@ -263,20 +260,8 @@ def _plan(q, k, v, p, beta, g, state, out, o_dtype, scale, write_final, state_la
     values.update(gate_linear=gate == "linear", l2norm=l2norm, has_initial=state is not None,
                   write_final=write_final)
     plan.params = pack(values)
-    vk = state_layout == "vk"
-    if T == 1 and state is not None and write_final:
-        # One token from a given state: the decode kernels (read once, write once).
-        variant = variant or tiling.choose(state_layout, K, V, p is not None)
-        kernel, grid, block = tiling.launch(state_layout, variant, B * H, K, V, p is not None, device)
-    elif variant is not None:
-        raise ValueError("a decode variant applies to one token from a given state only")
-    else:
-        per_task = 8 * (128 // K) if vk else 16
-        tasks = B * H * (V // per_task)
-        grid, block = ((tasks + _WARPS_PER_BLOCK - 1) // _WARPS_PER_BLOCK,), (_WARPS_PER_BLOCK * 32,)
-        with cupy.cuda.Device(device):
-            kernel = get_kernel("delta_rule", f"comba::delta_rule_forward<{K}, {str(vk).lower()}, "
-                                              f"{str(p is not None).lower()}>", device)
+    variant = variant or tiling.choose(state_layout, K, V, p is not None)
+    kernel, grid, block = tiling.launch(state_layout, variant, B * H, K, V, p is not None, T != 1, device)
     plan.kernel, plan.grid, plan.block = kernel, grid, block
     return plan
 

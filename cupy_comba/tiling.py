@@ -1,8 +1,8 @@
-"""Which decode kernel tiling runs a shape (kernels_cu/decode_step.cu; data: benchmarks/sweep_decode.py).
+"""Which kernel tiling runs a shape (kernels_cu/delta_rule.cu; data: benchmarks/sweep_decode.py).
 
-Variant names: ``kv{COLS}x{RG}`` -- ``decode_step_kv``, a CTA per COLS-column slab of a
-head with RG row groups; ``vk{R}x{NW}`` -- ``decode_step_vk``, NW warps whose lanes hold
-R state rows each.
+Variant names: ``kv{COLS}x{RG}`` -- ``delta_rule_kv``, a CTA per COLS-column slab of a
+head with RG row groups; ``vk{R}x{NW}`` -- ``delta_rule_vk``, NW warps whose lanes hold
+R state rows each.  The same kernels run one decode step and T-token forward passes.
 """
 
 from ._backend import cupy
@@ -39,18 +39,18 @@ def choose(layout, K, V, separate_p):
     return "vk16x2" if K == 128 else "vk8x2"
 
 
-def launch(layout, variant, heads, K, V, separate_p, device):
-    """``(kernel, grid, block)`` of one decode variant."""
+def launch(layout, variant, heads, K, V, separate_p, multi, device):
+    """``(kernel, grid, block)`` of one variant; ``multi`` selects the kernel built for T != 1."""
     if variant not in variants(layout, K, V):
-        raise ValueError(f"decode variant {variant!r} cannot run a {layout!r} state with K={K}, V={V}; "
+        raise ValueError(f"variant {variant!r} cannot run a {layout!r} state with K={K}, V={V}; "
                          f"expected one of {variants(layout, K, V)}")
     a, b = (int(x) for x in variant[2:].split("x"))
     if layout == "kv":
-        name = f"comba::decode_step_kv<{K}, {a}, {b}, {_flag(separate_p)}>"
+        name = f"comba::delta_rule_kv<{K}, {a}, {b}, {_flag(separate_p)}, {_flag(multi)}>"
         grid, block = heads * (V // a), a // 4 * b
     else:
-        name = f"comba::decode_step_vk<{K}, {a}, {b}, {_flag(separate_p)}>"
+        name = f"comba::delta_rule_vk<{K}, {a}, {b}, {_flag(separate_p)}, {_flag(multi)}>"
         grid, block = heads * (V // _vk_rows(K, a, b)), 32 * b
     with cupy.cuda.Device(device):
-        kernel = get_kernel(f"decode_{layout}", name, device)
+        kernel = get_kernel(f"delta_rule_{layout}", name, device)
     return kernel, (grid,), (block,)

@@ -40,11 +40,28 @@ __device__ __forceinline__ unsigned short float_to_f16_bits(float f) {
     return h;
 }
 
-// Load element `i` (in elements, may be any stride product) of an activation.
-__device__ __forceinline__ float load_act(const void* base, long long i, long long dtype) {
-    if (dtype == BF16) return bf16_bits_to_float(static_cast<const unsigned short*>(base)[i]);
-    if (dtype == F16) return f16_bits_to_float(static_cast<const unsigned short*>(base)[i]);
-    return static_cast<const float*>(base)[i];
+// Activation loads come in two halves so that a thread can put all of its loads in flight
+// before it waits for any: `load_bits` issues one load and returns the raw bits (a float's,
+// or a 16-bit value zero-extended); `bits_to_float` is the first use.  A fused load-and-
+// convert inside the dtype branch makes every load a full memory round trip on its own.
+// One byte address for either width (the element size is 4 or 2 by dtype), so a thread keeps a
+// single live address per activation element rather than one per possible dtype.
+__device__ __forceinline__ unsigned load_bits(const void* base, long long i, long long dtype) {
+    const char* a = static_cast<const char*>(base) + i * (dtype == F32 ? 4 : 2);
+    return dtype == F32 ? *reinterpret_cast<const unsigned*>(a)
+                        : static_cast<unsigned>(*reinterpret_cast<const unsigned short*>(a));
+}
+
+// Bring the line of element i into L2 ahead of its load; holds no register for the value.
+__device__ __forceinline__ void prefetch_act(const void* base, long long i, long long dtype) {
+    const char* a = static_cast<const char*>(base) + i * (dtype == F32 ? 4 : 2);
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+}
+
+__device__ __forceinline__ float bits_to_float(unsigned bits, long long dtype) {
+    if (dtype == BF16) return bf16_bits_to_float(static_cast<unsigned short>(bits));
+    if (dtype == F16) return f16_bits_to_float(static_cast<unsigned short>(bits));
+    return __uint_as_float(bits);
 }
 
 __device__ __forceinline__ void store_act(void* base, long long i, long long dtype, float x) {
@@ -59,25 +76,13 @@ __device__ __forceinline__ void store_act(void* base, long long i, long long dty
 
 // State accesses: plain 16-byte loads and stores.  Not `.nc` (the state may be updated in
 // place, state_out == state) and deliberately no streaming hint: on the H200, `.cs` loads and
-// stores cost 4-7 % of copy bandwidth in every decode tiling we measured (docs/design.md).
+// stores cost 4-7 % of copy bandwidth in every tiling we measured (docs/design.md).
 __device__ __forceinline__ float4 load_state(const float* p) {
     return *reinterpret_cast<const float4*>(p);
 }
 
 __device__ __forceinline__ void store_state(float* p, float4 x) {
     *reinterpret_cast<float4*>(p) = x;
-}
-
-// The multi-token kernel (delta_rule.cu) is the exception: every warp of a head re-reads the
-// head's q, k, v for each token from L2, so there the state is streamed evict-first (`.cs`)
-// to keep those activations cached -- measured on the H200, plain accesses made T = 2..16
-// 1.2-2x slower there.
-__device__ __forceinline__ float4 load_state_evict_first(const float* p) {
-    return __ldcs(reinterpret_cast<const float4*>(p));
-}
-
-__device__ __forceinline__ void store_state_evict_first(float* p, float4 x) {
-    __stcs(reinterpret_cast<float4*>(p), x);
 }
 
 // The two K-reductions of the delta rule for one float4 of state columns:

@@ -1,253 +1,392 @@
-// delta_rule.cu -- T tokens of the gated delta rule (Comba, or Gated DeltaNet when p = k)
-// in ONE launch: the state is loaded once, stays in registers across all T tokens,
-// o is written per token and the final state once.  T = 1 is the decode step.
+// delta_rule.cu -- T >= 1 tokens of the gated delta rule (Comba, or Gated DeltaNet when p = k)
+// for a whole batch in ONE launch: the fp32 state is read once, stays in registers across the
+// T tokens, o is written per token and the final state once.  T = 1 from a given state is the
+// decode step; T is a run-time argument, so one compiled kernel serves every T.
 //
-// Math per (b, h) and token t, with gate e = exp(g) ("log" gate) or e = g ("linear"):
+// Math per (b, h) and token, with S = state[b, h] (K x V) and gate e = exp(g) ("log") or g
+// ("linear"):
 //
-//   u[j]       = beta * (v[j] - e * sum_i p[i] S[i,j])      (p = k for Gated DeltaNet)
-//   S[i,j]     = e * S[i,j] + k[i] * u[j]
-//   o[j]       = scale * (e * sum_i q[i] S_old[i,j] + (q.k) * u[j])
+//   u[j]       = beta * (v[j] - e * sum_i p[i] S[i,j])        correction read with p
+//   S_new[i,j] = e * S[i,j] + k[i] * u[j]                     rank-1 write with k
+//   o[j]       = scale * sum_i q[i] S_new[i,j]
+//              = scale * (e * sum_i q[i] S[i,j] + (q.k) * u[j])
 //
-// optionally with q, k (and p) L2-normalised along K first: x / sqrt(sum x^2 + 1e-6).
+// The second form of o lets both K-reductions (with p and with q) and q.k come from ONE pass
+// over the state held in registers.  With use_qk_l2norm, q, k and p are divided by
+// sqrt(sum x^2 + 1e-6); the kernels reduce with the raw vectors and scale the three sums (and
+// the k of the write) by those factors, so the option costs no extra pass.
 //
-// Layouts.  q, k, p [B, T, Hk, K]; v, o [B, T, H, V]; beta, g [B, T, H]: any strides, any
-// of f32 / f16 / bf16.  Head h reads key head h / (H / Hk).  The state is C-contiguous,
-// 16-byte aligned, either
-//   KV: [B, H, K, V] (V contiguous; flash-linear-attention, the Comba spec), or
-//   VK: [B, H, V, K] (K contiguous; MLX-LM, the metaltile seed, vLLM, SGLang).
+// Layouts: state and state_out C-contiguous float32, 16-byte aligned, [B, H, K, V] ("kv") or
+// [B, H, V, K] ("vk", the same S stored transposed); activations as in params.cuh (any
+// strides, f32 / f16 / bf16, head h reads key head h / group).
 //
-// Launch geometry: one warp per task, 4 independent warps per block, grid = ceil(tasks/4).
-//   KV: a task is (b, h, 16-column slab of V).  Lanes are 4 float4 columns x 8 row groups;
-//       lane group rg owns rows rg, rg+8, ... (K/8 float4 registers).  The K-reductions are
-//       in-register sums and three xor-shuffles.  q, k, p of the token go through a per-warp
-//       shared scratch so each lane reads only its rows.
-//   VK: a task is (b, h, slab of 8 * (128/K) V-rows).  Lanes are K/4 float4 positions along
-//       K x 128/K row groups; each lane owns 8 rows (8 float4 registers).  A warp-wide load
-//       covers whole K-rows (512 contiguous bytes); each row's K-reduction is a 4-term dot
-//       product and log2(K/4) xor-shuffles.
-// Tokens are processed in chunks of C = 512/K: the warp first stages the chunk's q, k, p (whole
-// K vectors), its slab of v, beta and g in its shared scratch -- every load of the chunk in
-// flight at once, so a memory latency is paid once per chunk rather than once per token --
-// normalises them there if asked, then runs the C recurrence steps from shared memory.
+// delta_rule_kv<K, COLS, RG, SEPARATE_P> -- one CTA per (b, h, slab of COLS columns of V),
+//   NT = (COLS/4) x RG threads.  Thread (lc, rg) owns the float4 of columns 4lc .. 4lc+3 in
+//   rows rg, rg + RG, ... (R = K/RG registers); a warp-wide load covers 128/COLS rows of
+//   COLS*4 contiguous bytes.  The partial column sums of the row groups of a warp meet by
+//   shuffles, those of the warps in shared memory behind one barrier; every thread adds them
+//   in the same order (so every row of a column applies the same u).
+// delta_rule_vk<K, R, NW, SEPARATE_P> -- one CTA per (b, h, slab of ROWS = R*NW*(128/K) rows
+//   of V), NW warps.  LK = K/4 lanes hold one float4 each along a K-row (a warp-wide load
+//   covers 128/K whole rows, 512 contiguous bytes); every lane owns R rows.  The per-row
+//   K-sums run as a transposing butterfly: the LK lanes of a row group reduce LK values
+//   (LK/2 rows x {S p, S q}) in LK-1 shuffles and each ends holding one finished sum.
+//
+// Tokens: the CTA stages each token's q, k, p, its slab of v, beta and g in shared memory
+// (double-buffered by token parity, so one barrier per token suffices to publish them).  The
+// loads of token t+1 are issued as raw bits right after token t is staged and are in flight
+// while token t is computed: a memory latency per token is hidden behind the recurrence.
+//
+// Why this shape: ~16 float4 of state in flight per thread and many small independent CTAs
+// per SM, each in its own phase (loading, computing, storing), keep HBM busy in both
+// directions; the state uses plain loads and stores (common.cuh says why).  The tilings are
+// swept by benchmarks/sweep_decode.py and chosen in cupy_comba/tiling.py.
 #include "common.cuh"
 #include "params.cuh"
 
 namespace comba {
 
-constexpr int kForwardWarps = 4;
+#ifndef COMBA_PREFETCH
+#define COMBA_PREFETCH 1
+#endif
+#ifndef COMBA_OTHER_REGS
+#define COMBA_BOUNDS(nt, r, multi) __launch_bounds__(nt)
+#else
+#define COMBA_BOUNDS(nt, r, multi) __launch_bounds__(nt, 65536 / ((nt) * (4 * (r) + ((multi) ? COMBA_OTHER_REGS : COMBA_OTHER_REGS_1))))
+#endif
 
-template <int K>
-__host__ __device__ constexpr int chunk_tokens() { return 512 / K; }
-
-// Per-warp staging area for one chunk: q, k, p [C][K], v [C][16] (the warp's slab of V),
-// beta and g [C][2].
-template <int K, bool SEPARATE_P>
-struct Stage {
-    static constexpr int C = chunk_tokens<K>();
-    static constexpr int VS = 16;
-    static constexpr int FLOATS = C * ((SEPARATE_P ? 3 : 2) * K + VS + 2);
-    float* q;
-    float* k;
-    float* p;
-    float* v;
-    float* bg;
-    __device__ explicit Stage(float* base)
-        : q(base), k(base + C * K), p(SEPARATE_P ? base + 2 * C * K : base + C * K),
-          v(base + (SEPARATE_P ? 3 : 2) * C * K), bg(base + (SEPARATE_P ? 3 : 2) * C * K + C * VS) {}
+// Raw bits of the activations of one token that thread `tid` of NT stages: elements tid,
+// tid + NT, ... of q, k (and p), element tid of the v slab (tid < NV), and g and beta (threads
+// G_TID, G_TID + 1: the two after the v slab, whose v register is then free for them, or the
+// last two when the slab takes every thread).
+template <int K, int NT, int NV>
+struct TokenBits {
+    static_assert(NV <= NT && NT >= 2, "every v element and both gates need a staging thread");
+    static constexpr int E = (K + NT - 1) / NT;
+    static constexpr bool SHARED = NV + 2 <= NT;
+    static constexpr int G_TID = SHARED ? NV : NT - 2;
+    unsigned q[E], k[E], p[E], v, own_gate;
+    __device__ __forceinline__ unsigned& gate() {
+        if constexpr (SHARED) return v; else return own_gate;
+    }
 };
 
-// Stage tokens t0 .. t0+C-1 (those below T) of head (b, h): all loads issued back to back.
-// v elements vbase .. vbase+nv-1 of the V axis are this warp's slab.
-template <int K, bool SEPARATE_P>
-__device__ __forceinline__ void stage_chunk(const Stage<K, SEPARATE_P>& st, const void* q, const void* k,
-                                            const void* v, const void* p, const void* beta, const void* g,
-                                            const Params& prm, long long b, long long h, long long hk,
-                                            long long t0, long long vbase, int nv) {
-    constexpr int C = Stage<K, SEPARATE_P>::C, VS = Stage<K, SEPARATE_P>::VS, E = K / 32;
-    const int lane = threadIdx.x & 31;
-    __syncwarp();  // the previous chunk is done reading the scratch
+// Put every load of token t of this thread in flight; nothing here waits for memory.
+template <int K, int NT, int NV, bool SEPARATE_P>
+__device__ __forceinline__ void issue_token(TokenBits<K, NT, NV>& x, const void* q, const void* k, const void* v,
+                                            const void* p, const void* beta, const void* g, const Params& prm,
+                                            int tid, int b, int h, int hk, int v0, long long t) {
+    using Bits = TokenBits<K, NT, NV>;
+    const long long qo = b * prm.q_sb + t * prm.q_st + hk * prm.q_sh;
+    const long long ko = b * prm.k_sb + t * prm.k_st + hk * prm.k_sh;
+    const long long po = b * prm.p_sb + t * prm.p_st + hk * prm.p_sh;
 #pragma unroll
-    for (int c = 0; c < C; ++c) {
-        const long long t = t0 + c;
-        if (t >= prm.T) break;
-#pragma unroll
-        for (int j = 0; j < E; ++j) {
-            const long long i = lane + 32 * j;
-            st.q[c * K + i] = load_act(q, b * prm.q_sb + t * prm.q_st + hk * prm.q_sh + i * prm.q_sk, prm.q_t);
-            st.k[c * K + i] = load_act(k, b * prm.k_sb + t * prm.k_st + hk * prm.k_sh + i * prm.k_sk, prm.k_t);
-            if (SEPARATE_P)
-                st.p[c * K + i] = load_act(p, b * prm.p_sb + t * prm.p_st + hk * prm.p_sh + i * prm.p_sk, prm.p_t);
-        }
-        if (lane < nv)
-            st.v[c * VS + lane] = load_act(v, b * prm.v_sb + t * prm.v_st + h * prm.v_sh + (vbase + lane) * prm.v_sv,
-                                           prm.v_t);
-        if (lane == 0) st.bg[2 * c] = load_act(beta, b * prm.beta_sb + t * prm.beta_st + h * prm.beta_sh, prm.beta_t);
-        if (lane == 1) st.bg[2 * c + 1] = load_act(g, b * prm.g_sb + t * prm.g_st + h * prm.g_sh, prm.g_t);
-    }
-    if (prm.l2norm) {
-        // Each lane scales the elements it staged itself: no cross-lane hazard before the barrier.
-#pragma unroll
-        for (int c = 0; c < C; ++c) {
-            if (t0 + c >= prm.T) break;
-            float sq = 0.f, sk = 0.f, sp = 0.f;
-#pragma unroll
-            for (int j = 0; j < E; ++j) {
-                const int i = c * K + lane + 32 * j;
-                sq = fmaf(st.q[i], st.q[i], sq);
-                sk = fmaf(st.k[i], st.k[i], sk);
-                if (SEPARATE_P) sp = fmaf(st.p[i], st.p[i], sp);
-            }
-            const float fq = rsqrtf(lane_sum(sq, 1, 16) + kL2NormEps);
-            const float fk = rsqrtf(lane_sum(sk, 1, 16) + kL2NormEps);
-            const float fp = SEPARATE_P ? rsqrtf(lane_sum(sp, 1, 16) + kL2NormEps) : 1.f;
-#pragma unroll
-            for (int j = 0; j < E; ++j) {
-                const int i = c * K + lane + 32 * j;
-                st.q[i] *= fq;
-                st.k[i] *= fk;
-                if (SEPARATE_P) st.p[i] *= fp;
-            }
+    for (int e = 0; e < Bits::E; ++e) {
+        const int j = tid + e * NT;
+        if (K % NT == 0 || j < K) {
+            x.q[e] = load_bits(q, qo + j * prm.q_sk, prm.q_t);
+            x.k[e] = load_bits(k, ko + j * prm.k_sk, prm.k_t);
+            if (SEPARATE_P) x.p[e] = load_bits(p, po + j * prm.p_sk, prm.p_t);
         }
     }
-    __syncwarp();
+    if (tid < NV) x.v = load_bits(v, b * prm.v_sb + t * prm.v_st + h * prm.v_sh + (v0 + tid) * prm.v_sv, prm.v_t);
+    if (tid == Bits::G_TID) x.gate() = load_bits(g, b * prm.g_sb + t * prm.g_st + h * prm.g_sh, prm.g_t);
+    if (tid == Bits::G_TID + 1)
+        x.gate() = load_bits(beta, b * prm.beta_sb + t * prm.beta_st + h * prm.beta_sh, prm.beta_t);
 }
 
-// ---------------------------------------------------------------------------------------
-// KV layout.
-template <int K, bool SEPARATE_P>
-__device__ __forceinline__ void forward_kv(const float* state, float* state_out, const void* q, const void* k,
-                                           const void* v, const void* p, const void* beta, const void* g, void* o,
-                                           const Params& prm, float scale, long long task, float* scratch) {
-    constexpr int COLS = 16, LC = 4, RG = 8, R = K / RG;
-    using St = Stage<K, SEPARATE_P>;
-    const Stage<K, SEPARATE_P> st(scratch);
-    const int lane = threadIdx.x & 31;
-    const long long slabs = prm.V / COLS;
-    const long long bh = task / slabs;
-    const long long b = bh / prm.H, h = bh - b * prm.H, hk = h / prm.group;
-    const int lc = lane % LC, rg = lane / LC;
-    const long long slab0 = (task - bh * slabs) * COLS;
-    const long long col = slab0 + lc * 4;
-
-    const long long head = bh * K * prm.V;
-    float4 s[R];
-    if (prm.has_initial) {
+// Ask L2 for the lines of token t's activations that this thread will load (no registers held).
+template <int K, int NT, int NV, bool SEPARATE_P>
+__device__ __forceinline__ void touch_token(const void* q, const void* k, const void* v, const void* p,
+                                            const Params& prm, int tid, int b, int h, int hk, int v0, long long t) {
+    const long long qo = b * prm.q_sb + t * prm.q_st + hk * prm.q_sh;
+    const long long ko = b * prm.k_sb + t * prm.k_st + hk * prm.k_sh;
+    const long long po = b * prm.p_sb + t * prm.p_st + hk * prm.p_sh;
 #pragma unroll
-        for (int i = 0; i < R; ++i) s[i] = load_state_evict_first(state + head + static_cast<long long>(i * RG + rg) * prm.V + col);
+    for (int e = 0; e < TokenBits<K, NT, NV>::E; ++e) {
+        const int j = tid + e * NT;
+        if (K % NT == 0 || j < K) {
+            prefetch_act(q, qo + j * prm.q_sk, prm.q_t);
+            prefetch_act(k, ko + j * prm.k_sk, prm.k_t);
+            if (SEPARATE_P) prefetch_act(p, po + j * prm.p_sk, prm.p_t);
+        }
+    }
+    if (tid < NV) prefetch_act(v, b * prm.v_sb + t * prm.v_st + h * prm.v_sh + (v0 + tid) * prm.v_sv, prm.v_t);
+}
+
+// The token's beta and gate factor e into gates[0], gates[1].
+template <int K, int NT, int NV>
+__device__ __forceinline__ void stage_gates(float* gates, TokenBits<K, NT, NV>& x, const Params& prm, int tid) {
+    using Bits = TokenBits<K, NT, NV>;
+    if (tid == Bits::G_TID) gates[1] = gate_of(bits_to_float(x.gate(), prm.g_t), prm.gate_linear);
+    if (tid == Bits::G_TID + 1) gates[0] = bits_to_float(x.gate(), prm.beta_t);
+}
+
+// One token's staged activations (two of these alternate by token parity).
+template <int K, int COLS, int NW>
+struct KvStage {
+    float2 pq[K];      // (p, q) of each row: one 8-byte read per row in the pass
+    float kv[K];       // k of each row, for the write
+    float4 dots[NW];   // per-warp partial q.k, |q|^2, |k|^2, |p|^2
+    float4 v[COLS / 4];
+    float gates[2];    // beta, e
+};
+
+template <int K, int ROWS, bool SEPARATE_P>
+struct VkStage {
+    float4 q[K / 4], k[K / 4], p[SEPARATE_P ? K / 4 : 1];
+    float v[ROWS];     // v of the slab's rows
+    float gates[2];    // beta, e
+};
+
+template <int K, int COLS, int RG, bool SEPARATE_P, bool MULTI>
+__global__ void COMBA_BOUNDS(COLS / 4 * RG, K / RG, MULTI)
+delta_rule_kv(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
+              const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
+              const void* __restrict__ g, void* __restrict__ o, const Params prm, const float scale) {
+    constexpr int LC = COLS / 4, NT = LC * RG, R = K / RG, NW = NT / 32, E = TokenBits<K, NT, COLS>::E;
+    static_assert(NT % 32 == 0 && K % RG == 0 && R >= 1, "bad kv tiling");
+    __shared__ KvStage<K, COLS, NW> stage[2];
+    __shared__ float4 red[2][NW][LC];      // per-warp partial S^T p, S^T q
+
+    const int tid = threadIdx.x, lc = tid % LC, rg = tid / LC, warp = tid >> 5;
+    // 32-bit index math (the grid and the row offsets of one head fit), 64-bit addresses.
+    const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H), T = MULTI ? static_cast<int>(prm.T) : 1;
+    const int slabs = V / COLS;
+    const int bh = static_cast<int>(blockIdx.x) / slabs;
+    const int col0 = (static_cast<int>(blockIdx.x) - bh * slabs) * COLS, col = col0 + lc * 4;
+    const int b = bh / H, h = bh - b * H, hk = h / static_cast<int>(prm.group);
+    const long long head = static_cast<long long>(bh) * K * V;
+
+    // 1. Every state load of the thread before anything else.
+    float4 s[R];
+    if (!MULTI || prm.has_initial) {
+        const float* src = state + head + col;
+#pragma unroll
+        for (int i = 0; i < R; ++i) s[i] = load_state(src + (rg + i * RG) * V);
     } else {
 #pragma unroll
         for (int i = 0; i < R; ++i) s[i] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
 
-    for (long long t0 = 0; t0 < prm.T; t0 += St::C) {
-        stage_chunk<K, SEPARATE_P>(st, q, k, v, p, beta, g, prm, b, h, hk, t0, slab0, COLS);
-        for (int c = 0; c < St::C && t0 + c < prm.T; ++c) {
-            const float* qs = st.q + c * K;
-            const float* ks = st.k + c * K;
-            const float* ps = st.p + c * K;  // = ks for Gated DeltaNet
-            const float4 vc = *reinterpret_cast<const float4*>(st.v + c * St::VS + lc * 4);
-            const float bt = st.bg[2 * c], e = gate_of(st.bg[2 * c + 1], prm.gate_linear);
-
-            float sp[4] = {0.f, 0.f, 0.f, 0.f}, sq[4] = {0.f, 0.f, 0.f, 0.f}, qk = 0.f;
+    TokenBits<K, NT, COLS> x;
+    if ((COMBA_PREFETCH == 1 || COMBA_PREFETCH == 2) && T > 0) issue_token<K, NT, COLS, SEPARATE_P>(x, q, k, v, p, beta, g, prm, tid, b, h, hk, col0, 0);
+    for (int t = 0; t < T; ++t) {
+        KvStage<K, COLS, NW>& st = stage[t & 1];
+        if (COMBA_PREFETCH == 0 || COMBA_PREFETCH == 3) issue_token<K, NT, COLS, SEPARATE_P>(x, q, k, v, p, beta, g, prm, tid, b, h, hk, col0, t);
+        // 2. Stage token t (q.k and the squared norms on the way), then put token t+1 in flight.
+        float4 d = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-            for (int i = 0; i < R; ++i) {
-                const int r = i * RG + rg;
-                accumulate_pq(s[i], ps[r], qs[r], sp, sq);
-                qk = fmaf(qs[r], ks[r], qk);
-            }
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                sp[j] = lane_sum(sp[j], LC, 16);
-                sq[j] = lane_sum(sq[j], LC, 16);
-            }
-            qk = lane_sum(qk, LC, 16);
-            const float u[4] = {bt * (vc.x - e * sp[0]), bt * (vc.y - e * sp[1]), bt * (vc.z - e * sp[2]),
-                                bt * (vc.w - e * sp[3])};
-#pragma unroll
-            for (int i = 0; i < R; ++i) s[i] = decay_write(s[i], e, ks[i * RG + rg], u);
-            if (rg == 0) {
-                const long long ob = b * prm.o_sb + (t0 + c) * prm.o_st + h * prm.o_sh;
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-                    store_act(o, ob + (col + j) * prm.o_sv, prm.o_t, scale * fmaf(e, sq[j], qk * u[j]));
+        for (int e = 0; e < E; ++e) {
+            const int j = tid + e * NT;
+            if (K % NT == 0 || j < K) {
+                const float xq = bits_to_float(x.q[e], prm.q_t), xk = bits_to_float(x.k[e], prm.k_t);
+                const float xp = SEPARATE_P ? bits_to_float(x.p[e], prm.p_t) : xk;
+                st.pq[j] = make_float2(xp, xq);
+                st.kv[j] = xk;
+                d.x = fmaf(xq, xk, d.x);
+                d.y = fmaf(xq, xq, d.y);
+                d.z = fmaf(xk, xk, d.z);
+                d.w = fmaf(xp, xp, d.w);
             }
         }
-    }
-    if (prm.write_final) {
+        if (tid < COLS) reinterpret_cast<float*>(st.v)[tid] = bits_to_float(x.v, prm.v_t);
+        stage_gates(st.gates, x, prm, tid);
+        if (MULTI && COMBA_PREFETCH == 1 && t + 1 < T) issue_token<K, NT, COLS, SEPARATE_P>(x, q, k, v, p, beta, g, prm, tid, b, h, hk, col0, t + 1);
+        if (MULTI && COMBA_PREFETCH == 3 && t + 1 < T) touch_token<K, NT, COLS, SEPARATE_P>(q, k, v, p, prm, tid, b, h, hk, col0, t + 1);
+        d.x = lane_sum(d.x, 1, 16);
+        if (prm.l2norm) {
+            d.y = lane_sum(d.y, 1, 16);
+            d.z = lane_sum(d.z, 1, 16);
+            d.w = lane_sum(d.w, 1, 16);
+        }
+        if ((tid & 31) == 0) st.dots[warp] = d;
+        __syncthreads();
+
+        // 3. One pass: S^T p and S^T q over this thread's rows.
+        float sp[4] = {0.f, 0.f, 0.f, 0.f}, sq[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int i = 0; i < R; ++i) store_state_evict_first(state_out + head + static_cast<long long>(i * RG + rg) * prm.V + col, s[i]);
+        for (int i = 0; i < R; ++i) {
+            const float2 xr = st.pq[rg + i * RG];
+            accumulate_pq(s[i], xr.x, xr.y, sp, sq);
+        }
+        // Row groups of one warp (lanes differing in bits LC .. 16) by shuffles, then the NW
+        // warps through shared memory; every thread adds the warps in the same order.  `red`
+        // needs no second buffer: it is rewritten only after the next token's barrier.
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            sp[c] = lane_sum(sp[c], LC, 16);
+            sq[c] = lane_sum(sq[c], LC, 16);
+        }
+        if ((tid & 31) < LC) {
+            red[0][warp][lc] = make_float4(sp[0], sp[1], sp[2], sp[3]);
+            red[1][warp][lc] = make_float4(sq[0], sq[1], sq[2], sq[3]);
+        }
+        if (MULTI && COMBA_PREFETCH == 2 && t + 1 < T) issue_token<K, NT, COLS, SEPARATE_P>(x, q, k, v, p, beta, g, prm, tid, b, h, hk, col0, t + 1);
+        __syncthreads();
+        float4 P = red[0][0][lc], Q = red[1][0][lc], D = st.dots[0];
+#pragma unroll
+        for (int w = 1; w < NW; ++w) {
+            const float4 a = red[0][w][lc], c = red[1][w][lc], n = st.dots[w];
+            P.x += a.x; P.y += a.y; P.z += a.z; P.w += a.w;
+            Q.x += c.x; Q.y += c.y; Q.z += c.z; Q.w += c.w;
+            D.x += n.x; D.y += n.y; D.z += n.z; D.w += n.w;
+        }
+        float fq = 1.f, fk = 1.f, fp = 1.f;
+        if (prm.l2norm) {
+            fq = rsqrtf(D.y + kL2NormEps);
+            fk = rsqrtf(D.z + kL2NormEps);
+            fp = SEPARATE_P ? rsqrtf(D.w + kL2NormEps) : fk;
+        }
+        const float qk = D.x * fq * fk;
+        const float bt = st.gates[0], e = st.gates[1];
+        const float4 vc = st.v[lc];
+        const float u[4] = {bt * (vc.x - e * fp * P.x), bt * (vc.y - e * fp * P.y), bt * (vc.z - e * fp * P.z),
+                            bt * (vc.w - e * fp * P.w)};
+        const float uk[4] = {u[0] * fk, u[1] * fk, u[2] * fk, u[3] * fk};  // the raw k rows, normalised
+
+        // 4. Rank-1 write with the decay folded in, in registers; o of this token.
+#pragma unroll
+        for (int i = 0; i < R; ++i) s[i] = decay_write(s[i], e, st.kv[rg + i * RG], uk);
+        if (rg == 0) {
+            const float qs4[4] = {Q.x, Q.y, Q.z, Q.w};
+            const long long ob = b * prm.o_sb + t * prm.o_st + h * prm.o_sh;
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                store_act(o, ob + (col + c) * prm.o_sv, prm.o_t, scale * fmaf(e * fq, qs4[c], qk * u[c]));
+        }
+    }
+
+    // 5. The state leaves exactly once.
+    if (!MULTI || prm.write_final) {
+        float* dst = state_out + head + col;
+#pragma unroll
+        for (int i = 0; i < R; ++i) store_state(dst + (rg + i * RG) * V, s[i]);
     }
 }
 
-// ---------------------------------------------------------------------------------------
-// VK layout.
-template <int K, bool SEPARATE_P>
-__device__ __forceinline__ void forward_vk(const float* state, float* state_out, const void* q, const void* k,
-                                           const void* v, const void* p, const void* beta, const void* g, void* o,
-                                           const Params& prm, float scale, long long task, float* scratch) {
-    constexpr int LK = K / 4, RG = 32 / LK, NR = 8, ROWS = NR * RG;
-    using St = Stage<K, SEPARATE_P>;
-    static_assert(ROWS <= St::VS, "the staged v slab must hold the warp's rows");
-    const Stage<K, SEPARATE_P> st(scratch);
-    const int lane = threadIdx.x & 31;
-    const long long slabs = prm.V / ROWS;
-    const long long bh = task / slabs;
-    const long long b = bh / prm.H, h = bh - b * prm.H, hk = h / prm.group;
-    const int kg = lane % LK, rg = lane / LK;
-    const long long slab0 = (task - bh * slabs) * ROWS;
-    const long long row0 = slab0 + rg;  // this lane's rows: row0 + RG i
-    const long long head = bh * prm.V * K;
-
-    float4 s[NR];
-    if (prm.has_initial) {
-#pragma unroll
-        for (int i = 0; i < NR; ++i) s[i] = load_state_evict_first(state + head + (row0 + i * RG) * K + kg * 4);
-    } else {
-#pragma unroll
-        for (int i = 0; i < NR; ++i) s[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-
-    for (long long t0 = 0; t0 < prm.T; t0 += St::C) {
-        stage_chunk<K, SEPARATE_P>(st, q, k, v, p, beta, g, prm, b, h, hk, t0, slab0, ROWS);
-        for (int c = 0; c < St::C && t0 + c < prm.T; ++c) {
-            const float4 cq = *reinterpret_cast<const float4*>(st.q + c * K + kg * 4);
-            const float4 ck = *reinterpret_cast<const float4*>(st.k + c * K + kg * 4);
-            const float4 cp = *reinterpret_cast<const float4*>(st.p + c * K + kg * 4);
-            const float bt = st.bg[2 * c], e = gate_of(st.bg[2 * c + 1], prm.gate_linear);
-            const float qk = lane_sum(cq.x * ck.x + cq.y * ck.y + cq.z * ck.z + cq.w * ck.w, 1, LK / 2);
-            const long long ob = b * prm.o_sb + (t0 + c) * prm.o_st + h * prm.o_sh;
-#pragma unroll
-            for (int i = 0; i < NR; ++i) {
-                const float sp = lane_sum(cp.x * s[i].x + cp.y * s[i].y + cp.z * s[i].z + cp.w * s[i].w, 1, LK / 2);
-                const float sq = lane_sum(cq.x * s[i].x + cq.y * s[i].y + cq.z * s[i].z + cq.w * s[i].w, 1, LK / 2);
-                const float u = bt * (st.v[c * St::VS + rg + i * RG] - e * sp);
-                s[i] = make_float4(fmaf(e, s[i].x, ck.x * u), fmaf(e, s[i].y, ck.y * u), fmaf(e, s[i].z, ck.z * u),
-                                   fmaf(e, s[i].w, ck.w * u));
-                if (kg == 0) store_act(o, ob + (row0 + i * RG) * prm.o_sv, prm.o_t, scale * fmaf(e, sq, qk * u));
-            }
-        }
-    }
-    if (prm.write_final) {
-#pragma unroll
-        for (int i = 0; i < NR; ++i) store_state_evict_first(state_out + head + (row0 + i * RG) * K + kg * 4, s[i]);
-    }
+__device__ __forceinline__ float dot4(float4 a, float4 b) {
+    return fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, a.w * b.w)));
 }
 
-// ---------------------------------------------------------------------------------------
-template <int K, bool VK, bool SEPARATE_P>
-__global__ void __launch_bounds__(kForwardWarps * 32)
-delta_rule_forward(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
-                   const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
-                   const void* __restrict__ g, void* __restrict__ o, const Params prm, const float scale) {
-    __shared__ __align__(16) float scratch[kForwardWarps][Stage<K, SEPARATE_P>::FLOATS];
-    const int warp = threadIdx.x >> 5;
-    const long long rows_per_task = VK ? 8 * (128 / K) : 16;  // V-rows (VK) or V-columns (KV) per warp
-    const long long task = static_cast<long long>(blockIdx.x) * kForwardWarps + warp;
-    if (task >= prm.B * prm.H * (prm.V / rows_per_task)) return;  // whole warp leaves together
-    if constexpr (VK) {
-        forward_vk<K, SEPARATE_P>(state, state_out, q, k, v, p, beta, g, o, prm, scale, task, scratch[warp]);
+// One level of the transposing butterfly over x[0 .. 2*OFF): keep the half named by this lane's
+// bit OFF, trade the other half with the lane across that bit; then recurse on x[0 .. OFF).
+// After the levels OFF = LK/2 .. 1, lane kg holds the complete sum of value kg.  A template
+// recursion rather than a loop so every index is a compile-time constant (no local memory).
+template <int OFF, int N>
+__device__ __forceinline__ void butterfly(float (&x)[N], int kg) {
+    const bool upper = kg & OFF;
+#pragma unroll
+    for (int j = 0; j < OFF; ++j) {
+        const float send = upper ? x[j] : x[j + OFF];
+        const float keep = upper ? x[j + OFF] : x[j];
+        x[j] = keep + __shfl_xor_sync(0xffffffffu, send, OFF);
+    }
+    if constexpr (OFF > 1) butterfly<OFF / 2>(x, kg);
+}
+
+template <int K, int R, int NW, bool SEPARATE_P, bool MULTI>
+__global__ void COMBA_BOUNDS(NW * 32, R, MULTI)
+delta_rule_vk(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
+              const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
+              const void* __restrict__ g, void* __restrict__ o, const Params prm, const float scale) {
+    constexpr int LK = K / 4, RPW = 32 / LK, HALF = LK / 2, ROWS = R * NW * RPW, NB = R / HALF, NT = NW * 32;
+    constexpr int E = TokenBits<K, NT, ROWS>::E;
+    static_assert(R % HALF == 0, "bad vk tiling: a lane's rows must fill whole butterflies");
+    __shared__ VkStage<K, ROWS, SEPARATE_P> stage[2];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int kg = lane % LK, hg = lane / LK;
+    // 32-bit index math (the grid and the row offsets of one head fit), 64-bit addresses.
+    const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H), T = MULTI ? static_cast<int>(prm.T) : 1;
+    const int slabs = V / ROWS;
+    const int bh = static_cast<int>(blockIdx.x) / slabs;
+    const int slab0 = (static_cast<int>(blockIdx.x) - bh * slabs) * ROWS;
+    const int b = bh / H, h = bh - b * H, hk = h / static_cast<int>(prm.group);
+    const long long head = static_cast<long long>(bh) * V * K;
+    // Row i of this lane within the slab; the RPW row groups of a warp read consecutive rows.
+    auto local = [&](int i) { return (i * NW + warp) * RPW + hg; };
+
+    // 1. Every state load of the lane before anything else.
+    float4 s[R];
+    if (!MULTI || prm.has_initial) {
+        const float* src = state + head + slab0 * K + kg * 4;
+#pragma unroll
+        for (int i = 0; i < R; ++i) s[i] = load_state(src + local(i) * K);
     } else {
-        forward_kv<K, SEPARATE_P>(state, state_out, q, k, v, p, beta, g, o, prm, scale, task, scratch[warp]);
+#pragma unroll
+        for (int i = 0; i < R; ++i) s[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+
+    TokenBits<K, NT, ROWS> x;
+    if ((COMBA_PREFETCH == 1 || COMBA_PREFETCH == 2) && T > 0) issue_token<K, NT, ROWS, SEPARATE_P>(x, q, k, v, p, beta, g, prm, tid, b, h, hk, slab0, 0);
+    const bool p_lane = kg < HALF;  // ends a butterfly with S p of row n*HALF + kg, else S q of row n*HALF + kg - HALF
+    for (int t = 0; t < T; ++t) {
+        VkStage<K, ROWS, SEPARATE_P>& st = stage[t & 1];
+        if (COMBA_PREFETCH == 0 || COMBA_PREFETCH == 3) issue_token<K, NT, ROWS, SEPARATE_P>(x, q, k, v, p, beta, g, prm, tid, b, h, hk, slab0, t);
+        // 2. Stage token t, then put token t+1 in flight.
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const int j = tid + e * NT;
+            if (K % NT == 0 || j < K) {
+                reinterpret_cast<float*>(st.q)[j] = bits_to_float(x.q[e], prm.q_t);
+                reinterpret_cast<float*>(st.k)[j] = bits_to_float(x.k[e], prm.k_t);
+                if (SEPARATE_P) reinterpret_cast<float*>(st.p)[j] = bits_to_float(x.p[e], prm.p_t);
+            }
+        }
+        if (tid < ROWS) st.v[tid] = bits_to_float(x.v, prm.v_t);
+        stage_gates(st.gates, x, prm, tid);
+        if (MULTI && COMBA_PREFETCH == 1 && t + 1 < T) issue_token<K, NT, ROWS, SEPARATE_P>(x, q, k, v, p, beta, g, prm, tid, b, h, hk, slab0, t + 1);
+        if (MULTI && COMBA_PREFETCH == 3 && t + 1 < T) touch_token<K, NT, ROWS, SEPARATE_P>(q, k, v, p, prm, tid, b, h, hk, slab0, t + 1);
+        __syncthreads();
+
+        const float4 cq = st.q[kg], ck = st.k[kg], cp = SEPARATE_P ? st.p[kg] : ck;
+        const float bt = st.gates[0], e = st.gates[1];
+        float fq = 1.f, fk = 1.f, fp = 1.f;
+        if (prm.l2norm) {
+            fq = rsqrtf(lane_sum(dot4(cq, cq), 1, HALF) + kL2NormEps);
+            fk = rsqrtf(lane_sum(dot4(ck, ck), 1, HALF) + kL2NormEps);
+            fp = SEPARATE_P ? rsqrtf(lane_sum(dot4(cp, cp), 1, HALF) + kL2NormEps) : fk;
+        }
+        const float qk = lane_sum(dot4(cq, ck), 1, HALF) * fq * fk;
+
+        // 3. Row sums by butterflies of LK values: HALF rows x {S p, S q} per butterfly.
+        const long long ob = b * prm.o_sb + t * prm.o_st + h * prm.o_sh;
+        float ub[NB];  // u of row n*HALF + kg % HALF
+#pragma unroll
+        for (int n = 0; n < NB; ++n) {
+            float y[LK];
+#pragma unroll
+            for (int j = 0; j < HALF; ++j) {
+                y[j] = dot4(cp, s[n * HALF + j]);
+                y[HALF + j] = dot4(cq, s[n * HALF + j]);
+            }
+            butterfly<HALF>(y, kg);
+            const float sum = y[0] * (p_lane ? fp : fq);
+            const float u = bt * (st.v[local(n * HALF + kg % HALF)] - e * sum);  // valid on the p lanes
+            const float u_pair = __shfl_xor_sync(0xffffffffu, u, HALF);             // the q lanes get their row's u
+            if (!p_lane)
+                store_act(o, ob + (slab0 + local(n * HALF + kg - HALF)) * prm.o_sv, prm.o_t,
+                          scale * fmaf(e, sum, qk * u_pair));
+            ub[n] = p_lane ? u : u_pair;
+        }
+
+        // 4. Rank-1 write with the decay folded in, in registers.
+        const float4 kn = make_float4(ck.x * fk, ck.y * fk, ck.z * fk, ck.w * fk);
+        if (MULTI && COMBA_PREFETCH == 2 && t + 1 < T) issue_token<K, NT, ROWS, SEPARATE_P>(x, q, k, v, p, beta, g, prm, tid, b, h, hk, slab0, t + 1);
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            const float ui = __shfl_sync(0xffffffffu, ub[i / HALF], hg * LK + i % HALF);
+            s[i] = make_float4(fmaf(e, s[i].x, kn.x * ui), fmaf(e, s[i].y, kn.y * ui), fmaf(e, s[i].z, kn.z * ui),
+                               fmaf(e, s[i].w, kn.w * ui));
+        }
+    }
+
+    // 5. The state leaves exactly once.
+    if (!MULTI || prm.write_final) {
+        float* dst = state_out + head + slab0 * K + kg * 4;
+#pragma unroll
+        for (int i = 0; i < R; ++i) store_state(dst + local(i) * K, s[i]);
     }
 }
 

@@ -8,7 +8,7 @@ from cupy_comba import _build
 
 
 def test_includes_are_expanded_once():
-    src = _build.kernel_source("decode_step.cu")
+    src = _build.kernel_source("delta_rule.cu")
     assert "#include" not in src
     assert src.count("unsigned short float_to_bf16_bits(") == 1   # common.cuh, once
     assert src.count("struct Params {") == 1                      # params.cuh, once
