@@ -260,8 +260,10 @@ def _plan(q, k, v, p, beta, g, state, out, o_dtype, scale, write_final, state_la
     values.update(gate_linear=gate == "linear", l2norm=l2norm, has_initial=state is not None,
                   write_final=write_final)
     plan.params = pack(values)
-    variant = variant or tiling.choose(state_layout, K, V, p is not None)
-    kernel, grid, block = tiling.launch(state_layout, variant, B * H, K, V, p is not None, T != 1, device)
+    # The decode build serves exactly one token from a given state to a written state.
+    multi = not (T == 1 and state is not None and write_final)
+    variant = variant or tiling.choose(state_layout, K, V, p is not None, multi)
+    kernel, grid, block = tiling.launch(state_layout, variant, B * H, K, V, p is not None, multi, device)
     plan.kernel, plan.grid, plan.block = kernel, grid, block
     return plan
 

@@ -23,20 +23,21 @@ def _vk_rows(K, r, w):
     return r * w * (128 // K)
 
 
-def choose(layout, K, V, separate_p):
-    """The variant for a shape, from the H200 sweep (docs/benchmarks.md, "Decode tilings").
+def choose(layout, K, V, separate_p, multi=False):
+    """The variant for a shape, from the H200 sweeps (docs/benchmarks.md, "Tilings").
 
-    kv: 64-column slabs whenever V allows (256 contiguous bytes per row per warp-load), with 8
-    row groups (16 float4 per thread at K = 128, 128 threads) -- except Comba at K = 64, which
-    runs best with 4 row groups (64 threads); else 32-column slabs.  vk: two warps, 16 rows
-    per lane at K = 128 and 8 at K = 64.  The same tilings also led at B*H = 128 and 1024
-    within a few percent, so the batch size does not enter the choice.
+    kv: 64-column slabs whenever V allows (256 contiguous bytes per row per warp-load), else
+    32-column slabs.  The decode step takes 8 row groups at K = 128 (16 float4 of state per
+    thread, 128 threads) and 4 at K = 64; T-token passes (``multi``) take 4 row groups at every
+    K (64 threads holding 32 float4 each: more of the SM's warps stay busy across the tokens).
+    vk: two warps of 16 rows per lane (8 at K = 64 when V is not a multiple of 64).  The same tilings led at B*H = 128 and 1024 within a few
+    percent, so the batch size does not enter the choice.
     """
     if layout == "kv":
         if V % 64:
             return "kv32x8"
-        return "kv64x4" if K == 64 and separate_p else "kv64x8"
-    return "vk16x2" if K == 128 else "vk8x2"
+        return "kv64x8" if K == 128 and not multi else "kv64x4"
+    return "vk16x2" if V % _vk_rows(K, 16, 2) == 0 else "vk8x2"
 
 
 def launch(layout, variant, heads, K, V, separate_p, multi, device):

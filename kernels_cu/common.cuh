@@ -52,12 +52,6 @@ __device__ __forceinline__ unsigned load_bits(const void* base, long long i, lon
                         : static_cast<unsigned>(*reinterpret_cast<const unsigned short*>(a));
 }
 
-// Bring the line of element i into L2 ahead of its load; holds no register for the value.
-__device__ __forceinline__ void prefetch_act(const void* base, long long i, long long dtype) {
-    const char* a = static_cast<const char*>(base) + i * (dtype == F32 ? 4 : 2);
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
-}
-
 __device__ __forceinline__ float bits_to_float(unsigned bits, long long dtype) {
     if (dtype == BF16) return bf16_bits_to_float(static_cast<unsigned short>(bits));
     if (dtype == F16) return f16_bits_to_float(static_cast<unsigned short>(bits));

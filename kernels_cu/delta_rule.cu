@@ -1,7 +1,11 @@
 // delta_rule.cu -- T >= 1 tokens of the gated delta rule (Comba, or Gated DeltaNet when p = k)
 // for a whole batch in ONE launch: the fp32 state is read once, stays in registers across the
-// T tokens, o is written per token and the final state once.  T = 1 from a given state is the
-// decode step; T is a run-time argument, so one compiled kernel serves every T.
+// T tokens, o is written per token and the final state once.
+//
+// Two builds of each kernel (template flag MULTI): MULTI = false is the decode step -- one
+// token, from a given state, to a written state -- with no token loop at all, so it holds no
+// registers for a next token; MULTI = true takes T (and whether there is an initial state and
+// a final state to write) at run time, so one compiled kernel serves every T.
 //
 // Math per (b, h) and token, with S = state[b, h] (K x V) and gate e = exp(g) ("log") or g
 // ("linear"):
@@ -20,22 +24,23 @@
 // [B, H, V, K] ("vk", the same S stored transposed); activations as in params.cuh (any
 // strides, f32 / f16 / bf16, head h reads key head h / group).
 //
-// delta_rule_kv<K, COLS, RG, SEPARATE_P> -- one CTA per (b, h, slab of COLS columns of V),
+// delta_rule_kv<K, COLS, RG, SEPARATE_P, MULTI> -- one CTA per (b, h, slab of COLS columns of V),
 //   NT = (COLS/4) x RG threads.  Thread (lc, rg) owns the float4 of columns 4lc .. 4lc+3 in
 //   rows rg, rg + RG, ... (R = K/RG registers); a warp-wide load covers 128/COLS rows of
 //   COLS*4 contiguous bytes.  The partial column sums of the row groups of a warp meet by
 //   shuffles, those of the warps in shared memory behind one barrier; every thread adds them
 //   in the same order (so every row of a column applies the same u).
-// delta_rule_vk<K, R, NW, SEPARATE_P> -- one CTA per (b, h, slab of ROWS = R*NW*(128/K) rows
+// delta_rule_vk<K, R, NW, SEPARATE_P, MULTI> -- one CTA per (b, h, slab of ROWS = R*NW*(128/K) rows
 //   of V), NW warps.  LK = K/4 lanes hold one float4 each along a K-row (a warp-wide load
 //   covers 128/K whole rows, 512 contiguous bytes); every lane owns R rows.  The per-row
 //   K-sums run as a transposing butterfly: the LK lanes of a row group reduce LK values
 //   (LK/2 rows x {S p, S q}) in LK-1 shuffles and each ends holding one finished sum.
 //
 // Tokens: the CTA stages each token's q, k, p, its slab of v, beta and g in shared memory
-// (double-buffered by token parity, so one barrier per token suffices to publish them).  The
-// loads of token t+1 are issued as raw bits right after token t is staged and are in flight
-// while token t is computed: a memory latency per token is hidden behind the recurrence.
+// (double-buffered by token parity, so one barrier per token suffices to publish them).  Every
+// load of a token is issued as raw bits before any is converted (one memory latency per token,
+// not one per element); with MULTI the loads of token t+1 go out right after token t is
+// staged and are in flight while token t is computed.
 //
 // Why this shape: ~16 float4 of state in flight per thread and many small independent CTAs
 // per SM, each in its own phase (loading, computing, storing), keep HBM busy in both
@@ -45,15 +50,6 @@
 #include "params.cuh"
 
 namespace comba {
-
-#ifndef COMBA_PREFETCH
-#define COMBA_PREFETCH 1
-#endif
-#ifndef COMBA_OTHER_REGS
-#define COMBA_BOUNDS(nt, r, multi) __launch_bounds__(nt)
-#else
-#define COMBA_BOUNDS(nt, r, multi) __launch_bounds__(nt, 65536 / ((nt) * (4 * (r) + ((multi) ? COMBA_OTHER_REGS : COMBA_OTHER_REGS_1))))
-#endif
 
 // Raw bits of the activations of one token that thread `tid` of NT stages: elements tid,
 // tid + NT, ... of q, k (and p), element tid of the v slab (tid < NV), and g and beta (threads
@@ -95,25 +91,6 @@ __device__ __forceinline__ void issue_token(TokenBits<K, NT, NV>& x, const void*
         x.gate() = load_bits(beta, b * prm.beta_sb + t * prm.beta_st + h * prm.beta_sh, prm.beta_t);
 }
 
-// Ask L2 for the lines of token t's activations that this thread will load (no registers held).
-template <int K, int NT, int NV, bool SEPARATE_P>
-__device__ __forceinline__ void touch_token(const void* q, const void* k, const void* v, const void* p,
-                                            const Params& prm, int tid, int b, int h, int hk, int v0, long long t) {
-    const long long qo = b * prm.q_sb + t * prm.q_st + hk * prm.q_sh;
-    const long long ko = b * prm.k_sb + t * prm.k_st + hk * prm.k_sh;
-    const long long po = b * prm.p_sb + t * prm.p_st + hk * prm.p_sh;
-#pragma unroll
-    for (int e = 0; e < TokenBits<K, NT, NV>::E; ++e) {
-        const int j = tid + e * NT;
-        if (K % NT == 0 || j < K) {
-            prefetch_act(q, qo + j * prm.q_sk, prm.q_t);
-            prefetch_act(k, ko + j * prm.k_sk, prm.k_t);
-            if (SEPARATE_P) prefetch_act(p, po + j * prm.p_sk, prm.p_t);
-        }
-    }
-    if (tid < NV) prefetch_act(v, b * prm.v_sb + t * prm.v_st + h * prm.v_sh + (v0 + tid) * prm.v_sv, prm.v_t);
-}
-
 // The token's beta and gate factor e into gates[0], gates[1].
 template <int K, int NT, int NV>
 __device__ __forceinline__ void stage_gates(float* gates, TokenBits<K, NT, NV>& x, const Params& prm, int tid) {
@@ -140,7 +117,7 @@ struct VkStage {
 };
 
 template <int K, int COLS, int RG, bool SEPARATE_P, bool MULTI>
-__global__ void COMBA_BOUNDS(COLS / 4 * RG, K / RG, MULTI)
+__global__ void __launch_bounds__(COLS / 4 * RG)
 delta_rule_kv(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
               const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
               const void* __restrict__ g, void* __restrict__ o, const Params prm, const float scale) {
@@ -170,10 +147,9 @@ delta_rule_kv(const float* state, float* state_out, const void* __restrict__ q, 
     }
 
     TokenBits<K, NT, COLS> x;
-    if ((COMBA_PREFETCH == 1 || COMBA_PREFETCH == 2) && T > 0) issue_token<K, NT, COLS, SEPARATE_P>(x, q, k, v, p, beta, g, prm, tid, b, h, hk, col0, 0);
+    if (T > 0) issue_token<K, NT, COLS, SEPARATE_P>(x, q, k, v, p, beta, g, prm, tid, b, h, hk, col0, 0);
     for (int t = 0; t < T; ++t) {
         KvStage<K, COLS, NW>& st = stage[t & 1];
-        if (COMBA_PREFETCH == 0 || COMBA_PREFETCH == 3) issue_token<K, NT, COLS, SEPARATE_P>(x, q, k, v, p, beta, g, prm, tid, b, h, hk, col0, t);
         // 2. Stage token t (q.k and the squared norms on the way), then put token t+1 in flight.
         float4 d = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
@@ -192,8 +168,8 @@ delta_rule_kv(const float* state, float* state_out, const void* __restrict__ q, 
         }
         if (tid < COLS) reinterpret_cast<float*>(st.v)[tid] = bits_to_float(x.v, prm.v_t);
         stage_gates(st.gates, x, prm, tid);
-        if (MULTI && COMBA_PREFETCH == 1 && t + 1 < T) issue_token<K, NT, COLS, SEPARATE_P>(x, q, k, v, p, beta, g, prm, tid, b, h, hk, col0, t + 1);
-        if (MULTI && COMBA_PREFETCH == 3 && t + 1 < T) touch_token<K, NT, COLS, SEPARATE_P>(q, k, v, p, prm, tid, b, h, hk, col0, t + 1);
+        if (MULTI && t + 1 < T)
+            issue_token<K, NT, COLS, SEPARATE_P>(x, q, k, v, p, beta, g, prm, tid, b, h, hk, col0, t + 1);
         d.x = lane_sum(d.x, 1, 16);
         if (prm.l2norm) {
             d.y = lane_sum(d.y, 1, 16);
@@ -222,7 +198,6 @@ delta_rule_kv(const float* state, float* state_out, const void* __restrict__ q, 
             red[0][warp][lc] = make_float4(sp[0], sp[1], sp[2], sp[3]);
             red[1][warp][lc] = make_float4(sq[0], sq[1], sq[2], sq[3]);
         }
-        if (MULTI && COMBA_PREFETCH == 2 && t + 1 < T) issue_token<K, NT, COLS, SEPARATE_P>(x, q, k, v, p, beta, g, prm, tid, b, h, hk, col0, t + 1);
         __syncthreads();
         float4 P = red[0][0][lc], Q = red[1][0][lc], D = st.dots[0];
 #pragma unroll
@@ -286,7 +261,7 @@ __device__ __forceinline__ void butterfly(float (&x)[N], int kg) {
 }
 
 template <int K, int R, int NW, bool SEPARATE_P, bool MULTI>
-__global__ void COMBA_BOUNDS(NW * 32, R, MULTI)
+__global__ void __launch_bounds__(NW * 32)
 delta_rule_vk(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
               const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
               const void* __restrict__ g, void* __restrict__ o, const Params prm, const float scale) {
@@ -319,11 +294,10 @@ delta_rule_vk(const float* state, float* state_out, const void* __restrict__ q, 
     }
 
     TokenBits<K, NT, ROWS> x;
-    if ((COMBA_PREFETCH == 1 || COMBA_PREFETCH == 2) && T > 0) issue_token<K, NT, ROWS, SEPARATE_P>(x, q, k, v, p, beta, g, prm, tid, b, h, hk, slab0, 0);
+    if (T > 0) issue_token<K, NT, ROWS, SEPARATE_P>(x, q, k, v, p, beta, g, prm, tid, b, h, hk, slab0, 0);
     const bool p_lane = kg < HALF;  // ends a butterfly with S p of row n*HALF + kg, else S q of row n*HALF + kg - HALF
     for (int t = 0; t < T; ++t) {
         VkStage<K, ROWS, SEPARATE_P>& st = stage[t & 1];
-        if (COMBA_PREFETCH == 0 || COMBA_PREFETCH == 3) issue_token<K, NT, ROWS, SEPARATE_P>(x, q, k, v, p, beta, g, prm, tid, b, h, hk, slab0, t);
         // 2. Stage token t, then put token t+1 in flight.
 #pragma unroll
         for (int e = 0; e < E; ++e) {
@@ -336,8 +310,8 @@ delta_rule_vk(const float* state, float* state_out, const void* __restrict__ q, 
         }
         if (tid < ROWS) st.v[tid] = bits_to_float(x.v, prm.v_t);
         stage_gates(st.gates, x, prm, tid);
-        if (MULTI && COMBA_PREFETCH == 1 && t + 1 < T) issue_token<K, NT, ROWS, SEPARATE_P>(x, q, k, v, p, beta, g, prm, tid, b, h, hk, slab0, t + 1);
-        if (MULTI && COMBA_PREFETCH == 3 && t + 1 < T) touch_token<K, NT, ROWS, SEPARATE_P>(q, k, v, p, prm, tid, b, h, hk, slab0, t + 1);
+        if (MULTI && t + 1 < T)
+            issue_token<K, NT, ROWS, SEPARATE_P>(x, q, k, v, p, beta, g, prm, tid, b, h, hk, slab0, t + 1);
         __syncthreads();
 
         const float4 cq = st.q[kg], ck = st.k[kg], cp = SEPARATE_P ? st.p[kg] : ck;
@@ -373,7 +347,6 @@ delta_rule_vk(const float* state, float* state_out, const void* __restrict__ q, 
 
         // 4. Rank-1 write with the decay folded in, in registers.
         const float4 kn = make_float4(ck.x * fk, ck.y * fk, ck.z * fk, ck.w * fk);
-        if (MULTI && COMBA_PREFETCH == 2 && t + 1 < T) issue_token<K, NT, ROWS, SEPARATE_P>(x, q, k, v, p, beta, g, prm, tid, b, h, hk, slab0, t + 1);
 #pragma unroll
         for (int i = 0; i < R; ++i) {
             const float ui = __shfl_sync(0xffffffffu, ub[i / HALF], hg * LK + i % HALF);

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from cupy_comba import _build
+from cupy_comba import _build, tiling
 
 
 def test_includes_are_expanded_once():
@@ -30,3 +30,13 @@ def test_nvrtc_compiles_every_specialisation_for_sm90(module):
 def test_every_module_also_builds_for_pre_hopper_gpus(arch):
     for module in _build.SPECIALISATIONS:
         assert set(_build.compile_for_arch(module, arch)) == set(_build.SPECIALISATIONS[module][1])
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("K", _build.SUPPORTED_K)
+@pytest.mark.parametrize("multi", [False, True], ids=["decode", "multi"])
+def test_the_chosen_tiling_can_run_every_supported_v(layout, K, multi):
+    for V in range(32, 257, 32):
+        for separate_p in (True, False):
+            variant = tiling.choose(layout, K, V, separate_p, multi)
+            assert variant in tiling.variants(layout, K, V), (V, separate_p, variant)

@@ -79,6 +79,31 @@ def test_every_decode_tiling(layout, K, V, comba, gate, l2norm):
     assert S_new is S and reference.relative_error(S, S_ref) <= 1e-6
 
 
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("K,V", [(64, 128), (128, 128), (128, 96)])
+@pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
+@pytest.mark.parametrize("T,initial", [(4, True), (3, False), (1, False)], ids=["T4", "T3-zero-state", "T1-zero-state"])
+def test_every_forward_tiling(layout, K, V, comba, T, initial):
+    """Each tiling's T-token build (the one forward passes run), from a state or from zeros."""
+    B, H, Hk = 9, 4, 2
+    q, k, v, p, beta, g, S = forward_inputs(B, T, H, K, V, Hk=Hk, state_layout=layout, seed=K + V + T,
+                                            dtype=bfloat16, xp=cupy)
+    p = p if comba else None
+    S_ref, o_ref = reference.comba_loop(S if initial else cupy.zeros(S.shape), q, k, v, k if p is None else p,
+                                        beta, g, state_layout=layout)
+    shape, S = S.shape, (S if initial else None)
+    for variant in tiling.variants(layout, K, V):
+        out, state_out = _poisoned((B, T, H, V), bfloat16), _poisoned(shape, F32)
+        _family_run(q, k, v, p, beta, g, None, S, True, out, state_out, None, layout, "log", False, step=False,
+                    variant=variant)
+        assert reference.relative_error(state_out, S_ref) <= 1e-6, variant
+        assert reference.relative_error(out, o_ref) <= O_TOL[numpy.dtype(bfloat16)], variant
+        out2 = _poisoned((B, T, H, V), bfloat16)  # and with no final state to write
+        _family_run(q, k, v, p, beta, g, None, S, False, out2, None, None, layout, "log", False, step=False,
+                    variant=variant)
+        assert bool(cupy.array_equal(out2, out)), variant
+
+
 @pytest.mark.parametrize("shape", [(1, 1, 1, 64, 32), (2, 3, 5, 128, 96), (3, 2, 3, 64, 256), (257, 2, 3, 128, 32),
                                    (2, 7, 8, 128, 128)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("layout", ["kv", "vk"])
