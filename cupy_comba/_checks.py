@@ -94,11 +94,6 @@ def check_writable_output(name, shape, strides, itemsize, expected_shape, meanin
 
 # -- per-call helpers: cheap enough to run on every launch --------------------------------------
 
-def signature(a):
-    """What a launch plan depends on: shape, strides (bytes) and dtype."""
-    return a.shape, a.strides, a.dtype
-
-
 def ptr_of(a):
     """Data pointer of a CuPy or NumPy array."""
     return a.data.ptr if type(a) is not numpy.ndarray else a.__array_interface__["data"][0]
@@ -122,6 +117,18 @@ def intersect(a, b):
     return a[0] < b[1] and b[0] < a[1] and a[0] < a[1] and b[0] < b[1]
 
 
+def is_c_contiguous(shape, strides, itemsize):
+    """Whether an array of this shape and these byte strides is C-contiguous (size-1 axes ignored)."""
+    if 0 in shape:
+        return True
+    acc = itemsize
+    for n, st in zip(reversed(shape), reversed(strides)):
+        if n != 1 and st != acc:
+            return False
+        acc *= n
+    return True
+
+
 def c_strides(shape, itemsize):
     """Byte strides of a C-contiguous array."""
     strides, acc = [], itemsize
@@ -140,36 +147,31 @@ def common_device(arrays):
     return next(iter(devices.values()))
 
 
-def check_outputs(named_inputs, spans, out, out_span, state_out, state_shape, state_meaning):
-    """Per call: outputs never share memory with inputs; ``state_out`` may be the state itself.
+_NAMES = ("q", "k", "v", "p", "beta", "g", "state", "out", "state_out")
 
-    ``named_inputs`` maps names to arrays (None for absent ones, the state under ``"state"``);
-    ``spans`` are their ``(lo, hi)`` offsets from :func:`span_of`, ``out_span`` that of ``out``.
+
+def check_overlaps(pointers, spans):
+    """Per call: outputs share no memory with inputs or with each other; ``state_out`` may be the state.
+
+    ``pointers`` (data pointers) and ``spans`` (``(lo, hi)`` byte offsets from :func:`span_of`)
+    follow the order q, k, v, p, beta, g, state, out, state_out, with None where absent.
     """
-    if out is None and state_out is None:
-        return
-    ranges = {name: (ptr_of(a) + sp[0], ptr_of(a) + sp[1])
-              for (name, a), sp in zip(named_inputs.items(), spans) if a is not None}
-    if state_out is not None:
-        if state_out.shape != state_shape or state_out.dtype != float32:
-            check_writable_output("state_out", state_out.shape, state_out.strides, state_out.itemsize,
-                                  state_shape, state_meaning)
-            check_state_dtype("state_out", state_out.dtype)
-        if not state_out.flags.c_contiguous:
-            raise ValueError("state_out must be C-contiguous")
-        lo = ptr_of(state_out)
-        so = (lo, lo + state_out.nbytes)
-        for name, span in ranges.items():
-            if name == "state":
-                if span != so and intersect(so, span):
-                    raise ValueError("state_out partially overlaps state: pass state itself for an "
-                                     "in-place update, or a separate buffer")
-            elif intersect(so, span):
-                raise ValueError(f"state_out overlaps {name}: outputs must not share memory with inputs")
-        ranges["state_out"] = so
-    if out is not None:
-        lo = ptr_of(out)
-        o = (lo + out_span[0], lo + out_span[1])
-        for name, span in ranges.items():
-            if intersect(o, span):
-                raise ValueError(f"out overlaps {name}: outputs must not share memory with inputs")
+    for o, others in ((8, range(7)), (7, (0, 1, 2, 3, 4, 5, 6, 8))):
+        op = pointers[o]
+        if op is None:
+            continue
+        olo, ohi = op + spans[o][0], op + spans[o][1]
+        if olo >= ohi:
+            continue
+        for i in others:
+            ip = pointers[i]
+            if ip is None:
+                continue
+            lo, hi = ip + spans[i][0], ip + spans[i][1]
+            if lo < ohi and olo < hi and lo < hi:
+                if o == 8 and i == 6:
+                    if (lo, hi) == (olo, ohi):
+                        continue  # state_out=state: the in-place update
+                    raise ValueError("state_out partially overlaps state: pass state itself for an in-place "
+                                     "update, or a separate buffer")
+                raise ValueError(f"{_NAMES[o]} overlaps {_NAMES[i]}: outputs must not share memory with inputs")

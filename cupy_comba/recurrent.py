@@ -23,13 +23,16 @@ from . import reference
 from ._backend import cupy, deliver
 from . import tiling
 from ._checks import (
-    c_strides, check_head_sizes, check_heads, check_outputs, check_state_dtype, check_writable_output, common_device,
-    expect_shape, namespace_of, real_scalar, resolve_output_dtype, resolve_scale, signature, span_of,
+    c_strides, check_head_sizes, check_heads, check_overlaps, check_state_dtype, check_writable_output, common_device,
+    expect_shape, is_c_contiguous, namespace_of, ptr_of, real_scalar, resolve_output_dtype, resolve_scale, span_of,
 )
 from ._dtypes import ACTIVATION_CODES, ACTIVATION_NAMES, dtype_name, float32
+from ._launch import Launch
 from ._params import pack
 
 _NAMES = ("q", "k", "v", "p", "beta", "g")
+_ALL_NAMES = _NAMES + ("state", "out", "state_out")
+_ND = None if cupy is None else cupy.ndarray
 
 
 def gated_delta_decode_step(state, q, k, v, beta, g, scale=None, *, out=None, state_out=None, o_dtype=None,
@@ -139,48 +142,84 @@ def _run(q, k, v, p, beta, g, scale, state, output_final_state, out, state_out, 
     """Every op of the family: validate (cached per signature), then launch or run the reference.
 
     ``variant`` forces a kernel tiling (:mod:`cupy_comba.tiling`; benchmarks and tests only).
+    The common case -- every array a plain ``cupy.ndarray`` on one device -- is decided with
+    a handful of attribute reads; anything else takes the general checks, which name the problem.
     """
     if step and state is None:
         raise TypeError("state must be a cupy.ndarray or numpy.ndarray, got NoneType")
-    named = {"q": q, "k": k, "v": v, "beta": beta, "g": g}
-    if p is not None:
-        named["p"] = p
-    if state is not None:
-        named["state"] = state
-    xp = namespace_of(named)
-    for name, a in (("out", out), ("state_out", state_out)):
-        if a is not None and not isinstance(a, xp.ndarray):
-            raise TypeError(f"{name} must be a {xp.__name__} array like the inputs, got {type(a).__name__}")
-    device = common_device(dict(named, out=out, state_out=state_out)) if xp is cupy else None
+    arrays = (q, k, v, p, beta, g, state, out, state_out)
+    nd = _ND
+    if (type(q) is nd and type(k) is nd and type(v) is nd and type(beta) is nd and type(g) is nd
+            and (p is None or type(p) is nd) and (state is None or type(state) is nd)
+            and (out is None or type(out) is nd) and (state_out is None or type(state_out) is nd)):
+        xp = cupy
+        mem = [None if a is None else a.data for a in arrays]
+        device = mem[0].device_id
+        for m in mem:
+            if m is not None and m.device_id != device:
+                common_device(dict(zip(_ALL_NAMES, arrays)))  # raises, naming the devices
+    else:
+        xp, device = _general_checks(arrays)
     if scale is not None:
         scale = real_scalar("scale", scale)
-    if not isinstance(use_qk_l2norm, (bool, numpy.bool_)):
-        raise TypeError(f"use_qk_l2norm must be a bool, got {type(use_qk_l2norm).__name__}")
+    if use_qk_l2norm is not False and use_qk_l2norm is not True:
+        if not isinstance(use_qk_l2norm, numpy.bool_):
+            raise TypeError(f"use_qk_l2norm must be a bool, got {type(use_qk_l2norm).__name__}")
+        use_qk_l2norm = bool(use_qk_l2norm)
     if not output_final_state and state_out is not None:
         raise ValueError("state_out was given but output_final_state=False: nothing would be written to it")
-    plan = _plan(signature(q), signature(k), signature(v), None if p is None else signature(p), signature(beta),
-                 signature(g), None if state is None else signature(state),
-                 None if out is None else signature(out), None if o_dtype is None else numpy.dtype(o_dtype),
-                 scale, bool(output_final_state), state_layout, gate, bool(use_qk_l2norm), step, device, variant)
-    inputs = (q, k, v, p, beta, g, state)
-    check_outputs(dict(zip(_NAMES + ("state",), inputs)), plan.spans, out, plan.out_span, state_out,
-                  plan.state_shape, "the state's shape")
-    if xp is numpy:
-        o, S = _numpy_run(plan, inputs, out, state_out, state_layout, gate, bool(use_qk_l2norm))
+    plan = _plan(q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype,
+                 *((None, None, None) if p is None else (p.shape, p.strides, p.dtype)),
+                 beta.shape, beta.strides, beta.dtype, g.shape, g.strides, g.dtype,
+                 *((None, None, None) if state is None else (state.shape, state.strides, state.dtype)),
+                 *((None, None, None) if out is None else (out.shape, out.strides, out.dtype)),
+                 *((None, None, None) if state_out is None else (state_out.shape, state_out.strides,
+                                                                  state_out.dtype)),
+                 o_dtype, scale, output_final_state is True or bool(output_final_state), state_layout, gate,
+                 use_qk_l2norm, step, device, variant)
+    if xp is cupy:
+        pointers = [None if m is None else m.ptr for m in mem]
+        if pointers != plan.verified:  # a decode loop often reuses one set of buffers: checked once
+            _check_pointers(pointers, plan.spans)
+            plan.verified = pointers
+        o, S = _cuda_run(plan, arrays, pointers, device)
     else:
-        o, S = _cuda_run(plan, inputs, out, state_out)
+        check_overlaps([None if a is None else ptr_of(a) for a in arrays], plan.spans)
+        o, S = _numpy_run(plan, arrays, state_layout, gate, use_qk_l2norm)
     return (S, o) if step else (o, S)
 
 
+def _general_checks(arrays):
+    """Array types and devices of anything but plain same-device CuPy arrays: ``(xp, device)``."""
+    named = {n: a for n, a in zip(_ALL_NAMES[:7], arrays[:7]) if a is not None or n in _NAMES[:3] + _NAMES[4:6]}
+    xp = namespace_of(named)
+    for name, a in zip(_ALL_NAMES[7:], arrays[7:]):
+        if a is not None and not isinstance(a, xp.ndarray):
+            raise TypeError(f"{name} must be a {xp.__name__} array like the inputs, got {type(a).__name__}")
+    return xp, (common_device(dict(zip(_ALL_NAMES, arrays))) if xp is cupy else None)
+
+
 class _Plan:
-    __slots__ = ("B", "T", "H", "K", "V", "scale", "scale_arg", "o_dtype", "o_shape", "state_shape", "write_final",
-                 "spans", "out_span", "kernel", "grid", "block", "params", "step")
+    __slots__ = ("B", "T", "H", "K", "V", "scale", "o_dtype", "o_shape", "state_shape", "write_final", "spans",
+                 "launch", "step", "verified")
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(q, k, v, p, beta, g, state, out, o_dtype, scale, write_final, state_layout, gate, l2norm, step, device,
-          variant):
-    """Validate one call signature and precompute its launch (cached)."""
+def _plan(q_shape, q_strides, q_dtype, k_shape, k_strides, k_dtype, v_shape, v_strides, v_dtype, p_shape, p_strides,
+          p_dtype, beta_shape, beta_strides, beta_dtype, g_shape, g_strides, g_dtype, state_shape, state_strides,
+          state_dtype, out_shape, out_strides, out_dtype, so_shape, so_strides, so_dtype, o_dtype, scale,
+          write_final, state_layout, gate, l2norm, step, device, variant):
+    """Validate one call signature -- (shape, strides, dtype) of every array, options, device -- and
+    precompute its launch (cached)."""
+    def sig(shape, strides, dtype):
+        return None if shape is None else (shape, strides, dtype)
+
+    q, k, v, p = (sig(q_shape, q_strides, q_dtype), sig(k_shape, k_strides, k_dtype),
+                  sig(v_shape, v_strides, v_dtype), sig(p_shape, p_strides, p_dtype))
+    beta, g = sig(beta_shape, beta_strides, beta_dtype), sig(g_shape, g_strides, g_dtype)
+    state, out = sig(state_shape, state_strides, state_dtype), sig(out_shape, out_strides, out_dtype)
+    state_out = sig(so_shape, so_strides, so_dtype)
+    o_dtype = None if o_dtype is None else numpy.dtype(o_dtype)
     reference._check_options(state_layout, gate)
     sig = {"q": q, "k": k, "v": v, "p": p, "beta": beta, "g": g}
     lead, lead_name = (2, "(B, ") if step else (3, "(B, T, ")
@@ -222,8 +261,13 @@ def _plan(q, k, v, p, beta, g, state, out, o_dtype, scale, write_final, state_la
     if state is not None:
         expect_shape(sname, state[0], state_shape, f"{state_meaning} for state_layout={state_layout!r}")
         check_state_dtype(sname, state[2])
-        if device is not None and B * H and state[1] != c_strides(state[0], 4):
+        if device is not None and not is_c_contiguous(*state[:2], 4):
             raise ValueError(f"{sname} must be C-contiguous on the GPU")
+    if state_out is not None:
+        check_writable_output("state_out", state_out[0], state_out[1], 4, state_shape, "the state's shape")
+        check_state_dtype("state_out", state_out[2])
+        if not is_c_contiguous(*state_out[:2], 4):
+            raise ValueError("state_out must be C-contiguous")
     o_shape = tok + (H, V)
     if out is not None:
         check_writable_output("out", out[0], out[1], out[2].itemsize, o_shape, lead_name + "H, V)")
@@ -232,12 +276,10 @@ def _plan(q, k, v, p, beta, g, state, out, o_dtype, scale, write_final, state_la
     plan = _Plan()
     plan.B, plan.T, plan.H, plan.K, plan.V, plan.step = B, T, H, K, V, step
     plan.scale, plan.o_dtype, plan.o_shape = resolve_scale(scale, K), o_dtype, o_shape
-    plan.scale_arg = numpy.float32(plan.scale)  # the kernel's exact C type, built once
     plan.state_shape, plan.write_final = state_shape, write_final
     plan.spans = tuple(None if s is None else span_of(s[0], s[1], s[2].itemsize)
-                       for s in (q, k, v, p, beta, g, state))
-    plan.out_span = None if out is None else span_of(out[0], out[1], out[2].itemsize)
-    plan.kernel = plan.grid = plan.block = plan.params = None
+                       for s in (q, k, v, p, beta, g, state, out, state_out))
+    plan.launch = plan.verified = None
     if device is None:
         return plan
 
@@ -259,37 +301,49 @@ def _plan(q, k, v, p, beta, g, state, out, o_dtype, scale, write_final, state_la
     values["o_t"] = ACTIVATION_CODES[o_dtype]
     values.update(gate_linear=gate == "linear", l2norm=l2norm, has_initial=state is not None,
                   write_final=write_final)
-    plan.params = pack(values)
     # The decode build serves exactly one token from a given state to a written state.
     multi = not (T == 1 and state is not None and write_final)
     variant = variant or tiling.choose(state_layout, K, V, p is not None, multi)
-    kernel, grid, block = tiling.launch(state_layout, variant, B * H, K, V, p is not None, multi, device)
-    plan.kernel, plan.grid, plan.block = kernel, grid, block
+    with cupy.cuda.Device(device):
+        kernel, grid, block = tiling.launch(state_layout, variant, B * H, K, V, p is not None, multi, device)
+        plan.launch = Launch(kernel, grid, block, pack(values), numpy.float32(plan.scale))
     return plan
 
 
-def _cuda_run(plan, inputs, out, state_out):
-    q, k, v, p, beta, g, state = inputs
-    if cupy.cuda.runtime.getDevice() != q.data.device_id:
-        with cupy.cuda.Device(q.data.device_id):
-            return _cuda_run(plan, inputs, out, state_out)
-    for name, a in (("state", state), ("state_out", state_out)):
-        if a is not None and a.data.ptr & 15:
+def _check_pointers(pointers, spans):
+    """Outputs apart from inputs, and the state buffers 16-byte aligned (their float4 accesses)."""
+    check_overlaps(pointers, spans)
+    for name, ptr in (("state", pointers[6]), ("state_out", pointers[8])):
+        if ptr is not None and ptr & 15:
             raise ValueError(f"{name} must start on a 16-byte boundary (e.g. a fresh allocation)")
-    if out is None:
-        out = cupy.empty(plan.o_shape, plan.o_dtype)
-    if state_out is None and plan.write_final:
-        state_out = cupy.empty(plan.state_shape, float32)
+
+
+def _cuda_run(plan, arrays, pointers, device):
+    q, k, v, p, beta, g, state, out, state_out = arrays
+    if out is None or (state_out is None and plan.write_final):
+        with cupy.cuda.Device(device):  # fresh outputs: on the inputs' device, apart from everything
+            if out is None:
+                out = cupy.empty(plan.o_shape, plan.o_dtype)
+            if state_out is None and plan.write_final:
+                state_out = cupy.empty(plan.state_shape, float32)
+        pointers = pointers[:7] + [out.data.ptr, None if state_out is None else state_out.data.ptr]
     if plan.B * plan.H:
-        src = state if state is not None else out          # not read when there is no initial state
-        dst = state_out if state_out is not None else out  # not written when write_final is off
-        plan.kernel(plan.grid, plan.block,
-                    (src, dst, q, k, v, p if p is not None else k, beta, g, out, plan.params, plan.scale_arg))
+        # Kernel pointer order: state (not read without an initial state), state_out (not written when
+        # write_final is off), q, k, v, p (k for Gated DeltaNet), beta, g, o.
+        o_ptr = pointers[7]
+        args = (o_ptr if state is None else pointers[6], o_ptr if state_out is None else pointers[8],
+                pointers[0], pointers[1], pointers[2], pointers[1] if p is None else pointers[3],
+                pointers[4], pointers[5], o_ptr)
+        if cupy.cuda.runtime.getDevice() == device:
+            plan.launch(args, cupy.cuda.get_current_stream().ptr)
+        else:
+            with cupy.cuda.Device(device):
+                plan.launch(args, cupy.cuda.get_current_stream().ptr)
     return out, state_out
 
 
-def _numpy_run(plan, inputs, out, state_out, state_layout, gate, l2norm):
-    q, k, v, p, beta, g, state = inputs
+def _numpy_run(plan, arrays, state_layout, gate, l2norm):
+    q, k, v, p, beta, g, state, out, state_out = arrays
     p = k if p is None else p
     options = dict(state_layout=state_layout, gate=gate, use_qk_l2norm=l2norm)
     if state is None:

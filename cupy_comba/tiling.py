@@ -30,8 +30,8 @@ def choose(layout, K, V, separate_p, multi=False):
     32-column slabs.  The decode step takes 8 row groups at K = 128 (16 float4 of state per
     thread, 128 threads) and 4 at K = 64; T-token passes (``multi``) take 4 row groups at every
     K (64 threads holding 32 float4 each: more of the SM's warps stay busy across the tokens).
-    vk: two warps of 16 rows per lane (8 at K = 64 when V is not a multiple of 64).  The same tilings led at B*H = 128 and 1024 within a few
-    percent, so the batch size does not enter the choice.
+    vk: two warps of 16 rows per lane (8 at K = 64 when V is not a multiple of 64).  The same
+    tilings led at B*H = 128 and 1024 within a few percent, so the batch size does not enter.
     """
     if layout == "kv":
         if V % 64:

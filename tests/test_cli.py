@@ -28,7 +28,7 @@ def test_info(runner):
     result = runner.invoke(main, ["info"])
     assert result.exit_code == 0, result.output
     assert "cupy_comba 0.1.0" in result.output
-    assert "comba::delta_rule_kv<128, 64, 8, true>" in result.output or "CuPy: not installed" in result.output
+    assert "comba::delta_rule_kv<128, 64, 8, true, false>" in result.output or "CuPy: not installed" in result.output
 
 
 def test_bench_json_schema(runner, tmp_path):
