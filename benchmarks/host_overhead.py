@@ -5,7 +5,8 @@
 Default shape 8,16,128,128 (B*H = 128), bf16, preallocated outputs.  Each row is one piece of
 work repeated back to back (median of 5 bursts of 4000): the public calls, the launch floors
 (the plan's prepacked driver launch, CuPy's RawKernel call of the same kernel and arguments, and
-the CUDA driver launching an empty one-argument kernel), then the pieces of the call path.
+the CUDA driver launching an empty one-argument kernel), then the pieces of the call path, and
+last the replay of one step captured in a CUDA graph (bursts of 200, below the GPU queue depth).
 """
 
 import ctypes
@@ -27,16 +28,17 @@ extern "C" __global__ void empty(const Big b) {}
 """
 
 
-def per_call_us(fn, calls=4000, bursts=5):
+def per_call_us(fn, calls=4000, bursts=5, stream=None):
+    stream = stream or cupy.cuda.get_current_stream()
     fn()
-    cupy.cuda.get_current_stream().synchronize()
+    stream.synchronize()
     samples = []
     for _ in range(bursts):
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
         samples.append((time.perf_counter() - t0) / calls * 1e6)
-        cupy.cuda.get_current_stream().synchronize()
+        stream.synchronize()
     return statistics.median(samples)
 
 
@@ -80,6 +82,14 @@ def main():
     print(f"host time per call, {shape}, bf16:")
     for name, fn in rows.items():
         print(f"  {name:58s} {per_call_us(fn):6.2f} us", flush=True)
+    # One step captured in a CUDA graph: bursts short enough that the GPU queue never fills.
+    side = cupy.cuda.Stream(non_blocking=True)
+    with side:
+        side.begin_capture()
+        comba_decode_step(*args, out=out, state_out=state_out)
+        graph = side.end_capture()
+    us = per_call_us(lambda: graph.launch(side), calls=200, bursts=25, stream=side)
+    print(f"  {'comba_decode_step captured in a CUDA graph, graph.launch()':58s} {us:6.2f} us", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,18 +2,59 @@
 
     python benchmarks/render_benchmarks.py docs/benchmarks.md docs/bench-h200-regime.json [more.json ...]
 
-Rewrites the text between ``<!-- bench:begin -->`` and ``<!-- bench:end -->``.  Takes both the
-CLI's reports and ``benchmarks/sweep_forward.py --json`` files.
+Rewrites the text between ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` from the CLI's
+reports and ``benchmarks/sweep_forward.py --json`` files, and between ``<!-- tilings:begin -->``
+and ``<!-- tilings:end -->`` from ``benchmarks/sweep_decode.py --json`` and
+``benchmarks/sweep_forward_tilings.py --json`` files.
 """
 
 import json
 import sys
 
-BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+BLOCKS = {"bench": ("<!-- bench:begin -->", "<!-- bench:end -->"),
+          "tilings": ("<!-- tilings:begin -->", "<!-- tilings:end -->")}
+
+
+def block_of(report):
+    return "tilings" if "rows" in report and report["rows"] and "variant" in report["rows"][0] else "bench"
 
 
 def table(report):
+    if block_of(report) == "tilings":
+        return decode_tilings_table(report) if "op" in report["rows"][0] else forward_tilings_table(report)
     return forward_table(report) if "rows" in report else decode_table(report)
+
+
+def decode_tilings_table(report):
+    """A ``benchmarks/sweep_decode.py --json`` file: fraction of copy of every tiling per (op, shape)."""
+    env, roof = report["environment"], report["roofline"]
+    lines = [f"**{env.get('gpu')}**, {env['date']}: decode steps, bf16, fraction of copy (copy "
+             f"{roof['copy_gbps']:.0f} GB/s), graph replay; `*` marks the tiling `tiling.choose` picks.", "",
+             "| op | B, H, K, V | tilings |", "|---|---|---|"]
+    groups = {}
+    for r in report["rows"]:
+        groups.setdefault((r["op"], tuple(r["shape"])), []).append(r)
+    for (op, shape), rows in groups.items():
+        small = shape[0] * shape[1] <= 1024
+        cells = ", ".join(f"{r['variant']} {r['fraction']:.3f}{' *' if r['chosen'] else ''}"
+                          + (f" ({r['us']:.1f} us)" if small else "") for r in rows)
+        lines.append(f"| {op} | {', '.join(map(str, shape))} | {cells} |")
+    return "\n".join(lines)
+
+
+def forward_tilings_table(report):
+    """A ``benchmarks/sweep_forward_tilings.py --json`` file: T-token time of every tiling."""
+    env = report["environment"]
+    lines = [f"**{env.get('gpu')}**, {env['date']}: Gated DeltaNet forward from a state, B = {report['B']}, "
+             f"H = {report['H']}, V = {report['V']}, bf16, graph replay; us, and x time of the decode step (T = 1).",
+             "", "| layout | K | tiling | T = 1 | T = 4 | T = 16 |", "|---|---|---|---|---|---|"]
+    groups = {}
+    for r in report["rows"]:
+        groups.setdefault((r["layout"], r["K"], r["variant"]), {})[r["T"]] = r
+    for (layout, K, variant), by_t in groups.items():
+        cells = " | ".join(f"{by_t[t]['us']:.1f} (x{by_t[t]['ratio_to_decode_T1']:.2f})" for t in (1, 4, 16))
+        lines.append(f"| {layout} | {K} | {variant} | {cells} |")
+    return "\n".join(lines)
 
 
 def forward_table(report):
@@ -56,13 +97,19 @@ def decode_table(report):
 
 
 def main():
-    doc, *reports = sys.argv[1:]
+    doc, *paths = sys.argv[1:]
     text = open(doc).read()
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    body = "\n\n".join(table(json.load(open(path))) + f"\n\n(from `{path}`)" for path in reports)
+    reports = [(path, json.load(open(path))) for path in paths]
+    for name, (begin, end) in BLOCKS.items():
+        mine = [(path, r) for path, r in reports if block_of(r) == name]
+        if not mine:
+            continue
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        body = "\n\n".join(table(r) + f"\n\n(from `{path}`)" for path, r in mine)
+        text = f"{head}{begin}\n{body}\n{end}{tail}"
     with open(doc, "w") as f:
-        f.write(f"{head}{BEGIN}\n{body}\n{END}{tail}")
+        f.write(text)
 
 
 if __name__ == "__main__":

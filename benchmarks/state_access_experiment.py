@@ -1,4 +1,4 @@
-"""The experiment behind decode_step.cu: CTA tiling and cache hints of the state accesses.
+"""The experiment behind the kernels of delta_rule.cu: CTA tiling and cache hints of the state accesses.
 
     PYTHONPATH=. python benchmarks/state_access_experiment.py
 
