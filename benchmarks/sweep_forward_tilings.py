@@ -20,9 +20,9 @@ from cupy_comba.inputs import forward_inputs
 B, H, V = 512, 16, 128
 
 
-def forward_us(layout, T, K, variant):
-    q, k, v, _, beta, g, state = forward_inputs(B, T, H, K, V, xp=cupy, state_layout=layout, warm_steps=1)
-    out, state_out = cupy.empty((B, T, H, V), bfloat16), cupy.empty_like(state)
+def forward_us(layout, T, K, variant, batch=B):
+    q, k, v, _, beta, g, state = forward_inputs(batch, T, H, K, V, xp=cupy, state_layout=layout, warm_steps=1)
+    out, state_out = cupy.empty((batch, T, H, V), bfloat16), cupy.empty_like(state)
     return time_graph(lambda: recurrent._run(q, k, v, None, beta, g, None, state, True, out, state_out, None, layout,
                                              "log", False, step=False, variant=variant), iters=10).median_us
 
@@ -30,23 +30,29 @@ def forward_us(layout, T, K, variant):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
+    ap.add_argument("--batch", type=int, nargs="*", default=[B], help="B values (H = 16)")
+    ap.add_argument("--T", type=int, nargs="*", default=[1, 4, 16])
+    ap.add_argument("--layouts", nargs="*", default=["kv", "vk"])
+    ap.add_argument("--K", type=int, nargs="*", default=[128, 64])
     args = ap.parse_args()
     roof = measure_copy()
     print(f"copy {roof.copy_gbps:.0f} GB/s", flush=True)
     rows = []
-    for layout in ("kv", "vk"):
-        for K in (128, 64):
-            base = forward_us(layout, 1, K, None)  # T = 1 from a state runs the decode build
-            picked = tiling.choose(layout, K, V, False, multi=True)
-            for variant in tiling.variants(layout, K, V):
-                for T in (1, 4, 16):
-                    us = forward_us(layout, T, K, variant)
-                    rows.append(dict(layout=layout, K=K, variant=variant, T=T, us=us, ratio_to_decode_T1=us / base))
-                    mark = "*" if variant == picked else " "
-                    print(f"{layout} K={K:3d} {variant:8s}{mark} T={T:2d} {us:8.1f} us  x{us / base:.2f}", flush=True)
+    for batch in args.batch:
+        for layout in args.layouts:
+            for K in args.K:
+                base = forward_us(layout, 1, K, None, batch)  # T = 1 from a state runs the decode build
+                for variant in tiling.variants(layout, K, V, multi=True):
+                    for T in args.T:
+                        us = forward_us(layout, T, K, variant, batch)
+                        mark = "*" if variant == tiling.choose(layout, K, V, False, multi=True, T=T) else " "
+                        rows.append(dict(layout=layout, B=batch, K=K, variant=variant, T=T, us=us,
+                                         ratio_to_decode_T1=us / base))
+                        print(f"{layout} B*H={batch * H:5d} K={K:3d} {variant:9s}{mark} T={T:3d} {us:9.1f} us  "
+                              f"x{us / base:.2f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"environment": environment(), "roofline": roof.as_dict(), "B": B, "H": H, "V": V,
+            json.dump({"environment": environment(), "roofline": roof.as_dict(), "H": H, "V": V,
                        "rows": rows}, f, indent=1)
 
 

@@ -22,6 +22,9 @@ from ._backend import cupy
 #: ``delta_rule_kv`` -- a CTA is a COLS-column slab of one head, RG row groups -- and, per K,
 #: ``(R, NW)`` of ``delta_rule_vk`` -- NW warps, R state rows per lane.
 KV_TILINGS = ((64, 8), (64, 4), (32, 8), (32, 16))
+#: Tilings of ``delta_rule_kv_chunked`` (T-token passes, kChunk tokens per pass over the state):
+#: those whose state, 2 x kChunk column sums and staging fit the registers without spilling.
+KV_CHUNKED_TILINGS = ((64, 8), (32, 8))
 VK_TILINGS = {64: ((8, 2), (16, 2)), 128: ((16, 2), (16, 4))}
 
 
@@ -40,6 +43,11 @@ SPECIALISATIONS = {
         "delta_rule.cu",
         tuple(f"comba::delta_rule_vk<{K}, {r}, {w}, {_flag(sep)}, {_flag(multi)}>"
               for K in (64, 128) for r, w in VK_TILINGS[K] for sep in (True, False) for multi in (False, True)),
+    ),
+    "delta_rule_kv_chunked": (
+        "delta_rule.cu",
+        tuple(f"comba::delta_rule_kv_chunked<{K}, {c}, {r}, {_flag(sep)}>"
+              for K in (64, 128) for c, r in KV_CHUNKED_TILINGS for sep in (True, False)),
     ),
     "copy": ("copy.cu", ("comba::copy_float4",)),
 }

@@ -303,7 +303,7 @@ def _plan(q_shape, q_strides, q_dtype, k_shape, k_strides, k_dtype, v_shape, v_s
                   write_final=write_final)
     # The decode build serves exactly one token from a given state to a written state.
     multi = not (T == 1 and state is not None and write_final)
-    variant = variant or tiling.choose(state_layout, K, V, p is not None, multi)
+    variant = variant or tiling.choose(state_layout, K, V, p is not None, multi, T)
     with cupy.cuda.Device(device):
         kernel, grid, block = tiling.launch(state_layout, variant, B * H, K, V, p is not None, multi, device)
         plan.launch = Launch(kernel, grid, block, pack(values), numpy.float32(plan.scale))

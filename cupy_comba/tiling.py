@@ -6,16 +6,19 @@ R state rows each.  The same kernels run one decode step and T-token forward pas
 """
 
 from ._backend import cupy
-from ._build import KV_TILINGS, VK_TILINGS, get_kernel, _flag
+from ._build import KV_CHUNKED_TILINGS, KV_TILINGS, VK_TILINGS, get_kernel, _flag
 
 KV_VARIANTS = tuple(f"kv{c}x{r}" for c, r in KV_TILINGS)
+KV_CHUNKED_VARIANTS = tuple(f"kv{c}x{r}c4" for c, r in KV_CHUNKED_TILINGS)
 VK_VARIANTS = {K: tuple(f"vk{r}x{w}" for r, w in VK_TILINGS[K]) for K in VK_TILINGS}
 
 
-def variants(layout, K, V):
-    """The variants that can run a ``layout`` state with head sizes K, V."""
+def variants(layout, K, V, multi=False):
+    """The variants that can run a ``layout`` state with head sizes K, V (``multi``: T-token passes,
+    which also have the chunked kv kernels, ``kv{COLS}x{RG}c4``)."""
     if layout == "kv":
-        return tuple(n for n, (c, _) in zip(KV_VARIANTS, KV_TILINGS) if V % c == 0)
+        chunked = zip(KV_CHUNKED_VARIANTS, KV_CHUNKED_TILINGS) if multi else ()
+        return tuple(n for n, (c, _) in (*zip(KV_VARIANTS, KV_TILINGS), *chunked) if V % c == 0)
     return tuple(n for n, (r, w) in zip(VK_VARIANTS[K], VK_TILINGS[K]) if V % _vk_rows(K, r, w) == 0)
 
 
@@ -23,18 +26,26 @@ def _vk_rows(K, r, w):
     return r * w * (128 // K)
 
 
-def choose(layout, K, V, separate_p, multi=False):
+#: "kv" T-token passes of this many tokens run the chunked kernel (benchmarks.md, "Tilings").
+CHUNKED_T = range(3, 9)
+
+
+def choose(layout, K, V, separate_p, multi=False, T=1):
     """The variant for a shape, from the H200 sweeps (docs/benchmarks.md, "Tilings").
 
     kv: 64-column slabs whenever V allows (256 contiguous bytes per row per warp-load), else
     32-column slabs.  The decode step takes 8 row groups at K = 128 (16 float4 of state per
-    thread, 128 threads) and 4 at K = 64; T-token passes (``multi``) take 4 row groups at every
-    K (64 threads holding 32 float4 each: more of the SM's warps stay busy across the tokens).
+    thread, 128 threads) and 4 at K = 64.  T-token passes (``multi``) of 3 to 8 tokens
+    (:data:`CHUNKED_T`) run the chunked kernel (4 tokens per pass over the state), the others the
+    token loop with 4 row groups (64 threads holding 32 float4 each).
     vk: two warps of 16 rows per lane (8 at K = 64 when V is not a multiple of 64).  The same
     tilings led at B*H = 128 and 1024 within a few percent, so the batch size does not enter.
     """
     if layout == "kv":
-        if V % 64:
+        wide = V % 64 == 0
+        if multi and T in CHUNKED_T:
+            return "kv64x8c4" if wide else "kv32x8c4"
+        if not wide:
             return "kv32x8"
         return "kv64x8" if K == 128 and not multi else "kv64x4"
     return "vk16x2" if V % _vk_rows(K, 16, 2) == 0 else "vk8x2"
@@ -42,16 +53,21 @@ def choose(layout, K, V, separate_p, multi=False):
 
 def launch(layout, variant, heads, K, V, separate_p, multi, device):
     """``(kernel, grid, block)`` of one variant; ``multi`` selects the kernel built for T != 1."""
-    if variant not in variants(layout, K, V):
-        raise ValueError(f"variant {variant!r} cannot run a {layout!r} state with K={K}, V={V}; "
-                         f"expected one of {variants(layout, K, V)}")
-    a, b = (int(x) for x in variant[2:].split("x"))
+    if variant not in variants(layout, K, V, multi):
+        raise ValueError(f"variant {variant!r} cannot run a {layout!r} state with K={K}, V={V}"
+                         f"{' over T tokens' if multi else ' for one step'}; "
+                         f"expected one of {variants(layout, K, V, multi)}")
+    a, b = (int(x) for x in variant[2:].removesuffix("c4").split("x"))
     if layout == "kv":
         name = f"comba::delta_rule_kv<{K}, {a}, {b}, {_flag(separate_p)}, {_flag(multi)}>"
+        module = "delta_rule_kv"
+        if variant.endswith("c4"):
+            name, module = f"comba::delta_rule_kv_chunked<{K}, {a}, {b}, {_flag(separate_p)}>", "delta_rule_kv_chunked"
         grid, block = heads * (V // a), a // 4 * b
     else:
         name = f"comba::delta_rule_vk<{K}, {a}, {b}, {_flag(separate_p)}, {_flag(multi)}>"
+        module = "delta_rule_vk"
         grid, block = heads * (V // _vk_rows(K, a, b)), 32 * b
     with cupy.cuda.Device(device):
-        kernel = get_kernel(f"delta_rule_{layout}", name, device)
+        kernel = get_kernel(module, name, device)
     return kernel, (grid,), (block,)

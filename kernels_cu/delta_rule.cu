@@ -363,4 +363,280 @@ delta_rule_vk(const float* state, float* state_out, const void* __restrict__ q, 
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// T-token passes over a "kv" state, a chunk of kChunk tokens per pass over the state.
+//
+// Within a chunk of c tokens from the state S0 (t = 0 .. c-1; G_t = e_0 ... e_t; r(j, t) =
+// e_{j+1} ... e_t, r(t, t) = 1; ^ marks the L2-normalised vectors, the raw ones without the option):
+//
+//   u_t = beta_t (v_t - G_t S0^T p^_t - sum_{j<t} r(j, t) (k^_j . p^_t) u_j)
+//   o_t = scale (G_t S0^T q^_t + sum_{j<=t} r(j, t) (k^_j . q^_t) u_j)
+//   S   = G_{c-1} S0 + sum_j r(j, c-1) k^_j u_j^T
+//
+// -- the token recurrence unrolled over the chunk, exact algebra.  One pass over the register-
+// held state gives all 2c K-reductions (S0^T p_t, S0^T q_t) at once; the u_t then follow from a
+// c x c triangular substitution that needs only the dot products k_j . p_t and k_j . q_t of the
+// staged vectors; one pass writes the state.  Per state element and token that is 2 FMAs in the
+// pass and 1 + 1/c in the write (the token loop spends 2 + 2), and two barriers per chunk instead
+// of two per token.  No division anywhere: a gate of 0 or a tiny one is exact.
+//
+// delta_rule_kv_chunked<K, COLS, RG, SEPARATE_P>: the tiling of delta_rule_kv.  Staging: thread j
+// holds element j of the chunk's q, k, p (all c tokens, one float4 per vector in shared memory),
+// the threads below COLS the slab of v, the first 2 kChunk threads beta and g; the dot products
+// (32 slots, dot_slot below) are summed per warp by a transposing butterfly and over the warps
+// through shared memory.
+constexpr int kChunk = 4;
+
+// Slots of the chunk's dot products: k_j.q_t (j <= t), k_j.p_t (j < t), |q_t|^2, |k_t|^2, |p_t|^2.
+__host__ __device__ constexpr int kq_slot(int j, int t) { return t * (t + 1) / 2 + j; }       // 0 .. 9
+__host__ __device__ constexpr int kp_slot(int j, int t) { return 10 + t * (t - 1) / 2 + j; }  // 10 .. 15
+__host__ __device__ constexpr int nq_slot(int t) { return 16 + t; }
+__host__ __device__ constexpr int nk_slot(int t) { return 20 + t; }
+__host__ __device__ constexpr int np_slot(int t) { return 24 + t; }
+
+__device__ __forceinline__ float part(const float4& a, int t) { return t == 0 ? a.x : t == 1 ? a.y : t == 2 ? a.z : a.w; }
+
+template <int K, int COLS, int NW>
+struct ChunkStage {
+    float4 p[K], q[K], k[K];      // row i: component t is token t's p[i], q[i], k[i]
+    float4 v[kChunk][COLS / 4];   // v of the slab, per token
+    float dots[NW][32];           // per-warp partial dot products
+    float dsum[32];               // the same summed over the CTA
+    float e[kChunk], beta[kChunk];
+};
+
+template <int K, int COLS, int RG, bool SEPARATE_P>
+__global__ void __launch_bounds__(COLS / 4 * RG, 3 * 128 / (COLS / 4 * RG))
+delta_rule_kv_chunked(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
+                      const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
+                      const void* __restrict__ g, void* __restrict__ o, const Params prm, const float scale) {
+    constexpr int LC = COLS / 4, NT = LC * RG, R = K / RG, NW = NT / 32, E = (K + NT - 1) / NT, C = kChunk;
+    static_assert(NT % 32 == 0 && K % RG == 0 && COLS <= NT && 2 * C <= NT, "bad kv tiling");
+    __shared__ ChunkStage<K, COLS, NW> stage[2];
+    __shared__ float4 red[NW][2 * C][LC];  // per-warp partial S0^T p_t, S0^T q_t
+
+    const int tid = threadIdx.x, lc = tid % LC, rg = tid / LC, warp = tid >> 5, lane = tid & 31;
+    const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H), T = static_cast<int>(prm.T);
+    const int slabs = V / COLS;
+    const int bh = static_cast<int>(blockIdx.x) / slabs;
+    const int col0 = (static_cast<int>(blockIdx.x) - bh * slabs) * COLS, col = col0 + lc * 4;
+    const int b = bh / H, h = bh - b * H, hk = h / static_cast<int>(prm.group);
+    const long long head = static_cast<long long>(bh) * K * V;
+
+    float4 s[R];
+    if (prm.has_initial) {
+        const float* src = state + head + col;
+#pragma unroll
+        for (int i = 0; i < R; ++i) s[i] = load_state(src + (rg + i * RG) * V);
+    } else {
+#pragma unroll
+        for (int i = 0; i < R; ++i) s[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+
+    for (int t0 = 0, n = 0; t0 < T; t0 += C, ++n) {
+        ChunkStage<K, COLS, NW>& st = stage[n & 1];
+        const int c = min(C, T - t0);
+        // 1. Every load of the chunk in flight before any is used (raw bits; 0 for absent tokens).
+        unsigned bq[E][C], bk[E][C], bp[E][C], bv[C], bg = 0;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const int j = tid + e * NT;
+#pragma unroll
+            for (int t = 0; t < C; ++t) {
+                bq[e][t] = bk[e][t] = bp[e][t] = 0;
+                if (t < c && (K % NT == 0 || j < K)) {
+                    const long long tt = t0 + t;
+                    bq[e][t] = load_bits(q, b * prm.q_sb + tt * prm.q_st + hk * prm.q_sh + j * prm.q_sk, prm.q_t);
+                    bk[e][t] = load_bits(k, b * prm.k_sb + tt * prm.k_st + hk * prm.k_sh + j * prm.k_sk, prm.k_t);
+                    if (SEPARATE_P)
+                        bp[e][t] = load_bits(p, b * prm.p_sb + tt * prm.p_st + hk * prm.p_sh + j * prm.p_sk, prm.p_t);
+                }
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < C; ++t) {
+            bv[t] = 0;
+            if (tid < COLS && t < c)
+                bv[t] = load_bits(v, b * prm.v_sb + (t0 + t) * prm.v_st + h * prm.v_sh + (col0 + tid) * prm.v_sv,
+                                  prm.v_t);
+        }
+        const int gt = tid >> 1;  // threads 2t, 2t+1: beta_t, g_t
+        if (tid < 2 * C && gt < c) {
+            bg = (tid & 1) ? load_bits(g, b * prm.g_sb + (t0 + gt) * prm.g_st + h * prm.g_sh, prm.g_t)
+                           : load_bits(beta, b * prm.beta_sb + (t0 + gt) * prm.beta_st + h * prm.beta_sh, prm.beta_t);
+        }
+
+        // 2. Stage the chunk; this thread's share of the 28 dot products on the way.
+        float x[32];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) x[i] = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const int j = tid + e * NT;
+            if (K % NT == 0 || j < K) {
+                float xq[C], xk[C], xp[C];
+#pragma unroll
+                for (int t = 0; t < C; ++t) {
+                    xq[t] = bits_to_float(bq[e][t], prm.q_t);
+                    xk[t] = bits_to_float(bk[e][t], prm.k_t);
+                    xp[t] = SEPARATE_P ? bits_to_float(bp[e][t], prm.p_t) : xk[t];
+                }
+                st.q[j] = make_float4(xq[0], xq[1], xq[2], xq[3]);
+                st.k[j] = make_float4(xk[0], xk[1], xk[2], xk[3]);
+                st.p[j] = make_float4(xp[0], xp[1], xp[2], xp[3]);
+#pragma unroll
+                for (int t = 0; t < C; ++t) {
+#pragma unroll
+                    for (int i = 0; i <= t; ++i) x[kq_slot(i, t)] = fmaf(xk[i], xq[t], x[kq_slot(i, t)]);
+#pragma unroll
+                    for (int i = 0; i < t; ++i) x[kp_slot(i, t)] = fmaf(xk[i], xp[t], x[kp_slot(i, t)]);
+                    x[nq_slot(t)] = fmaf(xq[t], xq[t], x[nq_slot(t)]);
+                    x[nk_slot(t)] = fmaf(xk[t], xk[t], x[nk_slot(t)]);
+                    x[np_slot(t)] = fmaf(xp[t], xp[t], x[np_slot(t)]);
+                }
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < C; ++t)
+            if (tid < COLS) reinterpret_cast<float*>(st.v[t])[tid] = bits_to_float(bv[t], prm.v_t);
+        if (tid < 2 * C) {
+            if (tid & 1) st.e[gt] = gt < c ? gate_of(bits_to_float(bg, prm.g_t), prm.gate_linear) : 1.f;
+            else st.beta[gt] = bits_to_float(bg, prm.beta_t);
+        }
+        butterfly<16>(x, lane);  // lane i ends with this warp's sum of slot i
+        st.dots[warp][lane] = x[0];
+        __syncthreads();
+        if (warp == 0) {
+            float sum = st.dots[0][lane];
+#pragma unroll
+            for (int w = 1; w < NW; ++w) sum += st.dots[w][lane];
+            st.dsum[lane] = sum;  // read after the next barrier
+        }
+
+        // 3. One pass: S0^T p_t and S0^T q_t for the whole chunk.
+        float P[C][4], Q[C][4];
+#pragma unroll
+        for (int t = 0; t < C; ++t)
+#pragma unroll
+            for (int cc = 0; cc < 4; ++cc) P[t][cc] = Q[t][cc] = 0.f;
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            const int r = rg + i * RG;
+            const float4 pp = st.p[r], qq = st.q[r];
+#pragma unroll
+            for (int t = 0; t < C; ++t) accumulate_pq(s[i], part(pp, t), part(qq, t), P[t], Q[t]);
+        }
+#pragma unroll
+        for (int t = 0; t < C; ++t) {
+#pragma unroll
+            for (int cc = 0; cc < 4; ++cc) {
+                P[t][cc] = lane_sum(P[t][cc], LC, 16);
+                Q[t][cc] = lane_sum(Q[t][cc], LC, 16);
+            }
+            if (lane < LC) {
+                red[warp][t][lc] = make_float4(P[t][0], P[t][1], P[t][2], P[t][3]);
+                red[warp][C + t][lc] = make_float4(Q[t][0], Q[t][1], Q[t][2], Q[t][3]);
+            }
+        }
+        __syncthreads();
+
+        // 4. Every thread: the chunk's u_t and o_t for its four columns (same order everywhere).
+        float4 Pt[C], Qt[C];
+#pragma unroll
+        for (int t = 0; t < C; ++t) {
+            Pt[t] = red[0][t][lc];
+            Qt[t] = red[0][C + t][lc];
+#pragma unroll
+            for (int w = 1; w < NW; ++w) {
+                const float4 a = red[w][t][lc], z = red[w][C + t][lc];
+                Pt[t].x += a.x; Pt[t].y += a.y; Pt[t].z += a.z; Pt[t].w += a.w;
+                Qt[t].x += z.x; Qt[t].y += z.y; Qt[t].z += z.z; Qt[t].w += z.w;
+            }
+        }
+        float fq[C], fk[C], fp[C], e[C];
+#pragma unroll
+        for (int t = 0; t < C; ++t) {
+            fq[t] = fk[t] = fp[t] = 1.f;
+            if (prm.l2norm) {
+                fq[t] = rsqrtf(st.dsum[nq_slot(t)] + kL2NormEps);
+                fk[t] = rsqrtf(st.dsum[nk_slot(t)] + kL2NormEps);
+                fp[t] = SEPARATE_P ? rsqrtf(st.dsum[np_slot(t)] + kL2NormEps) : fk[t];
+            }
+            e[t] = st.e[t];
+        }
+        float u[C][4];
+        float G = 1.f;  // G_t
+        const long long ob = b * prm.o_sb + h * prm.o_sh;
+#pragma unroll
+        for (int t = 0; t < C; ++t) {
+#pragma unroll
+            for (int cc = 0; cc < 4; ++cc) u[t][cc] = 0.f;
+            if (t < c) {
+                G *= e[t];
+                const float4 vt = st.v[t][lc];
+                const float bt = st.beta[t];
+                float a[4] = {G * fp[t] * Pt[t].x, G * fp[t] * Pt[t].y, G * fp[t] * Pt[t].z, G * fp[t] * Pt[t].w};
+                float y[4] = {G * fq[t] * Qt[t].x, G * fq[t] * Qt[t].y, G * fq[t] * Qt[t].z, G * fq[t] * Qt[t].w};
+                float rr = 1.f;  // r(j, t)
+#pragma unroll
+                for (int j = t - 1; j >= 0; --j) {
+                    rr *= e[j + 1];
+                    const float cp = rr * fk[j] * fp[t] * st.dsum[kp_slot(j, t)];
+                    const float cq = rr * fk[j] * fq[t] * st.dsum[kq_slot(j, t)];
+#pragma unroll
+                    for (int cc = 0; cc < 4; ++cc) {
+                        a[cc] = fmaf(cp, u[j][cc], a[cc]);
+                        y[cc] = fmaf(cq, u[j][cc], y[cc]);
+                    }
+                }
+                const float vv[4] = {vt.x, vt.y, vt.z, vt.w};
+#pragma unroll
+                for (int cc = 0; cc < 4; ++cc) u[t][cc] = bt * (vv[cc] - a[cc]);
+                const float cqt = fk[t] * fq[t] * st.dsum[kq_slot(t, t)];  // r(t, t) = 1
+                if (rg == 0) {
+#pragma unroll
+                    for (int cc = 0; cc < 4; ++cc)
+                        store_act(o, ob + (t0 + t) * prm.o_st + (col + cc) * prm.o_sv, prm.o_t,
+                                  scale * fmaf(cqt, u[t][cc], y[cc]));
+                }
+            }
+        }
+
+        // 5. The write: S = G_{c-1} S0 + sum_j r(j, c-1) k^_j u_j^T, in registers.
+        float w[C][4];
+        float rr = 1.f;  // r(j, c-1), built from the last token down
+#pragma unroll
+        for (int j = C - 1; j >= 0; --j) {
+#pragma unroll
+            for (int cc = 0; cc < 4; ++cc) w[j][cc] = 0.f;
+            if (j < c) {
+#pragma unroll
+                for (int cc = 0; cc < 4; ++cc) w[j][cc] = rr * fk[j] * u[j][cc];
+                rr *= e[j];
+            }
+        }
+        // rr is now G_{c-1}.
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            const float4 kk = st.k[rg + i * RG];
+            float4 x4 = make_float4(rr * s[i].x, rr * s[i].y, rr * s[i].z, rr * s[i].w);
+#pragma unroll
+            for (int j = 0; j < C; ++j) {
+                const float kj = part(kk, j);
+                x4.x = fmaf(kj, w[j][0], x4.x);
+                x4.y = fmaf(kj, w[j][1], x4.y);
+                x4.z = fmaf(kj, w[j][2], x4.z);
+                x4.w = fmaf(kj, w[j][3], x4.w);
+            }
+            s[i] = x4;
+        }
+    }
+
+    if (prm.write_final) {
+        float* dst = state_out + head + col;
+#pragma unroll
+        for (int i = 0; i < R; ++i) store_state(dst + (rg + i * RG) * V, s[i]);
+    }
+}
+
 }  // namespace comba

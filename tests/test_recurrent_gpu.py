@@ -82,7 +82,8 @@ def test_every_decode_tiling(layout, K, V, comba, gate, l2norm):
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("K,V", [(64, 128), (128, 128), (128, 96)])
 @pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
-@pytest.mark.parametrize("T,initial", [(4, True), (3, False), (1, False)], ids=["T4", "T3-zero-state", "T1-zero-state"])
+@pytest.mark.parametrize("T,initial", [(4, True), (6, True), (3, False), (1, False)],
+                         ids=["T4", "T6", "T3-zero-state", "T1-zero-state"])
 def test_every_forward_tiling(layout, K, V, comba, T, initial):
     """Each tiling's T-token build (the one forward passes run), from a state or from zeros."""
     B, H, Hk = 9, 4, 2
@@ -92,7 +93,7 @@ def test_every_forward_tiling(layout, K, V, comba, T, initial):
     S_ref, o_ref = reference.comba_loop(S if initial else cupy.zeros(S.shape), q, k, v, k if p is None else p,
                                         beta, g, state_layout=layout)
     shape, S = S.shape, (S if initial else None)
-    for variant in tiling.variants(layout, K, V):
+    for variant in tiling.variants(layout, K, V, multi=True):
         out, state_out = _poisoned((B, T, H, V), bfloat16), _poisoned(shape, F32)
         _family_run(q, k, v, p, beta, g, None, S, True, out, state_out, None, layout, "log", False, step=False,
                     variant=variant)
