@@ -45,15 +45,19 @@ def decode_tilings_table(report):
 def forward_tilings_table(report):
     """A ``benchmarks/sweep_forward_tilings.py --json`` file: T-token time of every tiling."""
     env = report["environment"]
-    lines = [f"**{env.get('gpu')}**, {env['date']}: Gated DeltaNet forward from a state, B = {report['B']}, "
-             f"H = {report['H']}, V = {report['V']}, bf16, graph replay; us, and x time of the decode step (T = 1).",
-             "", "| layout | K | tiling | T = 1 | T = 4 | T = 16 |", "|---|---|---|---|---|---|"]
+    Ts = sorted({r["T"] for r in report["rows"]})
+    lines = [f"**{env.get('gpu')}**, {env['date']}: Gated DeltaNet forward from a state, H = {report['H']}, "
+             f"V = {report['V']}, bf16, graph replay; us, and x the time of the decode step (T = 1, no variant "
+             "forced).", "",
+             "| layout | B*H | K | tiling | " + " | ".join(f"T = {t}" for t in Ts) + " |",
+             "|---|---|---|---|" + "---|" * len(Ts)]
     groups = {}
     for r in report["rows"]:
-        groups.setdefault((r["layout"], r["K"], r["variant"]), {})[r["T"]] = r
-    for (layout, K, variant), by_t in groups.items():
-        cells = " | ".join(f"{by_t[t]['us']:.1f} (x{by_t[t]['ratio_to_decode_T1']:.2f})" for t in (1, 4, 16))
-        lines.append(f"| {layout} | {K} | {variant} | {cells} |")
+        groups.setdefault((r["layout"], r.get("B", 512) * report["H"], r["K"], r["variant"]), {})[r["T"]] = r
+    for (layout, heads, K, variant), by_t in groups.items():
+        cells = " | ".join(f"{by_t[t]['us']:.1f} (x{by_t[t]['ratio_to_decode_T1']:.2f})" if t in by_t else "-"
+                           for t in Ts)
+        lines.append(f"| {layout} | {heads} | {K} | {variant} | {cells} |")
     return "\n".join(lines)
 
 

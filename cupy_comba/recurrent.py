@@ -301,8 +301,9 @@ def _plan(q_shape, q_strides, q_dtype, k_shape, k_strides, k_dtype, v_shape, v_s
     values["o_t"] = ACTIVATION_CODES[o_dtype]
     values.update(gate_linear=gate == "linear", l2norm=l2norm, has_initial=state is not None,
                   write_final=write_final)
-    # The decode build serves exactly one token from a given state to a written state.
-    multi = not (T == 1 and state is not None and write_final)
+    # The decode build serves exactly one token from a given state to a written state; a forced
+    # chunked variant exists only as a T-token build.
+    multi = not (T == 1 and state is not None and write_final) or variant in tiling.KV_CHUNKED_VARIANTS
     variant = variant or tiling.choose(state_layout, K, V, p is not None, multi, T)
     with cupy.cuda.Device(device):
         kernel, grid, block = tiling.launch(state_layout, variant, B * H, K, V, p is not None, multi, device)

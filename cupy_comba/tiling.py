@@ -26,7 +26,8 @@ def _vk_rows(K, r, w):
     return r * w * (128 // K)
 
 
-#: "kv" T-token passes of this many tokens run the chunked kernel (benchmarks.md, "Tilings").
+#: "kv" T-token passes of this many tokens run the chunked kernel at K = 128 (benchmarks.md,
+#: "Tilings"; at K = 64 the token loop measured faster).
 CHUNKED_T = range(3, 9)
 
 
@@ -36,14 +37,14 @@ def choose(layout, K, V, separate_p, multi=False, T=1):
     kv: 64-column slabs whenever V allows (256 contiguous bytes per row per warp-load), else
     32-column slabs.  The decode step takes 8 row groups at K = 128 (16 float4 of state per
     thread, 128 threads) and 4 at K = 64.  T-token passes (``multi``) of 3 to 8 tokens
-    (:data:`CHUNKED_T`) run the chunked kernel (4 tokens per pass over the state), the others the
-    token loop with 4 row groups (64 threads holding 32 float4 each).
+    (:data:`CHUNKED_T`) at K = 128 run the chunked kernel (4 tokens per pass over the state), the
+    others the token loop with 4 row groups (64 threads holding 32 float4 each).
     vk: two warps of 16 rows per lane (8 at K = 64 when V is not a multiple of 64).  The same
     tilings led at B*H = 128 and 1024 within a few percent, so the batch size does not enter.
     """
     if layout == "kv":
         wide = V % 64 == 0
-        if multi and T in CHUNKED_T:
+        if multi and K == 128 and T in CHUNKED_T:
             return "kv64x8c4" if wide else "kv32x8c4"
         if not wide:
             return "kv32x8"
