@@ -30,6 +30,8 @@
 //   COLS*4 contiguous bytes.  The partial column sums of the row groups of a warp meet by
 //   shuffles, those of the warps in shared memory behind one barrier; every thread adds them
 //   in the same order (so every row of a column applies the same u).
+// delta_rule_kv_chunked<K, COLS, RG, SEPARATE_P> -- the kv tiling, T-token passes with 4 tokens per
+//   pass over the state (its section below has the math).
 // delta_rule_vk<K, R, NW, SEPARATE_P, MULTI> -- one CTA per (b, h, slab of ROWS = R*NW*(128/K) rows
 //   of V), NW warps.  LK = K/4 lanes hold one float4 each along a K-row (a warp-wide load
 //   covers 128/K whole rows, 512 contiguous bytes); every lane owns R rows.  The per-row
@@ -45,7 +47,8 @@
 // Why this shape: ~16 float4 of state in flight per thread and many small independent CTAs
 // per SM, each in its own phase (loading, computing, storing), keep HBM busy in both
 // directions; the state uses plain loads and stores (common.cuh says why).  The tilings are
-// swept by benchmarks/sweep_decode.py and chosen in cupy_comba/tiling.py.
+// swept by benchmarks/sweep_decode.py and benchmarks/sweep_forward_tilings.py and chosen in
+// cupy_comba/tiling.py.
 #include "common.cuh"
 #include "params.cuh"
 
@@ -394,7 +397,10 @@ __host__ __device__ constexpr int nq_slot(int t) { return 16 + t; }
 __host__ __device__ constexpr int nk_slot(int t) { return 20 + t; }
 __host__ __device__ constexpr int np_slot(int t) { return 24 + t; }
 
-__device__ __forceinline__ float part(const float4& a, int t) { return t == 0 ? a.x : t == 1 ? a.y : t == 2 ? a.z : a.w; }
+// Component t of a float4 (t a compile-time constant after unrolling: no local memory).
+__device__ __forceinline__ float component(const float4& a, int t) {
+    return t == 0 ? a.x : t == 1 ? a.y : t == 2 ? a.z : a.w;
+}
 
 template <int K, int COLS, int NW>
 struct ChunkStage {
@@ -405,6 +411,8 @@ struct ChunkStage {
     float e[kChunk], beta[kChunk];
 };
 
+// At most ~170 registers a thread (three 128-thread CTAs per SM): the state, the 32 column sums and
+// the staging of the chunked tilings fit without spilling; left free, ptxas takes 220-250.
 template <int K, int COLS, int RG, bool SEPARATE_P>
 __global__ void __launch_bounds__(COLS / 4 * RG, 3 * 128 / (COLS / 4 * RG))
 delta_rule_kv_chunked(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
@@ -524,7 +532,7 @@ delta_rule_kv_chunked(const float* state, float* state_out, const void* __restri
             const int r = rg + i * RG;
             const float4 pp = st.p[r], qq = st.q[r];
 #pragma unroll
-            for (int t = 0; t < C; ++t) accumulate_pq(s[i], part(pp, t), part(qq, t), P[t], Q[t]);
+            for (int t = 0; t < C; ++t) accumulate_pq(s[i], component(pp, t), component(qq, t), P[t], Q[t]);
         }
 #pragma unroll
         for (int t = 0; t < C; ++t) {
@@ -622,7 +630,7 @@ delta_rule_kv_chunked(const float* state, float* state_out, const void* __restri
             float4 x4 = make_float4(rr * s[i].x, rr * s[i].y, rr * s[i].z, rr * s[i].w);
 #pragma unroll
             for (int j = 0; j < C; ++j) {
-                const float kj = part(kk, j);
+                const float kj = component(kk, j);
                 x4.x = fmaf(kj, w[j][0], x4.x);
                 x4.y = fmaf(kj, w[j][1], x4.y);
                 x4.z = fmaf(kj, w[j][2], x4.z);
