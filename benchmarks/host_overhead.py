@@ -12,13 +12,12 @@ last the replay of one step captured in a CUDA graph (bursts of 200, below the G
 import ctypes
 import statistics
 import sys
-import time
 
 import cupy
 
 from cupy_comba import bfloat16, comba_decode_step, gated_delta_decode_step
 from cupy_comba._checks import check_overlaps
-from cupy_comba.bench import parse_shapes
+from cupy_comba.bench import host_overhead, parse_shapes
 from cupy_comba.inputs import decode_inputs
 from cupy_comba.recurrent import _plan
 
@@ -28,18 +27,9 @@ extern "C" __global__ void empty(const Big b) {}
 """
 
 
-def per_call_us(fn, calls=4000, bursts=5, stream=None):
-    stream = stream or cupy.cuda.get_current_stream()
-    fn()
-    stream.synchronize()
-    samples = []
-    for _ in range(bursts):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - t0) / calls * 1e6)
-        stream.synchronize()
-    return statistics.median(samples)
+def per_call_us(fn, calls=4000, bursts=5):
+    """Median over bursts of the library's host timer (it syncs the current stream around a burst)."""
+    return statistics.median(host_overhead(fn, calls=calls) for _ in range(bursts))
 
 
 def main():
@@ -88,7 +78,8 @@ def main():
         side.begin_capture()
         comba_decode_step(*args, out=out, state_out=state_out)
         graph = side.end_capture()
-    us = per_call_us(lambda: graph.launch(side), calls=200, bursts=25, stream=side)
+    with side:  # the current stream, so the timer waits on the replays between bursts
+        us = per_call_us(lambda: graph.launch(side), calls=200, bursts=25)
     print(f"  {'comba_decode_step captured in a CUDA graph, graph.launch()':58s} {us:6.2f} us", flush=True)
 
 

@@ -112,11 +112,6 @@ def span_of(shape, strides, itemsize):
     return lo, hi + itemsize
 
 
-def intersect(a, b):
-    """Whether two non-empty byte ranges ``(lo, hi)`` overlap."""
-    return a[0] < b[1] and b[0] < a[1] and a[0] < a[1] and b[0] < b[1]
-
-
 def is_c_contiguous(shape, strides, itemsize):
     """Whether an array of this shape and these byte strides is C-contiguous (size-1 axes ignored)."""
     if 0 in shape:

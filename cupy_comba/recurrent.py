@@ -191,7 +191,8 @@ def _run(q, k, v, p, beta, g, scale, state, output_final_state, out, state_out, 
 
 def _general_checks(arrays):
     """Array types and devices of anything but plain same-device CuPy arrays: ``(xp, device)``."""
-    named = {n: a for n, a in zip(_ALL_NAMES[:7], arrays[:7]) if a is not None or n in _NAMES[:3] + _NAMES[4:6]}
+    # Required inputs always (None among them is a TypeError that names it); p and state when given.
+    named = {n: a for n, a in zip(_ALL_NAMES[:7], arrays[:7]) if a is not None or n not in ("p", "state")}
     xp = namespace_of(named)
     for name, a in zip(_ALL_NAMES[7:], arrays[7:]):
         if a is not None and not isinstance(a, xp.ndarray):
@@ -211,14 +212,14 @@ def _plan(q_shape, q_strides, q_dtype, k_shape, k_strides, k_dtype, v_shape, v_s
           write_final, state_layout, gate, l2norm, step, device, variant):
     """Validate one call signature -- (shape, strides, dtype) of every array, options, device -- and
     precompute its launch (cached)."""
-    def sig(shape, strides, dtype):
+    def triple(shape, strides, dtype):  # (shape, strides, dtype), or None for an absent array
         return None if shape is None else (shape, strides, dtype)
 
-    q, k, v, p = (sig(q_shape, q_strides, q_dtype), sig(k_shape, k_strides, k_dtype),
-                  sig(v_shape, v_strides, v_dtype), sig(p_shape, p_strides, p_dtype))
-    beta, g = sig(beta_shape, beta_strides, beta_dtype), sig(g_shape, g_strides, g_dtype)
-    state, out = sig(state_shape, state_strides, state_dtype), sig(out_shape, out_strides, out_dtype)
-    state_out = sig(so_shape, so_strides, so_dtype)
+    q, k, v, p = (triple(q_shape, q_strides, q_dtype), triple(k_shape, k_strides, k_dtype),
+                  triple(v_shape, v_strides, v_dtype), triple(p_shape, p_strides, p_dtype))
+    beta, g = triple(beta_shape, beta_strides, beta_dtype), triple(g_shape, g_strides, g_dtype)
+    state, out = triple(state_shape, state_strides, state_dtype), triple(out_shape, out_strides, out_dtype)
+    state_out = triple(so_shape, so_strides, so_dtype)
     o_dtype = None if o_dtype is None else numpy.dtype(o_dtype)
     reference._check_options(state_layout, gate)
     sig = {"q": q, "k": k, "v": v, "p": p, "beta": beta, "g": g}

@@ -5,7 +5,6 @@ head with RG row groups; ``vk{R}x{NW}`` -- ``delta_rule_vk``, NW warps whose lan
 R state rows each.  The same kernels run one decode step and T-token forward passes.
 """
 
-from ._backend import cupy
 from ._build import KV_CHUNKED_TILINGS, KV_TILINGS, VK_TILINGS, get_kernel, _flag
 
 KV_VARIANTS = tuple(f"kv{c}x{r}" for c, r in KV_TILINGS)
@@ -53,7 +52,10 @@ def choose(layout, K, V, separate_p, multi=False, T=1):
 
 
 def launch(layout, variant, heads, K, V, separate_p, multi, device):
-    """``(kernel, grid, block)`` of one variant; ``multi`` selects the kernel built for T != 1."""
+    """``(kernel, grid, block)`` of one variant; ``multi`` selects the kernel built for T != 1.
+
+    ``device`` must be current (the launch plan makes it so: its ``Launch`` needs it too).
+    """
     if variant not in variants(layout, K, V, multi):
         raise ValueError(f"variant {variant!r} cannot run a {layout!r} state with K={K}, V={V}"
                          f"{' over T tokens' if multi else ' for one step'}; "
@@ -69,6 +71,4 @@ def launch(layout, variant, heads, K, V, separate_p, multi, device):
         name = f"comba::delta_rule_vk<{K}, {a}, {b}, {_flag(separate_p)}, {_flag(multi)}>"
         module = "delta_rule_vk"
         grid, block = heads * (V // _vk_rows(K, a, b)), 32 * b
-    with cupy.cuda.Device(device):
-        kernel = get_kernel(module, name, device)
-    return kernel, (grid,), (block,)
+    return get_kernel(module, name, device), (grid,), (block,)
