@@ -1,8 +1,9 @@
 """Host microseconds of one decode-step call, and where they go (the GPU is never waited on).
 
-    PYTHONPATH=. python benchmarks/host_overhead.py [B,H,K,V]
+    PYTHONPATH=. python benchmarks/host_overhead.py [B,H,K,V ...]
 
-Default shape 8,16,128,128 (B*H = 128), bf16, preallocated outputs.  Each row is one piece of
+Default shapes 1,1,64,32 (B*H = 1: the GPU work of a call, ~2 us, stays far below its host time,
+so the GPU never holds the host back) and 8,16,128,128 (B*H = 128), bf16, preallocated outputs.  Each row is one piece of
 work repeated back to back (median of 5 bursts of 4000): the public calls, the launch floors
 (the plan's prepacked driver launch, CuPy's RawKernel call of the same kernel and arguments, and
 the CUDA driver launching an empty one-argument kernel), then the pieces of the call path, and
@@ -19,11 +20,12 @@ from cupy_comba import bfloat16, comba_decode_step, gated_delta_decode_step
 from cupy_comba._checks import check_overlaps
 from cupy_comba.bench import host_overhead, parse_shapes
 from cupy_comba.inputs import decode_inputs
-from cupy_comba.recurrent import _plan
+from cupy_comba.recurrent import _PLANS
 
 EMPTY = r"""
 struct Big { long long x[42]; };
 extern "C" __global__ void empty(const Big b) {}
+extern "C" __global__ void empty_ptr(const void* p) {}
 """
 
 
@@ -33,16 +35,21 @@ def per_call_us(fn, calls=4000, bursts=5):
 
 
 def main():
-    (shape,) = parse_shapes(sys.argv[1:] or ["8,16,128,128"])
+    for shape in parse_shapes(sys.argv[1:] or ["1,1,64,32", "8,16,128,128"]):
+        report(shape)
+
+
+def report(shape):
     B, H, K, V = shape
     state, q, k, v, p, beta, g = args = decode_inputs(B, H, K, V, xp=cupy, seed=0, warm_steps=1)
     out, state_out = cupy.empty((B, H, V), bfloat16), cupy.empty_like(state)
     arrays = (q, k, v, p, beta, g, state, out, state_out)
     dev = state.data.device_id
-    key = sum(((a.shape, a.strides, a.dtype) for a in arrays), ()) + (None, None, True, "kv", "log", False, True,
-                                                                      dev, None)
-    plan = _plan(*key)
-    pointers = [a.data.ptr for a in arrays]
+    comba_decode_step(*args, out=out, state_out=state_out)  # makes the plan; its key as the op builds it:
+    key = (*sum(((a.shape, a.strides, a.dtype) for a in arrays), ()), None, None, True, "kv", "log", False, True,
+           dev, None)
+    plan = _PLANS[key]
+    pointers = tuple(a.data.ptr for a in arrays)
     kernel_ptrs = (state.data.ptr, state_out.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr, p.data.ptr,
                    beta.data.ptr, g.data.ptr, out.data.ptr)
     stream = cupy.cuda.get_current_stream().ptr
@@ -52,6 +59,9 @@ def main():
     blob = launch.params.tobytes()
     param_buf = ctypes.create_string_buffer(blob, len(blob))
     argv = (ctypes.c_void_p * 1)(ctypes.addressof(param_buf))
+    empty_ptr = cupy.RawModule(code=EMPTY).get_function("empty_ptr")
+    ptr_arg = ctypes.c_uint64(state.data.ptr)
+    argv_ptr = (ctypes.c_void_p * 1)(ctypes.addressof(ptr_arg))
     rows = {
         "comba_decode_step(..., out=, state_out=)": lambda: comba_decode_step(*args, out=out, state_out=state_out),
         "gated_delta_decode_step(..., out=, state_out=)":
@@ -63,15 +73,26 @@ def main():
         "launch floor: driver launch of an empty 1-arg kernel":
             lambda: cupy.cuda.driver.launchKernel(empty.kernel.ptr, 1, 1, 1, 32, 1, 1, 0, stream,
                                                   ctypes.addressof(argv), 0),
+        "launch floor: driver launch of an empty kernel, one 8-byte argument":
+            lambda: cupy.cuda.driver.launchKernel(empty_ptr.kernel.ptr, 1, 1, 1, 32, 1, 1, 0, stream,
+                                                  ctypes.addressof(argv_ptr), 0),
         "piece: shape, strides, dtype of 9 arrays": lambda: [(a.shape, a.strides, a.dtype) for a in arrays],
         "piece: data pointer and device of 9 arrays": lambda: [(a.data.ptr, a.data.device_id) for a in arrays],
-        "piece: _plan cache hit": lambda: _plan(*key),
+        "piece: plan cache hit": lambda: _PLANS.get(key),
         "piece: check_overlaps": lambda: check_overlaps(pointers, plan.spans),
         "piece: current stream handle": lambda: cupy.cuda.get_current_stream().ptr,
+        "piece: current device (cudaGetDevice)": lambda: cupy.cuda.runtime.getDevice(),
+        "piece: .data of 9 arrays": lambda: [a.data for a in arrays],
+        "piece: the plan's 9 pointer slots written": lambda: launch._slots.__setitem__(slice(None), kernel_ptrs),
     }
     print(f"host time per call, {shape}, bf16:")
     for name, fn in rows.items():
         print(f"  {name:58s} {per_call_us(fn):6.2f} us", flush=True)
+    # The whole Python path with the driver launch taken out: what the library adds to the launch.
+    plan.launch = lambda pointers, stream: None
+    us = per_call_us(lambda: comba_decode_step(*args, out=out, state_out=state_out))
+    plan.launch = launch
+    print(f"  {'comba_decode_step, the driver launch replaced by a no-op':58s} {us:6.2f} us", flush=True)
     # One step captured in a CUDA graph: bursts short enough that the GPU queue never fills.
     side = cupy.cuda.Stream(non_blocking=True)
     with side:

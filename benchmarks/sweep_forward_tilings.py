@@ -34,6 +34,7 @@ def main():
     ap.add_argument("--T", type=int, nargs="*", default=[1, 4, 16])
     ap.add_argument("--layouts", nargs="*", default=["kv", "vk"])
     ap.add_argument("--K", type=int, nargs="*", default=[128, 64])
+    ap.add_argument("--variants", nargs="*", default=None, help="only these variants (default: every one)")
     args = ap.parse_args()
     roof = measure_copy()
     print(f"copy {roof.copy_gbps:.0f} GB/s", flush=True)
@@ -43,9 +44,12 @@ def main():
             for K in args.K:
                 base = forward_us(layout, 1, K, None, batch)  # T = 1 from a state runs the decode build
                 for variant in tiling.variants(layout, K, V, multi=True):
+                    if args.variants is not None and variant not in args.variants:
+                        continue
                     for T in args.T:
                         us = forward_us(layout, T, K, variant, batch)
-                        mark = "*" if variant == tiling.choose(layout, K, V, False, multi=True, T=T) else " "
+                        chosen = tiling.choose(layout, K, V, False, multi=True, T=T, heads=batch * H)
+                        mark = "*" if variant == chosen else " "
                         rows.append(dict(layout=layout, B=batch, K=K, variant=variant, T=T, us=us,
                                          ratio_to_decode_T1=us / base))
                         print(f"{layout} B*H={batch * H:5d} K={K:3d} {variant:9s}{mark} T={T:3d} {us:9.1f} us  "

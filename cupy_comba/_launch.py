@@ -29,12 +29,14 @@ class Launch:
     scale : numpy.float32
     """
 
-    __slots__ = ("kernel", "grid", "block", "params", "scale", "_fn", "_slots", "_keep", "_argv", "_lock")
+    __slots__ = ("kernel", "grid", "block", "params", "scale", "_fn", "_slots", "_written", "_keep", "_argv",
+                 "_lock")
 
     def __init__(self, kernel, grid, block, params, scale):
         self.kernel, self.grid, self.block, self.params, self.scale = kernel, grid, block, params, scale
         self._fn = kernel.kernel.ptr  # the CUfunction of the current device
         self._slots = (ctypes.c_uint64 * N_POINTERS)()
+        self._written = None  # the pointers in the slots
         blob = params.tobytes()
         params_buf = ctypes.create_string_buffer(blob, len(blob))
         scale_buf = ctypes.c_float(float(scale))
@@ -46,8 +48,10 @@ class Launch:
         self._lock = threading.Lock()  # one thread at a time writes the pointer slots and launches
 
     def __call__(self, pointers, stream):
-        """Launch on ``stream`` (a ``CUstream`` handle) with the nine device pointers, in order."""
+        """Launch on ``stream`` (a ``CUstream`` handle) with the nine device pointers, a tuple, in order."""
         with self._lock:
-            self._slots[:] = pointers
+            if pointers != self._written:  # a decode loop that reuses its buffers writes them once
+                self._slots[:] = pointers
+                self._written = pointers
             # cuLaunchKernel copies the arguments before it returns: the slots are free again.
             cupy.cuda.driver.launchKernel(self._fn, self.grid[0], 1, 1, self.block[0], 1, 1, 0, stream, self._argv, 0)

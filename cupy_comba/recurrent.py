@@ -15,8 +15,6 @@ On CuPy arrays every op is one launch of ``kernels_cu/delta_rule.cu`` with the t
 (T = 1 for the steps) and is written once.  NumPy arrays run the float64 reference.
 """
 
-import functools
-
 import numpy
 
 from . import reference
@@ -142,55 +140,95 @@ def _run(q, k, v, p, beta, g, scale, state, output_final_state, out, state_out, 
     """Every op of the family: validate (cached per signature), then launch or run the reference.
 
     ``variant`` forces a kernel tiling (:mod:`cupy_comba.tiling`; benchmarks and tests only).
-    The common case -- every array a plain ``cupy.ndarray`` on one device -- is decided with
-    a handful of attribute reads; anything else takes the general checks, which name the problem.
+    The common case -- every array a plain ``cupy.ndarray`` -- costs a few attribute reads per
+    array: the plan is cached per (shape, strides, dtype) signature, and the checks that depend
+    on the data pointers (overlaps, alignment, one device) run again only when the pointer set
+    differs from the plan's last one.  Anything else takes the general checks, which name the
+    problem.
     """
     if step and state is None:
         raise TypeError("state must be a cupy.ndarray or numpy.ndarray, got NoneType")
-    arrays = (q, k, v, p, beta, g, state, out, state_out)
-    nd = _ND
-    if (type(q) is nd and type(k) is nd and type(v) is nd and type(beta) is nd and type(g) is nd
-            and (p is None or type(p) is nd) and (state is None or type(state) is nd)
-            and (out is None or type(out) is nd) and (state_out is None or type(state_out) is nd)):
-        xp = cupy
-        mem = [None if a is None else a.data for a in arrays]
-        device = mem[0].device_id
-        for m in mem:
-            if m is not None and m.device_id != device:
-                common_device(dict(zip(_ALL_NAMES, arrays)))  # raises, naming the devices
-    else:
-        xp, device = _general_checks(arrays)
     if scale is not None:
         scale = real_scalar("scale", scale)
     if use_qk_l2norm is not False and use_qk_l2norm is not True:
         if not isinstance(use_qk_l2norm, numpy.bool_):
             raise TypeError(f"use_qk_l2norm must be a bool, got {type(use_qk_l2norm).__name__}")
         use_qk_l2norm = bool(use_qk_l2norm)
-    if not output_final_state and state_out is not None:
-        raise ValueError("state_out was given but output_final_state=False: nothing would be written to it")
-    plan = _plan(q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype,
-                 *((None, None, None) if p is None else (p.shape, p.strides, p.dtype)),
-                 beta.shape, beta.strides, beta.dtype, g.shape, g.strides, g.dtype,
-                 *((None, None, None) if state is None else (state.shape, state.strides, state.dtype)),
-                 *((None, None, None) if out is None else (out.shape, out.strides, out.dtype)),
-                 *((None, None, None) if state_out is None else (state_out.shape, state_out.strides,
-                                                                  state_out.dtype)),
-                 o_dtype, scale, output_final_state is True or bool(output_final_state), state_layout, gate,
-                 use_qk_l2norm, step, device, variant)
-    if xp is cupy:
-        pointers = [None if m is None else m.ptr for m in mem]
-        if pointers != plan.verified:  # a decode loop often reuses one set of buffers: checked once
-            _check_pointers(pointers, plan.spans)
-            plan.verified = pointers
-        o, S = _cuda_run(plan, arrays, pointers, device)
+    if output_final_state is not True:
+        output_final_state = bool(output_final_state)
+        if not output_final_state and state_out is not None:
+            raise ValueError("state_out was given but output_final_state=False: nothing would be written to it")
+    nd = _ND
+    if not (type(q) is nd and type(k) is nd and type(v) is nd and type(beta) is nd and type(g) is nd
+            and (p is None or type(p) is nd) and (state is None or type(state) is nd)
+            and (out is None or type(out) is nd) and (state_out is None or type(state_out) is nd)):
+        return _run_general(q, k, v, p, beta, g, scale, state, output_final_state, out, state_out, o_dtype,
+                            state_layout, gate, use_qk_l2norm, step, variant)
+    qd = q.data
+    # One flat tuple (nested ones hash slower), three Nones for an absent array.
+    np_, ns, no, nso = p is None, state is None, out is None, state_out is None
+    key = (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype,
+           None if np_ else p.shape, None if np_ else p.strides, None if np_ else p.dtype,
+           beta.shape, beta.strides, beta.dtype, g.shape, g.strides, g.dtype,
+           None if ns else state.shape, None if ns else state.strides, None if ns else state.dtype,
+           None if no else out.shape, None if no else out.strides, None if no else out.dtype,
+           None if nso else state_out.shape, None if nso else state_out.strides, None if nso else state_out.dtype,
+           o_dtype, scale, output_final_state, state_layout, gate, use_qk_l2norm, step, qd.device_id, variant)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _cache_plan(key)
+    pointers = (qd.ptr, k.data.ptr, v.data.ptr, None if np_ else p.data.ptr, beta.data.ptr, g.data.ptr,
+                None if ns else state.data.ptr, None if no else out.data.ptr, None if nso else state_out.data.ptr)
+    if pointers != plan.verified:  # a decode loop often reuses one set of buffers: checked once
+        common_device(dict(zip(_ALL_NAMES, (q, k, v, p, beta, g, state, out, state_out))))
+        _check_pointers(pointers, plan.spans)
+        plan.verified = pointers
+    if no or (nso and output_final_state) or plan.launch is None or plan.device != cupy.cuda.runtime.getDevice():
+        o, S = _cuda_run(plan, out, state_out, pointers)
+        return (S, o) if step else (o, S)
+    # Outputs given, device current, work to do: the launch, inline.  Kernel pointer order: state
+    # (o when there is no initial state: never read), state_out (o when none: never written), q,
+    # k, v, p (k for Gated DeltaNet), beta, g, o.
+    qp, kp, vp, pp, bp, gp, sp, op, sop = pointers
+    plan.launch((op if ns else sp, op if nso else sop, qp, kp, vp, kp if np_ else pp, bp, gp, op),
+                cupy.cuda.get_current_stream().ptr)
+    return (state_out, out) if step else (out, state_out)
+
+
+def _run_general(q, k, v, p, beta, g, scale, state, write_final, out, state_out, o_dtype, state_layout, gate,
+                 l2norm, step, variant):
+    """Anything but plain CuPy arrays: NumPy arrays run the reference; mixed or foreign types raise."""
+    arrays = (q, k, v, p, beta, g, state, out, state_out)
+    xp, device = _general_checks(arrays)
+    key = (*(None if a is None else (a.shape, a.strides, numpy.dtype(a.dtype)) for a in arrays), o_dtype, scale,
+           write_final, state_layout, gate, l2norm, step, device, variant)
+    plan = _make_plan(*key)
+    if xp is cupy:  # CuPy arrays of a subclass: the kernel, checked every call
+        pointers = tuple(None if a is None else a.data.ptr for a in arrays)
+        _check_pointers(pointers, plan.spans)
+        o, S = _cuda_run(plan, out, state_out, pointers)
     else:
         check_overlaps([None if a is None else ptr_of(a) for a in arrays], plan.spans)
-        o, S = _numpy_run(plan, arrays, state_layout, gate, use_qk_l2norm)
+        o, S = _numpy_run(plan, arrays, state_layout, gate, l2norm)
     return (S, o) if step else (o, S)
 
 
+#: Launch plans by call signature (see _run); cleared when it outgrows _PLANS_MAX.
+_PLANS = {}
+_PLANS_MAX = 256
+
+
+def _cache_plan(key):
+    triples = tuple(None if key[i] is None else key[i:i + 3] for i in range(0, 27, 3))
+    plan = _make_plan(*triples, *key[27:])
+    if len(_PLANS) >= _PLANS_MAX:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
+
+
 def _general_checks(arrays):
-    """Array types and devices of anything but plain same-device CuPy arrays: ``(xp, device)``."""
+    """Array types and devices of anything but plain CuPy arrays: ``(xp, device)``."""
     # Required inputs always (None among them is a TypeError that names it); p and state when given.
     named = {n: a for n, a in zip(_ALL_NAMES[:7], arrays[:7]) if a is not None or n not in ("p", "state")}
     xp = namespace_of(named)
@@ -202,24 +240,13 @@ def _general_checks(arrays):
 
 class _Plan:
     __slots__ = ("B", "T", "H", "K", "V", "scale", "o_dtype", "o_shape", "state_shape", "write_final", "spans",
-                 "launch", "step", "verified")
+                 "launch", "step", "verified", "device")
 
 
-@functools.lru_cache(maxsize=256)
-def _plan(q_shape, q_strides, q_dtype, k_shape, k_strides, k_dtype, v_shape, v_strides, v_dtype, p_shape, p_strides,
-          p_dtype, beta_shape, beta_strides, beta_dtype, g_shape, g_strides, g_dtype, state_shape, state_strides,
-          state_dtype, out_shape, out_strides, out_dtype, so_shape, so_strides, so_dtype, o_dtype, scale,
-          write_final, state_layout, gate, l2norm, step, device, variant):
-    """Validate one call signature -- (shape, strides, dtype) of every array, options, device -- and
-    precompute its launch (cached)."""
-    def triple(shape, strides, dtype):  # (shape, strides, dtype), or None for an absent array
-        return None if shape is None else (shape, strides, dtype)
-
-    q, k, v, p = (triple(q_shape, q_strides, q_dtype), triple(k_shape, k_strides, k_dtype),
-                  triple(v_shape, v_strides, v_dtype), triple(p_shape, p_strides, p_dtype))
-    beta, g = triple(beta_shape, beta_strides, beta_dtype), triple(g_shape, g_strides, g_dtype)
-    state, out = triple(state_shape, state_strides, state_dtype), triple(out_shape, out_strides, out_dtype)
-    state_out = triple(so_shape, so_strides, so_dtype)
+def _make_plan(q, k, v, p, beta, g, state, out, state_out, o_dtype, scale, write_final, state_layout, gate, l2norm,
+               step, device, variant):
+    """Validate one call signature -- (shape, strides, dtype) of every array or None, options,
+    device -- and precompute its launch."""
     o_dtype = None if o_dtype is None else numpy.dtype(o_dtype)
     reference._check_options(state_layout, gate)
     sig = {"q": q, "k": k, "v": v, "p": p, "beta": beta, "g": g}
@@ -281,6 +308,7 @@ def _plan(q_shape, q_strides, q_dtype, k_shape, k_strides, k_dtype, v_shape, v_s
     plan.spans = tuple(None if s is None else span_of(s[0], s[1], s[2].itemsize)
                        for s in (q, k, v, p, beta, g, state, out, state_out))
     plan.launch = plan.verified = None
+    plan.device = device
     if device is None:
         return plan
 
@@ -304,11 +332,12 @@ def _plan(q_shape, q_strides, q_dtype, k_shape, k_strides, k_dtype, v_shape, v_s
                   write_final=write_final)
     # The decode build serves exactly one token from a given state to a written state; a forced
     # chunked variant exists only as a T-token build.
-    multi = not (T == 1 and state is not None and write_final) or variant in tiling.KV_CHUNKED_VARIANTS
-    variant = variant or tiling.choose(state_layout, K, V, p is not None, multi, T)
+    multi = not (T == 1 and state is not None and write_final) or tiling.token_passes_only(variant)
+    variant = variant or tiling.choose(state_layout, K, V, p is not None, multi, T, B * H)
     with cupy.cuda.Device(device):
         kernel, grid, block = tiling.launch(state_layout, variant, B * H, K, V, p is not None, multi, device)
-        plan.launch = Launch(kernel, grid, block, pack(values), numpy.float32(plan.scale))
+        if B * H:  # else nothing to launch: plan.launch stays None
+            plan.launch = Launch(kernel, grid, block, pack(values), numpy.float32(plan.scale))
     return plan
 
 
@@ -320,26 +349,23 @@ def _check_pointers(pointers, spans):
             raise ValueError(f"{name} must start on a 16-byte boundary (e.g. a fresh allocation)")
 
 
-def _cuda_run(plan, arrays, pointers, device):
-    q, k, v, p, beta, g, state, out, state_out = arrays
+def _cuda_run(plan, out, state_out, pointers):
     if out is None or (state_out is None and plan.write_final):
-        with cupy.cuda.Device(device):  # fresh outputs: on the inputs' device, apart from everything
+        with cupy.cuda.Device(plan.device):  # fresh outputs: on the inputs' device, apart from everything
             if out is None:
                 out = cupy.empty(plan.o_shape, plan.o_dtype)
             if state_out is None and plan.write_final:
                 state_out = cupy.empty(plan.state_shape, float32)
-        pointers = pointers[:7] + [out.data.ptr, None if state_out is None else state_out.data.ptr]
-    if plan.B * plan.H:
+        pointers = pointers[:7] + (out.data.ptr, None if state_out is None else state_out.data.ptr)
+    if plan.launch is not None:
         # Kernel pointer order: state (not read without an initial state), state_out (not written when
         # write_final is off), q, k, v, p (k for Gated DeltaNet), beta, g, o.
-        o_ptr = pointers[7]
-        args = (o_ptr if state is None else pointers[6], o_ptr if state_out is None else pointers[8],
-                pointers[0], pointers[1], pointers[2], pointers[1] if p is None else pointers[3],
-                pointers[4], pointers[5], o_ptr)
-        if cupy.cuda.runtime.getDevice() == device:
+        q, k, v, p, beta, g, s, o, so = pointers
+        args = (o if s is None else s, o if so is None else so, q, k, v, k if p is None else p, beta, g, o)
+        if cupy.cuda.runtime.getDevice() == plan.device:
             plan.launch(args, cupy.cuda.get_current_stream().ptr)
         else:
-            with cupy.cuda.Device(device):
+            with cupy.cuda.Device(plan.device):
                 plan.launch(args, cupy.cuda.get_current_stream().ptr)
     return out, state_out
 

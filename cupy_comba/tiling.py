@@ -3,22 +3,32 @@
 Variant names: ``kv{COLS}x{RG}`` -- ``delta_rule_kv``, a CTA per COLS-column slab of a
 head with RG row groups; ``vk{R}x{NW}`` -- ``delta_rule_vk``, NW warps whose lanes hold
 R state rows each.  The same kernels run one decode step and T-token forward passes.
+Two families exist only for T-token passes: ``kv{COLS}x{RG}c4`` (``delta_rule_kv_chunked``,
+4 tokens a pass over the state) and ``{layout}{SLAB}tc`` (``delta_rule_mma``, a CTA per
+SLAB value columns, 8-token chunks on tensor cores).
 """
 
-from ._build import KV_CHUNKED_TILINGS, KV_TILINGS, VK_TILINGS, get_kernel, _flag
+from ._build import KV_CHUNKED_TILINGS, KV_TILINGS, MMA_SLABS, VK_TILINGS, get_kernel, _flag
 
 KV_VARIANTS = tuple(f"kv{c}x{r}" for c, r in KV_TILINGS)
 KV_CHUNKED_VARIANTS = tuple(f"kv{c}x{r}c4" for c, r in KV_CHUNKED_TILINGS)
 VK_VARIANTS = {K: tuple(f"vk{r}x{w}" for r, w in VK_TILINGS[K]) for K in VK_TILINGS}
+MMA_VARIANTS = {layout: tuple(f"{layout}{slab}tc" for slab in MMA_SLABS) for layout in ("kv", "vk")}
+
+
+def token_passes_only(variant):
+    """Whether ``variant`` exists only as a T-token build (no decode build): the chunked kernels."""
+    return variant is not None and variant.endswith(("c4", "tc"))
 
 
 def variants(layout, K, V, multi=False):
     """The variants that can run a ``layout`` state with head sizes K, V (``multi``: T-token passes,
     which also have the chunked kv kernels, ``kv{COLS}x{RG}c4``)."""
+    mma = tuple(n for n, slab in zip(MMA_VARIANTS[layout], MMA_SLABS) if V % slab == 0) if multi else ()
     if layout == "kv":
         chunked = zip(KV_CHUNKED_VARIANTS, KV_CHUNKED_TILINGS) if multi else ()
-        return tuple(n for n, (c, _) in (*zip(KV_VARIANTS, KV_TILINGS), *chunked) if V % c == 0)
-    return tuple(n for n, (r, w) in zip(VK_VARIANTS[K], VK_TILINGS[K]) if V % _vk_rows(K, r, w) == 0)
+        return tuple(n for n, (c, _) in (*zip(KV_VARIANTS, KV_TILINGS), *chunked) if V % c == 0) + mma
+    return tuple(n for n, (r, w) in zip(VK_VARIANTS[K], VK_TILINGS[K]) if V % _vk_rows(K, r, w) == 0) + mma
 
 
 def _vk_rows(K, r, w):
@@ -29,8 +39,14 @@ def _vk_rows(K, r, w):
 #: "Tilings"; at K = 64 the token loop measured faster).
 CHUNKED_T = range(3, 9)
 
+#: T-token passes of at least MMA_MIN_T tokens over at most MMA_MAX_HEADS heads (B*H) run the
+#: tensor-core kernel, in either layout: with few heads the GPU waits on each token's latency,
+#: and the tensor-core kernel takes 8 tokens a step (benchmarks.md, "Tilings").
+MMA_MIN_T = 8
+MMA_MAX_HEADS = 128
 
-def choose(layout, K, V, separate_p, multi=False, T=1):
+
+def choose(layout, K, V, separate_p, multi=False, T=1, heads=None):
     """The variant for a shape, from the H200 sweeps (docs/benchmarks.md, "Tilings").
 
     kv: 64-column slabs whenever V allows (256 contiguous bytes per row per warp-load), else
@@ -40,9 +56,13 @@ def choose(layout, K, V, separate_p, multi=False, T=1):
     others the token loop with 4 row groups (64 threads holding 32 float4 each).
     vk: two warps of 16 rows per lane (8 at K = 64 when V is not a multiple of 64).  The same
     tilings led at B*H = 128 and 1024 within a few percent, so the batch size does not enter.
+    Either layout: T-token passes of at least :data:`MMA_MIN_T` tokens over at most
+    :data:`MMA_MAX_HEADS` heads (``heads`` = B*H; None means many) run the tensor-core kernel.
     """
+    wide = V % 64 == 0
+    if multi and T >= MMA_MIN_T and heads is not None and heads <= MMA_MAX_HEADS:
+        return f"{layout}{64 if wide else 32}tc"
     if layout == "kv":
-        wide = V % 64 == 0
         if multi and K == 128 and T in CHUNKED_T:
             return "kv64x8c4" if wide else "kv32x8c4"
         if not wide:
@@ -60,6 +80,10 @@ def launch(layout, variant, heads, K, V, separate_p, multi, device):
         raise ValueError(f"variant {variant!r} cannot run a {layout!r} state with K={K}, V={V}"
                          f"{' over T tokens' if multi else ' for one step'}; "
                          f"expected one of {variants(layout, K, V, multi)}")
+    if variant.endswith("tc"):
+        slab = int(variant[2:-2])
+        name = f"comba::delta_rule_mma<{K}, {slab}, {_flag(separate_p)}, {_flag(layout == 'vk')}>"
+        return get_kernel("delta_rule_mma", name, device), (heads * (V // slab),), (2 * slab * K // 64,)
     a, b = (int(x) for x in variant[2:].removesuffix("c4").split("x"))
     if layout == "kv":
         name = f"comba::delta_rule_kv<{K}, {a}, {b}, {_flag(separate_p)}, {_flag(multi)}>"

@@ -94,4 +94,20 @@ __device__ __forceinline__ float4 decay_write(float4 s, float e, float k, const 
                        fmaf(e, s.w, k * u[3]));
 }
 
+// One level of the transposing butterfly over x[0 .. 2*OFF): keep the half named by this lane's
+// bit OFF, trade the other half with the lane across that bit; then recurse on x[0 .. OFF).
+// After the levels OFF = LK/2 .. 1, lane kg holds the complete sum of value kg.  A template
+// recursion rather than a loop so every index is a compile-time constant (no local memory).
+template <int OFF, int N>
+__device__ __forceinline__ void butterfly(float (&x)[N], int kg) {
+    const bool upper = kg & OFF;
+#pragma unroll
+    for (int j = 0; j < OFF; ++j) {
+        const float send = upper ? x[j] : x[j + OFF];
+        const float keep = upper ? x[j + OFF] : x[j];
+        x[j] = keep + __shfl_xor_sync(0xffffffffu, send, OFF);
+    }
+    if constexpr (OFF > 1) butterfly<OFF / 2>(x, kg);
+}
+
 }  // namespace comba

@@ -247,22 +247,6 @@ __device__ __forceinline__ float dot4(float4 a, float4 b) {
     return fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, a.w * b.w)));
 }
 
-// One level of the transposing butterfly over x[0 .. 2*OFF): keep the half named by this lane's
-// bit OFF, trade the other half with the lane across that bit; then recurse on x[0 .. OFF).
-// After the levels OFF = LK/2 .. 1, lane kg holds the complete sum of value kg.  A template
-// recursion rather than a loop so every index is a compile-time constant (no local memory).
-template <int OFF, int N>
-__device__ __forceinline__ void butterfly(float (&x)[N], int kg) {
-    const bool upper = kg & OFF;
-#pragma unroll
-    for (int j = 0; j < OFF; ++j) {
-        const float send = upper ? x[j] : x[j + OFF];
-        const float keep = upper ? x[j + OFF] : x[j];
-        x[j] = keep + __shfl_xor_sync(0xffffffffu, send, OFF);
-    }
-    if constexpr (OFF > 1) butterfly<OFF / 2>(x, kg);
-}
-
 template <int K, int R, int NW, bool SEPARATE_P, bool MULTI>
 __global__ void __launch_bounds__(NW * 32)
 delta_rule_vk(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,

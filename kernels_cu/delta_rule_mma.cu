@@ -1,0 +1,463 @@
+// delta_rule_mma.cu -- T-token passes of the gated delta rule with each chunk of 8 tokens done
+// as small matrix products on the tensor cores (mma.sync m16n8k8, TF32 operands split in three
+// for fp32 accuracy).  Either state layout; the state is read once, stays in registers across
+// the T tokens and is written once, as in delta_rule.cu.
+//
+// Math.  A chunk of C = 8 tokens from the state S0 (K x V); G_t = e_0 ... e_t, r(j, t) = e_{j+1}
+// ... e_t (r(t, t) = 1); fq, fk, fp the L2-norm factors (1 without use_qk_l2norm).  Tokens past
+// T are padded with q = k = p = v = 0, beta = 0, e = 1, which makes them no-ops.  With V x C
+// matrices whose column t belongs to token t:
+//
+//   [Rp | Rq] = S0^T [p_0 .. p_7 | q_0 .. q_7]                        one pass, k-dim K
+//   Y   = v^T - Rp diag(G fp)
+//   U^T = Y M^T,   M = (I + L)^-1 diag(beta),  L[t][j] = beta_t fp_t r(j, t) fk_j (k_j . p_t), j < t
+//   O^T = scale (Rq diag(G fq) + U^T Bq),      Bq[j][t] = r(j, t) fk_j fq_t (k_j . q_t), j <= t
+//   S^T = G_7 S0^T + (U^T diag(w)) [k_0 .. k_7]^T,   w_j = r(j, 7) fk_j
+//
+// -- the token recurrence of delta_rule.cu unrolled over the chunk (u_t is column t of U^T),
+// exact algebra.  The 8 x 8 system M and the dot products come from CUDA cores (fp32); the four
+// products with a V dimension run on tensor cores.
+//
+// Precision.  TF32 keeps 10 mantissa bits.  Every operand x is split as hi = tf32(x), lo =
+// tf32(x - hi) and a product is hi*hi + hi*lo + lo*hi ("3xTF32"): about 2^-22 relative per
+// product, the accuracy of an fp32 FMA chain (state error vs float64 ~1e-7, as the CUDA-core
+// kernels).
+//
+// Fragments.  The state lives in registers as the fp32 accumulator of S^T (rows V, columns K):
+// in each 16 x 8 tile lane (g = lane / 4, j = lane % 4) holds rows g, g + 8 and columns 2j,
+// 2j + 1.  Read as an A operand (rows g, g + 8; k-columns j, j + 4) the same registers serve
+// unchanged if k-column j stands for state column 2j and j + 4 for 2j + 1 -- a permutation of
+// the K index, which the B operand (p, q) follows.  U^T, Y and O^T use the same trick over the
+// token index.  So the state never moves between lanes.  The 16 rows of a warp's tile are 16
+// value columns: row g is column 2g of the tile, row g + 8 column 2g + 1, so a lane's two values
+// are adjacent in memory (one 8-byte access per state row in "kv", per pair of K in "vk").
+//
+// Launch geometry: delta_rule_mma<K, SLAB, SEPARATE_P, VK> -- one CTA per (b, h, slab of SLAB
+// value columns); (SLAB / 16) x (K / 64) warps, each 16 value columns x 64 keys of the state (32
+// registers a lane).  The K-reduction of a warp stays in its mma.sync accumulators; the K / 64 key
+// parts of a value group add their partial [Rp | Rq] through shared memory at a named barrier.
+// Per chunk the CTA stages q, k, p, v, beta, g in shared memory (the B operands pre-split into hi
+// / lo fragments), the warps share the 88 dot products, every warp solves the 8 x 8 system for
+// itself (no warp waits on another), and a warp runs 72 mma.sync: 48 for the read, 3 + 3 for U
+// and O, 24 for the write.
+//
+// Where it stands (docs/benchmarks.md, "Tilings"): with few heads (B*H <= 128) the GPU waits on
+// each token's latency and this kernel, 8 tokens a step, is the fastest from T = 8 on (1.3-2.2x
+// the token loop); with many heads it issues ~2300 instructions a warp per chunk at half the
+// issue rate, and the CUDA-core kernels stay ahead.  cupy_comba.tiling.choose takes it for the
+// former only.
+#include "common.cuh"
+#include "params.cuh"
+
+namespace comba {
+
+constexpr int kMmaChunk = 8;
+
+__device__ __forceinline__ unsigned to_tf32(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+// hi, lo halves of x (x = hi + lo to ~2^-22), into slots i and i + 2 of a B fragment.
+__device__ __forceinline__ void split_into(unsigned* frag, int i, float x) {
+    const unsigned hi = to_tf32(x);
+    frag[i] = hi;
+    frag[i + 2] = to_tf32(x - __uint_as_float(hi));
+}
+
+// An accumulator tile (c0 .. c3) as an A operand, split: a = (c0, c2, c1, c3) (the header's
+// permutation of the k index).
+__device__ __forceinline__ void a_operand(const float (&c)[4], unsigned (&hi)[4], unsigned (&lo)[4]) {
+    const float a[4] = {c[0], c[2], c[1], c[3]};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        hi[i] = to_tf32(a[i]);
+        lo[i] = to_tf32(a[i] - __uint_as_float(hi[i]));
+    }
+}
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// d += (ah + al)(bh + bl) without the al bl term; b = (b0 hi, b1 hi, b0 lo, b1 lo).
+__device__ __forceinline__ void mma3(float (&d)[4], const unsigned (&ah)[4], const unsigned (&al)[4], uint4 b) {
+    mma_tf32(d, al, b.x, b.y);
+    mma_tf32(d, ah, b.z, b.w);
+    mma_tf32(d, ah, b.x, b.y);
+}
+
+// The chunk's dot products, one slot each: k_j.q_t (j <= t), k_j.p_t (j < t), |q_t|^2, |k_t|^2,
+// |p_t|^2.  Vectors are numbered k_t = t, p_t = 8 + t, q_t = 16 + t (rows of MmaStage::raw).
+__host__ __device__ constexpr int mq_slot(int j, int t) { return t * (t + 1) / 2 + j; }        // 0 .. 35
+__host__ __device__ constexpr int mp_slot(int j, int t) { return 36 + t * (t - 1) / 2 + j; }   // 36 .. 63
+__host__ __device__ constexpr int mnq_slot(int t) { return 64 + t; }
+__host__ __device__ constexpr int mnk_slot(int t) { return 72 + t; }
+__host__ __device__ constexpr int mnp_slot(int t) { return 80 + t; }
+constexpr int kMmaSlots = 88, kMmaSlotGroups = 6;  // summed 16 at a time
+
+// Calls f(slot, a, b) for every slot, in slot order (a, b: vector numbers).
+template <class F>
+__device__ __forceinline__ void for_each_slot(F&& f) {
+#pragma unroll
+    for (int t = 0; t < kMmaChunk; ++t)
+#pragma unroll
+        for (int j = 0; j <= t; ++j) f(mq_slot(j, t), j, 16 + t);
+#pragma unroll
+    for (int t = 1; t < kMmaChunk; ++t)
+#pragma unroll
+        for (int j = 0; j < t; ++j) f(mp_slot(j, t), j, 8 + t);
+#pragma unroll
+    for (int t = 0; t < kMmaChunk; ++t) {
+        f(mnq_slot(t), 16 + t, 16 + t);
+        f(mnk_slot(t), t, t);
+        f(mnp_slot(t), 8 + t, 8 + t);
+    }
+}
+
+// Warps of a CTA: SLAB / 16 value groups x K / 64 key parts; a warp holds 16 value columns x 64
+// keys of the state (32 registers a lane).
+template <int K, int SLAB>
+struct MmaShape {
+    static constexpr int KS = K / 64, NW = SLAB / 16 * KS, NT = 32 * NW, NKW = 8;
+    // CTAs an SM: 16 warps of 256-thread CTAs (128 registers); 12 warps otherwise (168 registers),
+    // which the smaller CTAs need to stay clear of spills.
+    static constexpr int MIN_CTAS = NT >= 256 ? 2 : 384 / NT;
+};
+
+// Where the write fragment of lane (g, j) is kept in its row of MmaStage::kw: swizzled so that the
+// 32 threads staging 32 consecutive keys of one token spread over 8 banks rather than 2.
+__device__ __forceinline__ int kw_lane(int g, int j) { return 4 * g + (j ^ ((g >> 1) & 3)); }
+
+// The 8 x 8 coefficients of a chunk (the header's M, Bq, ...).
+struct ChunkCoefficients {
+    float m[kMmaChunk][kMmaChunk];     // M = (I + L)^-1 diag(beta)
+    float bq[kMmaChunk][kMmaChunk];    // scale * Bq
+    float cp[kMmaChunk], cq[kMmaChunk], w[kMmaChunk];  // G_t fp_t, scale G_t fq_t, r(j, 7) fk_j
+    float fq[kMmaChunk], fk[kMmaChunk], fp[kMmaChunk], G[kMmaChunk];
+    float g_last;                      // G_7
+};
+
+template <int K, int SLAB>
+struct MmaStage {
+    uint4 x[K / 8][2][32];             // read B fragments of [p_0 .. p_7 | q_0 .. q_7], per k-step
+    uint4 kw[K / 8][32];               // write B fragments of [k_0 .. k_7]^T, per state column tile
+    union {
+        float raw[3 * kMmaChunk][K];   // k_t, p_t, q_t in fp32, for the dot products
+        float4 part[SLAB / 16][MmaShape<K, SLAB>::KS][2][32];  // per key part: the read's Rp, Rq
+    };
+    float v[kMmaChunk][SLAB];          // v of the slab
+    float dots[16 * kMmaSlotGroups];
+    float e[kMmaChunk], beta[kMmaChunk];
+    ChunkCoefficients coef[MmaShape<K, SLAB>::NW];  // one copy a warp: no warp waits on another's
+};
+
+// Raw bits of one chunk that thread `tid` stages: elements tid, tid + NT, ... of the C x K
+// token-major q, k, p, EV elements of the v slab, and beta / g on threads 0 .. 2C - 1.  At most EP
+// elements of q, k, p a pass (PASSES passes a chunk), so that the bits in flight and the state
+// fit the registers together.
+template <int K, int NT, int SLAB>
+struct ChunkBits {
+    static constexpr int E = kMmaChunk * K / NT, EP = E < 4 ? E : 4, PASSES = E / EP, EV = kMmaChunk * SLAB / NT;
+    unsigned q[EP], k[EP], p[EP], v[EV], gate;
+};
+
+template <int K, int SLAB, bool SEPARATE_P, int PASS>
+__device__ __forceinline__ void issue_chunk(ChunkBits<K, MmaShape<K, SLAB>::NT, SLAB>& x, const void* q, const void* k, const void* v,
+                                            const void* p, const void* beta, const void* g, const Params& prm,
+                                            int tid, int b, int h, int hk, int slab0, int t0, int c) {
+    constexpr int NT = MmaShape<K, SLAB>::NT, VS = SLAB;
+    using Bits = ChunkBits<K, NT, SLAB>;
+#pragma unroll
+    for (int e = 0; e < Bits::EP; ++e) {
+        const int i = tid + (PASS * Bits::EP + e) * NT, t = i / K, kk = i % K;
+        x.q[e] = x.k[e] = x.p[e] = 0;
+        if (t < c) {
+            const long long tt = t0 + t;
+            x.q[e] = load_bits(q, b * prm.q_sb + tt * prm.q_st + hk * prm.q_sh + kk * prm.q_sk, prm.q_t);
+            x.k[e] = load_bits(k, b * prm.k_sb + tt * prm.k_st + hk * prm.k_sh + kk * prm.k_sk, prm.k_t);
+            if (SEPARATE_P)
+                x.p[e] = load_bits(p, b * prm.p_sb + tt * prm.p_st + hk * prm.p_sh + kk * prm.p_sk, prm.p_t);
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < Bits::EV && PASS == 0; ++e) {
+        const int i = tid + e * NT, t = i / VS, vv = i % VS;
+        x.v[e] = t < c ? load_bits(v, b * prm.v_sb + (t0 + t) * prm.v_st + h * prm.v_sh + (slab0 + vv) * prm.v_sv,
+                                   prm.v_t)
+                       : 0u;
+    }
+    const int gt = tid >> 1;  // threads 2t, 2t + 1: beta_t, g_t
+    if (PASS == 0) x.gate = 0;
+    if (PASS == 0 && tid < 2 * kMmaChunk && gt < c) {
+        x.gate = (tid & 1) ? load_bits(g, b * prm.g_sb + (t0 + gt) * prm.g_st + h * prm.g_sh, prm.g_t)
+                           : load_bits(beta, b * prm.beta_sb + (t0 + gt) * prm.beta_st + h * prm.beta_sh, prm.beta_t);
+    }
+}
+
+template <int K, int SLAB, bool SEPARATE_P, int PASS>
+__device__ __forceinline__ void stage_chunk(MmaStage<K, SLAB>& st, const ChunkBits<K, MmaShape<K, SLAB>::NT, SLAB>& x,
+                                            const Params& prm, int tid, int c) {
+    constexpr int NT = MmaShape<K, SLAB>::NT, VS = SLAB;
+    using Bits = ChunkBits<K, NT, SLAB>;
+#pragma unroll
+    for (int e = 0; e < Bits::EP; ++e) {
+        const int i = tid + (PASS * Bits::EP + e) * NT, t = i / K, kk = i % K;
+        const float xq = bits_to_float(x.q[e], prm.q_t), xk = bits_to_float(x.k[e], prm.k_t);
+        const float xp = SEPARATE_P ? bits_to_float(x.p[e], prm.p_t) : xk;
+        st.raw[t][kk] = xk;
+        st.raw[8 + t][kk] = xp;
+        st.raw[16 + t][kk] = xq;
+        // Read operand: row kk = 8n + 2j + par of B is k-column j (par 0) or j + 4 (par 1), column t.
+        const int n = kk >> 3, j = (kk & 7) >> 1, par = kk & 1;
+        split_into(reinterpret_cast<unsigned*>(&st.x[n][0][4 * t + j]), par, xp);
+        split_into(reinterpret_cast<unsigned*>(&st.x[n][1][4 * t + j]), par, xq);
+        // Write operand: k-row of token t is j = t / 2 (par 0) or j + 4 (par 1); column kk % 8.
+        split_into(reinterpret_cast<unsigned*>(&st.kw[n][kw_lane(kk & 7, t >> 1)]), t & 1, xk);
+    }
+#pragma unroll
+    for (int e = 0; e < Bits::EV && PASS == 0; ++e) {
+        const int i = tid + e * NT;
+        st.v[i / VS][i % VS] = bits_to_float(x.v[e], prm.v_t);
+    }
+    const int gt = tid >> 1;
+    if (PASS == 0 && tid < 2 * kMmaChunk) {
+        if (tid & 1) st.e[gt] = gt < c ? gate_of(bits_to_float(x.gate, prm.g_t), prm.gate_linear) : 1.f;
+        else st.beta[gt] = bits_to_float(x.gate, prm.beta_t);
+    }
+}
+
+// One warp: the chunk's 8 x 8 coefficients from the staged dot products and gates.  First lane t
+// < 8 finds token t's norm factors and G_t; then lane m < 8 solves column m of M, lane 8 + t
+// builds column t of scale * Bq and lane 16 + j the per-token factors.  Operands are read from
+// shared memory where they are used: the state holds half the registers throughout.
+template <int K, int SLAB, bool SEPARATE_P>
+__device__ __forceinline__ void chunk_coefficients(ChunkCoefficients& cf, const MmaStage<K, SLAB>& st,
+                                                   const Params& prm, float scale, int lane) {
+    constexpr int C = kMmaChunk;
+    if (lane < C) {
+        const int t = lane;
+        float f[3] = {1.f, 1.f, 1.f}, G = 1.f;
+        if (prm.l2norm) {
+            f[0] = rsqrtf(st.dots[mnk_slot(t)] + kL2NormEps);
+            f[1] = SEPARATE_P ? rsqrtf(st.dots[mnp_slot(t)] + kL2NormEps) : f[0];
+            f[2] = rsqrtf(st.dots[mnq_slot(t)] + kL2NormEps);
+        }
+#pragma unroll
+        for (int i = 0; i < C; ++i) G *= i <= t ? st.e[i] : 1.f;
+        cf.fk[t] = f[0];
+        cf.fp[t] = f[1];
+        cf.fq[t] = f[2];
+        cf.G[t] = G;
+    }
+    __syncwarp();
+    if (lane < C) {  // column m of (I + L)^-1 diag(beta): x_t = beta_m [t == m] - sum_{j<t} L[t][j] x_j
+        const int m = lane;
+        float x[C];
+#pragma unroll
+        for (int t = 0; t < C; ++t) {
+            float s = 0.f, r = 1.f;
+#pragma unroll
+            for (int j = t - 1; j >= 0; --j) {
+                r *= st.e[j + 1];
+                s = fmaf(r * cf.fk[j] * st.dots[mp_slot(j, t)], x[j], s);
+            }
+            x[t] = t == m ? st.beta[t] : (t < m ? 0.f : -st.beta[t] * cf.fp[t] * s);
+            cf.m[t][m] = x[t];
+        }
+    } else if (lane < 2 * C) {  // column t of scale * Bq: r(j, t) fk_j fq_t (k_j . q_t) for j <= t
+        const int t = lane - C;
+        const float sq = scale * cf.fq[t];
+        float r = 1.f;  // r(j, t), built from j = t down
+#pragma unroll
+        for (int j = C - 1; j >= 0; --j) {
+            float dot = 0.f;
+#pragma unroll
+            for (int tt = j; tt < C; ++tt) dot = tt == t ? st.dots[mq_slot(j, tt)] : dot;
+            cf.bq[j][t] = j <= t ? sq * r * cf.fk[j] * dot : 0.f;
+            if (j <= t && j > 0) r *= st.e[j];
+        }
+    } else if (lane < 3 * C) {
+        const int j = lane - 2 * C;
+        float r = 1.f;  // r(j, 7)
+#pragma unroll
+        for (int i = 1; i < C; ++i) r *= i > j ? st.e[i] : 1.f;
+        cf.w[j] = r * cf.fk[j];
+        cf.cp[j] = cf.G[j] * cf.fp[j];
+        cf.cq[j] = scale * cf.G[j] * cf.fq[j];
+        if (j == 0) cf.g_last = cf.G[C - 1];
+    }
+}
+
+template <int K, int SLAB, bool SEPARATE_P, bool VK>
+__global__ void __launch_bounds__(MmaShape<K, SLAB>::NT, MmaShape<K, SLAB>::MIN_CTAS)
+delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
+               const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
+               const void* __restrict__ g, void* __restrict__ o, const Params prm, const float scale) {
+    using Shape = MmaShape<K, SLAB>;
+    using Bits = ChunkBits<K, Shape::NT, SLAB>;
+    constexpr int C = kMmaChunk, NT = Shape::NT, KS = Shape::KS, NKW = Shape::NKW;
+    static_assert(K % 64 == 0 && SLAB % 16 == 0 && (C * K) % NT == 0 && (C * SLAB) % NT == 0, "bad mma tiling");
+    __shared__ MmaStage<K, SLAB> st;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, lg = lane >> 2, lj = lane & 3;
+    const int kpart = warp % KS, vgroup = warp / KS, n0 = kpart * NKW;  // this warp's tiles n0 .. n0 + 7
+    const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H), T = static_cast<int>(prm.T);
+    const int slabs = V / SLAB;
+    const int bh = static_cast<int>(blockIdx.x) / slabs;
+    const int slab0 = (static_cast<int>(blockIdx.x) - bh * slabs) * SLAB;
+    const int b = bh / H, h = bh - b * H, hk = h / static_cast<int>(prm.group);
+    const long long head = static_cast<long long>(bh) * K * V;
+    const int vl = 16 * vgroup + 2 * lg;  // this lane's value columns vl, vl + 1 within the slab
+    // A lane's state pairs: in tile n, kv keeps (value vl, vl + 1) at rows kk, kk + 1 (kk = 8n + 2 lj)
+    // of S[kk][v]; vk keeps (kk, kk + 1) at rows vl, vl + 1 of S[v][kk].  Addresses are walked
+    // tile by tile (32-bit offsets within the head) so that no per-tile offset stays live in a
+    // register across the token loop.
+    const int kk0 = 8 * n0 + 2 * lj;
+    const int first = VK ? (slab0 + vl) * K + kk0 : kk0 * V + slab0 + vl;
+    const int next_row = VK ? K : V, next_tile = VK ? 8 : 8 * V;
+
+    // acc[n] = (S^T[vl][kk], S^T[vl][kk + 1], S^T[vl + 1][kk], S^T[vl + 1][kk + 1]), kk = 8 (n0 + n) + 2 lj.
+    float acc[NKW][4];
+    if (prm.has_initial) {
+        const float* src = state + head + first;
+#pragma unroll
+        for (int n = 0; n < NKW; ++n, src += next_tile) {
+            const float2 a = *reinterpret_cast<const float2*>(src);
+            const float2 z = *reinterpret_cast<const float2*>(src + next_row);
+            if (VK) { acc[n][0] = a.x; acc[n][1] = a.y; acc[n][2] = z.x; acc[n][3] = z.y; }
+            else { acc[n][0] = a.x; acc[n][1] = z.x; acc[n][2] = a.y; acc[n][3] = z.y; }
+        }
+    } else {
+#pragma unroll
+        for (int n = 0; n < NKW; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    }
+
+    Bits bits;
+    for (int t0 = 0; t0 < T; t0 += C) {
+        const int c = min(C, T - t0);
+        issue_chunk<K, SLAB, SEPARATE_P, 0>(bits, q, k, v, p, beta, g, prm, tid, b, h, hk, slab0, t0, c);
+        __syncthreads();  // the previous chunk's readers are done with the stage
+        stage_chunk<K, SLAB, SEPARATE_P, 0>(st, bits, prm, tid, c);
+        if constexpr (Bits::PASSES > 1) {
+            issue_chunk<K, SLAB, SEPARATE_P, 1>(bits, q, k, v, p, beta, g, prm, tid, b, h, hk, slab0, t0, c);
+            stage_chunk<K, SLAB, SEPARATE_P, 1>(st, bits, prm, tid, c);
+        }
+        static_assert(Bits::PASSES <= 2, "more staging passes than issued");
+        __syncthreads();
+
+        // Dot products: warp w sums the slot groups w, w + NW, ... (16 slots; lane l ends with slot
+        // 16 grp + l % 16): the lanes' partial sums over K meet in a transposing butterfly.
+#pragma unroll
+        for (int grp = 0; grp < kMmaSlotGroups; ++grp) {
+            if (grp % Shape::NW != warp) continue;
+            float xs[16];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) xs[i] = 0.f;
+#pragma unroll 1
+            for (int kq = lane; kq < K; kq += 32) {  // not unrolled: few operands live at a time
+                for_each_slot([&](int s, int a, int bb) {
+                    if (s / 16 == grp) xs[s % 16] = fmaf(st.raw[a][kq], st.raw[bb][kq], xs[s % 16]);
+                });
+            }
+            butterfly<8>(xs, lane);
+            xs[0] += __shfl_xor_sync(0xffffffffu, xs[0], 16);
+            if (lane < 16) st.dots[16 * grp + lane] = xs[0];
+        }
+        __syncthreads();  // dots complete; raw is dead (its space takes the read's partial sums)
+        ChunkCoefficients& cf = st.coef[warp];
+        chunk_coefficients<K, SLAB, SEPARATE_P>(cf, st, prm, scale, lane);
+
+        // Read: [Rp | Rq] = S0^T [p | q] over this warp's keys, then summed over the key parts.
+        // Two accumulators per product (even and odd tiles) halve the chain of dependent mma.sync.
+        float rp[4] = {0.f, 0.f, 0.f, 0.f}, rq[4] = {0.f, 0.f, 0.f, 0.f};
+        float rp2[4] = {0.f, 0.f, 0.f, 0.f}, rq2[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int n = 0; n < NKW; ++n) {
+            unsigned ah[4], al[4];
+            a_operand(acc[n], ah, al);
+            mma3(n % 2 ? rp2 : rp, ah, al, st.x[n0 + n][0][lane]);
+            mma3(n % 2 ? rq2 : rq, ah, al, st.x[n0 + n][1][lane]);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            rp[i] += rp2[i];
+            rq[i] += rq2[i];
+        }
+        __syncwarp();  // this warp's coefficients are written
+        if constexpr (KS > 1) {
+            st.part[vgroup][kpart][0][lane] = make_float4(rp[0], rp[1], rp[2], rp[3]);
+            st.part[vgroup][kpart][1][lane] = make_float4(rq[0], rq[1], rq[2], rq[3]);
+            // The KS warps of a value group meet at their own named barrier (1 + vgroup), 32 KS threads.
+            asm volatile("bar.sync %0, %1;" ::"r"(1 + vgroup), "r"(32 * KS) : "memory");
+            // The same sum, in the same order, in every warp of a value group.
+            float4 sp = st.part[vgroup][0][0][lane], sq = st.part[vgroup][0][1][lane];
+#pragma unroll
+            for (int j = 1; j < KS; ++j) {
+                const float4 a = st.part[vgroup][j][0][lane], z = st.part[vgroup][j][1][lane];
+                sp.x += a.x; sp.y += a.y; sp.z += a.z; sp.w += a.w;
+                sq.x += z.x; sq.y += z.y; sq.z += z.z; sq.w += z.w;
+            }
+            rp[0] = sp.x; rp[1] = sp.y; rp[2] = sp.z; rp[3] = sp.w;
+            rq[0] = sq.x; rq[1] = sq.y; rq[2] = sq.z; rq[3] = sq.w;
+        }
+
+        // U^T = Y M^T, O^T = Rq diag(scale G fq) + U^T (scale Bq); this lane's tokens ta, tb.
+        const int ta = 2 * lj, tb = ta + 1;
+        unsigned yh[4], yl[4], mb[4], bb[4];
+        {
+            const float y[4] = {st.v[ta][vl] - cf.cp[ta] * rp[0], st.v[tb][vl] - cf.cp[tb] * rp[1],
+                                st.v[ta][vl + 1] - cf.cp[ta] * rp[2], st.v[tb][vl + 1] - cf.cp[tb] * rp[3]};
+            a_operand(y, yh, yl);
+        }
+        split_into(mb, 0, cf.m[lg][ta]);
+        split_into(mb, 1, cf.m[lg][tb]);
+        float u[4] = {0.f, 0.f, 0.f, 0.f};
+        mma3(u, yh, yl, make_uint4(mb[0], mb[1], mb[2], mb[3]));
+        unsigned uh[4], ul[4];
+        if (kpart == 0) {  // o once per value group
+            float ov[4] = {cf.cq[ta] * rq[0], cf.cq[tb] * rq[1], cf.cq[ta] * rq[2], cf.cq[tb] * rq[3]};
+            a_operand(u, uh, ul);
+            split_into(bb, 0, cf.bq[ta][lg]);
+            split_into(bb, 1, cf.bq[tb][lg]);
+            mma3(ov, uh, ul, make_uint4(bb[0], bb[1], bb[2], bb[3]));
+            const long long ob = b * prm.o_sb + h * prm.o_sh + (slab0 + vl) * prm.o_sv;
+            if (ta < c) {
+                store_act(o, ob + (t0 + ta) * prm.o_st, prm.o_t, ov[0]);
+                store_act(o, ob + (t0 + ta) * prm.o_st + prm.o_sv, prm.o_t, ov[2]);
+            }
+            if (tb < c) {
+                store_act(o, ob + (t0 + tb) * prm.o_st, prm.o_t, ov[1]);
+                store_act(o, ob + (t0 + tb) * prm.o_st + prm.o_sv, prm.o_t, ov[3]);
+            }
+        }
+
+        // Write: S^T = G_7 S0^T + (U^T diag(w)) [k_0 .. k_7]^T.
+        const float wa = cf.w[ta], wb = cf.w[tb], gl = cf.g_last;
+        const float uw[4] = {u[0] * wa, u[1] * wb, u[2] * wa, u[3] * wb};
+        a_operand(uw, uh, ul);
+#pragma unroll
+        for (int n = 0; n < NKW; ++n) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[n][i] *= gl;
+            mma3(acc[n], uh, ul, st.kw[n0 + n][kw_lane(lg, lj)]);
+        }
+    }
+
+    if (prm.write_final) {
+        float* dst = state_out + head + first;
+#pragma unroll
+        for (int n = 0; n < NKW; ++n, dst += next_tile) {
+            const float2 a = VK ? make_float2(acc[n][0], acc[n][1]) : make_float2(acc[n][0], acc[n][2]);
+            const float2 z = VK ? make_float2(acc[n][2], acc[n][3]) : make_float2(acc[n][1], acc[n][3]);
+            *reinterpret_cast<float2*>(dst) = a;
+            *reinterpret_cast<float2*>(dst + next_row) = z;
+        }
+    }
+}
+
+}  // namespace comba
