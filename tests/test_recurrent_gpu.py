@@ -82,8 +82,8 @@ def test_every_decode_tiling(layout, K, V, comba, gate, l2norm):
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("K,V", [(64, 128), (128, 128), (128, 96)])
 @pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
-@pytest.mark.parametrize("T,initial", [(4, True), (6, True), (3, False), (1, False)],
-                         ids=["T4", "T6", "T3-zero-state", "T1-zero-state"])
+@pytest.mark.parametrize("T,initial", [(4, True), (6, True), (13, True), (3, False), (1, False)],
+                         ids=["T4", "T6", "T13", "T3-zero-state", "T1-zero-state"])
 def test_every_forward_tiling(layout, K, V, comba, T, initial):
     """Each tiling's T-token build (the one forward passes run), from a state or from zeros."""
     B, H, Hk = 9, 4, 2
@@ -137,8 +137,8 @@ def test_seed_parity(T, Hk, H):
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
-def test_forward_equals_repeated_steps(layout):
-    T = 6
+@pytest.mark.parametrize("T", [6, 19])  # 19 over B*H = 16: the tensor-core kernel, chunks of 8, 8, 3
+def test_forward_equals_repeated_steps(layout, T):
     q, k, v, p, beta, g, S = forward_inputs(4, T, 4, 128, 64, state_layout=layout, dtype=F32, xp=cupy)
     o, S_fwd = comba_forward(q, k, v, p, beta, g, initial_state=S, state_layout=layout)
     state = S
@@ -148,6 +148,29 @@ def test_forward_equals_repeated_steps(layout):
                                        state_layout=layout)
         assert reference.relative_error(o[:, t], o_t) <= 1e-6
     assert reference.relative_error(S_fwd, state) <= 1e-6
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("K,V", [(128, 128), (64, 96)])
+@pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
+@pytest.mark.parametrize("gate,l2norm", [("log", False), ("linear", True)], ids=["log", "linear-l2norm"])
+@pytest.mark.parametrize("T,initial", [(8, True), (21, True), (11, False)], ids=["T8", "T21", "T11-zero-state"])
+def test_tensor_core_path(layout, K, V, comba, gate, l2norm, T, initial):
+    """Few heads and T >= 8: the ops choose the tensor-core kernel; fp32 o, every chunk shape."""
+    B, H, Hk = 3, 4, 2
+    assert tiling.choose(layout, K, V, comba, multi=True, T=T, heads=B * H).endswith("tc")
+    q, k, v, p, beta, g, S = forward_inputs(B, T, H, K, V, Hk=Hk, state_layout=layout, gate=gate, seed=K + T,
+                                            dtype=F32, normalize_keys=not l2norm, xp=cupy)
+    opts = dict(state_layout=layout, gate=gate, use_qk_l2norm=l2norm)
+    S0 = S if initial else None
+    out, state_out = _poisoned((B, T, H, V), F32), _poisoned(S.shape, F32)
+    if comba:
+        o, S_new = comba_forward(q, k, v, p, beta, g, initial_state=S0, out=out, state_out=state_out, **opts)
+    else:
+        o, S_new = gated_delta_forward(q, k, v, beta, g, initial_state=S0, out=out, state_out=state_out, **opts)
+    S_ref, o_ref = _ref(comba, q, k, v, p, beta, g, S if initial else cupy.zeros(S.shape), **opts)
+    assert reference.relative_error(S_new, S_ref) <= 1e-6
+    assert reference.relative_error(o, o_ref) <= O_TOL[F32]
 
 
 def test_comba_with_p_equal_k_is_gated_delta_and_layouts_agree():
