@@ -3,11 +3,13 @@
     PYTHONPATH=. python benchmarks/host_overhead.py [B,H,K,V ...]
 
 Default shapes 1,1,64,32 (B*H = 1: the GPU work of a call, ~2 us, stays far below its host time,
-so the GPU never holds the host back) and 8,16,128,128 (B*H = 128), bf16, preallocated outputs.  Each row is one piece of
-work repeated back to back (median of 5 bursts of 4000): the public calls, the launch floors
-(the plan's prepacked driver launch, CuPy's RawKernel call of the same kernel and arguments, and
-the CUDA driver launching an empty one-argument kernel), then the pieces of the call path, and
-last the replay of one step captured in a CUDA graph (bursts of 200, below the GPU queue depth).
+so the GPU never holds the host back) and 8,16,128,128 (B*H = 128), bf16, preallocated outputs.
+Each row is one piece of work repeated back to back (median of 5 bursts of 4000): the public
+calls, the launch floors (the plan's prepacked driver launch, CuPy's RawKernel call of the same
+kernel and arguments, the CUDA driver launching an empty kernel with a 336-byte and with an
+8-byte argument), the pieces of the call path, the call with the driver launch replaced by a
+no-op, and last the replay of one step captured in a CUDA graph (bursts of 200, below the GPU
+queue depth).
 """
 
 import ctypes

@@ -41,8 +41,9 @@ CHUNKED_T = range(3, 9)
 
 #: T-token passes of at least MMA_MIN_T tokens over at most MMA_MAX_HEADS heads (B*H) run the
 #: tensor-core kernel, in either layout: with few heads the GPU waits on each token's latency,
-#: and the tensor-core kernel takes 8 tokens a step (benchmarks.md, "Tilings").
-MMA_MIN_T = 8
+#: and the tensor-core kernel takes 8 tokens a step (benchmarks.md, "Tilings": it led every case
+#: of T = 6-512 at B*H = 16-128, and lost at T <= 4 or B*H >= 256).
+MMA_MIN_T = 6
 MMA_MAX_HEADS = 128
 
 

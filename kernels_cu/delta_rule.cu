@@ -102,6 +102,45 @@ __device__ __forceinline__ void stage_gates(float* gates, TokenBits<K, NT, NV>& 
     if (tid == Bits::G_TID + 1) gates[0] = bits_to_float(x.gate(), prm.beta_t);
 }
 
+// One CTA of the kv tiling: head bh = (b, h) and the slab of COLS columns it owns; thread tid owns
+// the float4 of columns col .. col + 3 in rows rg, rg + RG, ...  32-bit index math (the grid and
+// the row offsets of one head fit), 64-bit addresses.
+template <int K, int COLS, int RG>
+struct KvSlab {
+    static constexpr int LC = COLS / 4, R = K / RG;
+    int lc, rg, V, b, h, hk, col0, col;
+    long long head;
+    __device__ __forceinline__ KvSlab(const Params& prm, int tid) {
+        lc = tid % LC;
+        rg = tid / LC;
+        V = static_cast<int>(prm.V);
+        const int H = static_cast<int>(prm.H), slabs = V / COLS;
+        const int bh = static_cast<int>(blockIdx.x) / slabs;
+        col0 = (static_cast<int>(blockIdx.x) - bh * slabs) * COLS;
+        col = col0 + lc * 4;
+        b = bh / H;
+        h = bh - b * H;
+        hk = h / static_cast<int>(prm.group);
+        head = static_cast<long long>(bh) * K * V;
+    }
+    // Every state load of the thread at once (zeros when there is no initial state).
+    __device__ __forceinline__ void load(float4 (&s)[R], const float* state, bool has_initial) const {
+        if (has_initial) {
+            const float* src = state + head + col;
+#pragma unroll
+            for (int i = 0; i < R; ++i) s[i] = load_state(src + (rg + i * RG) * V);
+        } else {
+#pragma unroll
+            for (int i = 0; i < R; ++i) s[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    }
+    __device__ __forceinline__ void store(const float4 (&s)[R], float* state_out) const {
+        float* dst = state_out + head + col;
+#pragma unroll
+        for (int i = 0; i < R; ++i) store_state(dst + (rg + i * RG) * V, s[i]);
+    }
+};
+
 // One token's staged activations (two of these alternate by token parity).
 template <int K, int COLS, int NW>
 struct KvStage {
@@ -129,25 +168,13 @@ delta_rule_kv(const float* state, float* state_out, const void* __restrict__ q, 
     __shared__ KvStage<K, COLS, NW> stage[2];
     __shared__ float4 red[2][NW][LC];      // per-warp partial S^T p, S^T q
 
-    const int tid = threadIdx.x, lc = tid % LC, rg = tid / LC, warp = tid >> 5;
-    // 32-bit index math (the grid and the row offsets of one head fit), 64-bit addresses.
-    const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H), T = MULTI ? static_cast<int>(prm.T) : 1;
-    const int slabs = V / COLS;
-    const int bh = static_cast<int>(blockIdx.x) / slabs;
-    const int col0 = (static_cast<int>(blockIdx.x) - bh * slabs) * COLS, col = col0 + lc * 4;
-    const int b = bh / H, h = bh - b * H, hk = h / static_cast<int>(prm.group);
-    const long long head = static_cast<long long>(bh) * K * V;
+    const int tid = threadIdx.x, warp = tid >> 5, T = MULTI ? static_cast<int>(prm.T) : 1;
+    const KvSlab<K, COLS, RG> slab(prm, tid);
+    const int lc = slab.lc, rg = slab.rg, b = slab.b, h = slab.h, hk = slab.hk, col0 = slab.col0, col = slab.col;
 
     // 1. Every state load of the thread before anything else.
     float4 s[R];
-    if (!MULTI || prm.has_initial) {
-        const float* src = state + head + col;
-#pragma unroll
-        for (int i = 0; i < R; ++i) s[i] = load_state(src + (rg + i * RG) * V);
-    } else {
-#pragma unroll
-        for (int i = 0; i < R; ++i) s[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
+    slab.load(s, state, !MULTI || prm.has_initial);
 
     TokenBits<K, NT, COLS> x;
     if (T > 0) issue_token<K, NT, COLS, SEPARATE_P>(x, q, k, v, p, beta, g, prm, tid, b, h, hk, col0, 0);
@@ -236,11 +263,7 @@ delta_rule_kv(const float* state, float* state_out, const void* __restrict__ q, 
     }
 
     // 5. The state leaves exactly once.
-    if (!MULTI || prm.write_final) {
-        float* dst = state_out + head + col;
-#pragma unroll
-        for (int i = 0; i < R; ++i) store_state(dst + (rg + i * RG) * V, s[i]);
-    }
+    if (!MULTI || prm.write_final) slab.store(s, state_out);
 }
 
 __device__ __forceinline__ float dot4(float4 a, float4 b) {
@@ -407,23 +430,12 @@ delta_rule_kv_chunked(const float* state, float* state_out, const void* __restri
     __shared__ ChunkStage<K, COLS, NW> stage[2];
     __shared__ float4 red[NW][2 * C][LC];  // per-warp partial S0^T p_t, S0^T q_t
 
-    const int tid = threadIdx.x, lc = tid % LC, rg = tid / LC, warp = tid >> 5, lane = tid & 31;
-    const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H), T = static_cast<int>(prm.T);
-    const int slabs = V / COLS;
-    const int bh = static_cast<int>(blockIdx.x) / slabs;
-    const int col0 = (static_cast<int>(blockIdx.x) - bh * slabs) * COLS, col = col0 + lc * 4;
-    const int b = bh / H, h = bh - b * H, hk = h / static_cast<int>(prm.group);
-    const long long head = static_cast<long long>(bh) * K * V;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, T = static_cast<int>(prm.T);
+    const KvSlab<K, COLS, RG> slab(prm, tid);
+    const int lc = slab.lc, rg = slab.rg, b = slab.b, h = slab.h, hk = slab.hk, col0 = slab.col0, col = slab.col;
 
     float4 s[R];
-    if (prm.has_initial) {
-        const float* src = state + head + col;
-#pragma unroll
-        for (int i = 0; i < R; ++i) s[i] = load_state(src + (rg + i * RG) * V);
-    } else {
-#pragma unroll
-        for (int i = 0; i < R; ++i) s[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
+    slab.load(s, state, prm.has_initial);
 
     for (int t0 = 0, n = 0; t0 < T; t0 += C, ++n) {
         ChunkStage<K, COLS, NW>& st = stage[n & 1];
@@ -624,11 +636,7 @@ delta_rule_kv_chunked(const float* state, float* state_out, const void* __restri
         }
     }
 
-    if (prm.write_final) {
-        float* dst = state_out + head + col;
-#pragma unroll
-        for (int i = 0; i < R; ++i) store_state(dst + (rg + i * RG) * V, s[i]);
-    }
+    if (prm.write_final) slab.store(s, state_out);
 }
 
 }  // namespace comba

@@ -42,8 +42,8 @@
 // and O, 24 for the write.
 //
 // Where it stands (docs/benchmarks.md, "Tilings"): with few heads (B*H <= 128) the GPU waits on
-// each token's latency and this kernel, 8 tokens a step, is the fastest from T = 8 on (1.3-2.2x
-// the token loop); with many heads it issues ~2300 instructions a warp per chunk at half the
+// each token's latency and this kernel, 8 tokens a step, is the fastest from T = 6 on (1.3-2.4x
+// the token loop from T = 8); with many heads it issues ~2300 instructions a warp per chunk at half the
 // issue rate, and the CUDA-core kernels stay ahead.  cupy_comba.tiling.choose takes it for the
 // former only.
 #include "common.cuh"
