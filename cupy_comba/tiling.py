@@ -1,4 +1,5 @@
-"""Which kernel tiling runs a shape (kernels_cu/delta_rule.cu; data: benchmarks/sweep_decode.py).
+"""Which kernel tiling runs a shape (kernels_cu/delta_rule.cu, kernels_cu/delta_rule_mma.cu; data:
+benchmarks/sweep_decode.py and benchmarks/sweep_forward_tilings.py).
 
 Variant names: ``kv{COLS}x{RG}`` -- ``delta_rule_kv``, a CTA per COLS-column slab of a
 head with RG row groups; ``vk{R}x{NW}`` -- ``delta_rule_vk``, NW warps whose lanes hold
@@ -17,13 +18,15 @@ MMA_VARIANTS = {layout: tuple(f"{layout}{slab}tc" for slab in MMA_SLABS) for lay
 
 
 def token_passes_only(variant):
-    """Whether ``variant`` exists only as a T-token build (no decode build): the chunked kernels."""
+    """Whether ``variant`` exists only as a T-token build (no decode build): the chunked kernels,
+    ``...c4`` and ``...tc``."""
     return variant is not None and variant.endswith(("c4", "tc"))
 
 
 def variants(layout, K, V, multi=False):
     """The variants that can run a ``layout`` state with head sizes K, V (``multi``: T-token passes,
-    which also have the chunked kv kernels, ``kv{COLS}x{RG}c4``)."""
+    which also have the chunked kv kernels, ``kv{COLS}x{RG}c4``, and the tensor-core kernels,
+    ``{layout}{SLAB}tc``)."""
     mma = tuple(n for n, slab in zip(MMA_VARIANTS[layout], MMA_SLABS) if V % slab == 0) if multi else ()
     if layout == "kv":
         chunked = zip(KV_CHUNKED_VARIANTS, KV_CHUNKED_TILINGS) if multi else ()
