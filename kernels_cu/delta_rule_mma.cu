@@ -167,9 +167,10 @@ struct ChunkBits {
 };
 
 template <int K, int SLAB, bool SEPARATE_P, int PASS>
-__device__ __forceinline__ void issue_chunk(ChunkBits<K, MmaShape<K, SLAB>::NT, SLAB>& x, const void* q, const void* k, const void* v,
-                                            const void* p, const void* beta, const void* g, const Params& prm,
-                                            int tid, int b, int h, int hk, int slab0, int t0, int c) {
+__device__ __forceinline__ void issue_chunk(ChunkBits<K, MmaShape<K, SLAB>::NT, SLAB>& x, const void* q, const void* k,
+                                            const void* v, const void* p, const void* beta, const void* g,
+                                            const Params& prm, int tid, int b, int h, int hk, int slab0, int t0,
+                                            int c) {
     constexpr int NT = MmaShape<K, SLAB>::NT, VS = SLAB;
     using Bits = ChunkBits<K, NT, SLAB>;
 #pragma unroll
@@ -337,10 +338,13 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
         for (int n = 0; n < NKW; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
     }
 
+    // The first pass of each chunk's loads is issued one chunk ahead: in flight while the previous
+    // chunk is computed.
     Bits bits;
+    if (T > 0)
+        issue_chunk<K, SLAB, SEPARATE_P, 0>(bits, q, k, v, p, beta, g, prm, tid, b, h, hk, slab0, 0, min(C, T));
     for (int t0 = 0; t0 < T; t0 += C) {
         const int c = min(C, T - t0);
-        issue_chunk<K, SLAB, SEPARATE_P, 0>(bits, q, k, v, p, beta, g, prm, tid, b, h, hk, slab0, t0, c);
         __syncthreads();  // the previous chunk's readers are done with the stage
         stage_chunk<K, SLAB, SEPARATE_P, 0>(st, bits, prm, tid, c);
         if constexpr (Bits::PASSES > 1) {
@@ -348,6 +352,9 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
             stage_chunk<K, SLAB, SEPARATE_P, 1>(st, bits, prm, tid, c);
         }
         static_assert(Bits::PASSES <= 2, "more staging passes than issued");
+        if (t0 + C < T)
+            issue_chunk<K, SLAB, SEPARATE_P, 0>(bits, q, k, v, p, beta, g, prm, tid, b, h, hk, slab0, t0 + C,
+                                                min(C, T - t0 - C));
         __syncthreads();
 
         // Dot products: warp w sums the slot groups w, w + NW, ... (16 slots; lane l ends with slot
