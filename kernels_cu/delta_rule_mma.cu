@@ -59,22 +59,21 @@ __device__ __forceinline__ unsigned to_tf32(float x) {
     return r;
 }
 
-// hi, lo halves of x (x = hi + lo to ~2^-22), into slots i and i + 2 of a B fragment.
-__device__ __forceinline__ void split_into(unsigned* frag, int i, float x) {
-    const unsigned hi = to_tf32(x);
-    frag[i] = hi;
-    frag[i + 2] = to_tf32(x - __uint_as_float(hi));
+// hi, lo halves of x: x = hi + lo to ~2^-22.
+__device__ __forceinline__ void split(float x, unsigned& hi, unsigned& lo) {
+    hi = to_tf32(x);
+    lo = to_tf32(x - __uint_as_float(hi));
 }
+
+// x split into slots i (hi) and i + 2 (lo) of a B fragment.
+__device__ __forceinline__ void split_into(unsigned* frag, int i, float x) { split(x, frag[i], frag[i + 2]); }
 
 // An accumulator tile (c0 .. c3) as an A operand, split: a = (c0, c2, c1, c3) (the header's
 // permutation of the k index).
 __device__ __forceinline__ void a_operand(const float (&c)[4], unsigned (&hi)[4], unsigned (&lo)[4]) {
     const float a[4] = {c[0], c[2], c[1], c[3]};
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        hi[i] = to_tf32(a[i]);
-        lo[i] = to_tf32(a[i] - __uint_as_float(hi[i]));
-    }
+    for (int i = 0; i < 4; ++i) split(a[i], hi[i], lo[i]);
 }
 
 __device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
@@ -98,7 +97,7 @@ __host__ __device__ constexpr int mp_slot(int j, int t) { return 36 + t * (t - 1
 __host__ __device__ constexpr int mnq_slot(int t) { return 64 + t; }
 __host__ __device__ constexpr int mnk_slot(int t) { return 72 + t; }
 __host__ __device__ constexpr int mnp_slot(int t) { return 80 + t; }
-constexpr int kMmaSlots = 88, kMmaSlotGroups = 6;  // summed 16 at a time
+constexpr int kMmaSlotGroups = 6;  // 88 slots, summed 16 at a time
 
 // Calls f(slot, a, b) for every slot, in slot order (a, b: vector numbers).
 template <class F>
