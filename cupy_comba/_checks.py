@@ -12,8 +12,6 @@ from ._build import SUPPORTED_K
 
 def namespace_of(named):
     """``numpy`` or ``cupy`` for a dict ``{name: array}``; TypeError on anything else or a mix."""
-    if cupy is not None and all(type(a) is cupy.ndarray for a in named.values()):
-        return cupy  # the common case, decided without the per-name bookkeeping below
     kinds = {}
     for name, a in named.items():
         if is_cupy_array(a):

@@ -183,15 +183,10 @@ def _run(q, k, v, p, beta, g, scale, state, output_final_state, out, state_out, 
         common_device(dict(zip(_ALL_NAMES, (q, k, v, p, beta, g, state, out, state_out))))
         _check_pointers(pointers, plan.spans)
         plan.verified = pointers
-    if no or (nso and output_final_state) or plan.launch is None or plan.device != cupy.cuda.runtime.getDevice():
-        o, S = _cuda_run(plan, out, state_out, pointers)
-        return (S, o) if step else (o, S)
-    # Outputs given, device current, work to do: the launch, inline.  Kernel pointer order: state
-    # (o when there is no initial state: never read), state_out (o when none: never written), q,
-    # k, v, p (k for Gated DeltaNet), beta, g, o.
-    qp, kp, vp, pp, bp, gp, sp, op, sop = pointers
-    plan.launch((op if ns else sp, op if nso else sop, qp, kp, vp, kp if np_ else pp, bp, gp, op),
-                cupy.cuda.get_current_stream().ptr)
+    if no or (nso and output_final_state):
+        out, state_out, pointers = _fresh_outputs(plan, out, state_out, pointers)
+    if plan.launch is not None:
+        _launch(plan, pointers)
     return (state_out, out) if step else (out, state_out)
 
 
@@ -206,7 +201,11 @@ def _run_general(q, k, v, p, beta, g, scale, state, write_final, out, state_out,
     if xp is cupy:  # CuPy arrays of a subclass: the kernel, checked every call
         pointers = tuple(None if a is None else a.data.ptr for a in arrays)
         _check_pointers(pointers, plan.spans)
-        o, S = _cuda_run(plan, out, state_out, pointers)
+        if out is None or (state_out is None and write_final):
+            out, state_out, pointers = _fresh_outputs(plan, out, state_out, pointers)
+        if plan.launch is not None:
+            _launch(plan, pointers)
+        o, S = out, state_out
     else:
         check_overlaps([None if a is None else ptr_of(a) for a in arrays], plan.spans)
         o, S = _numpy_run(plan, arrays, state_layout, gate, l2norm)
@@ -330,9 +329,8 @@ def _make_plan(q, k, v, p, beta, g, state, out, state_out, o_dtype, scale, write
     values["o_t"] = ACTIVATION_CODES[o_dtype]
     values.update(gate_linear=gate == "linear", l2norm=l2norm, has_initial=state is not None,
                   write_final=write_final)
-    # The decode build serves exactly one token from a given state to a written state; a forced
-    # chunked variant exists only as a T-token build.
-    multi = not (T == 1 and state is not None and write_final) or tiling.token_passes_only(variant)
+    # The decode build serves exactly one token from a given state to a written state.
+    multi = not (T == 1 and state is not None and write_final)
     variant = variant or tiling.choose(state_layout, K, V, p is not None, multi, T, B * H)
     with cupy.cuda.Device(device):
         kernel, grid, block = tiling.launch(state_layout, variant, B * H, K, V, p is not None, multi, device)
@@ -349,25 +347,27 @@ def _check_pointers(pointers, spans):
             raise ValueError(f"{name} must start on a 16-byte boundary (e.g. a fresh allocation)")
 
 
-def _cuda_run(plan, out, state_out, pointers):
-    if out is None or (state_out is None and plan.write_final):
-        with cupy.cuda.Device(plan.device):  # fresh outputs: on the inputs' device, apart from everything
-            if out is None:
-                out = cupy.empty(plan.o_shape, plan.o_dtype)
-            if state_out is None and plan.write_final:
-                state_out = cupy.empty(plan.state_shape, float32)
-        pointers = pointers[:7] + (out.data.ptr, None if state_out is None else state_out.data.ptr)
-    if plan.launch is not None:
-        # Kernel pointer order: state (not read without an initial state), state_out (not written when
-        # write_final is off), q, k, v, p (k for Gated DeltaNet), beta, g, o.
-        q, k, v, p, beta, g, s, o, so = pointers
-        args = (o if s is None else s, o if so is None else so, q, k, v, k if p is None else p, beta, g, o)
-        if cupy.cuda.runtime.getDevice() == plan.device:
+def _fresh_outputs(plan, out, state_out, pointers):
+    """Allocate the outputs not given, on the inputs' device, apart from everything."""
+    with cupy.cuda.Device(plan.device):
+        if out is None:
+            out = cupy.empty(plan.o_shape, plan.o_dtype)
+        if state_out is None and plan.write_final:
+            state_out = cupy.empty(plan.state_shape, float32)
+    return out, state_out, pointers[:7] + (out.data.ptr, None if state_out is None else state_out.data.ptr)
+
+
+def _launch(plan, pointers):
+    """The plan's kernel on the current stream of its device.  Kernel pointer order: state (o when
+    there is no initial state: never read), state_out (o when none: never written), q, k, v, p (k
+    for Gated DeltaNet), beta, g, o."""
+    q, k, v, p, beta, g, s, o, so = pointers
+    args = (o if s is None else s, o if so is None else so, q, k, v, k if p is None else p, beta, g, o)
+    if cupy.cuda.runtime.getDevice() == plan.device:
+        plan.launch(args, cupy.cuda.get_current_stream().ptr)
+    else:
+        with cupy.cuda.Device(plan.device):
             plan.launch(args, cupy.cuda.get_current_stream().ptr)
-        else:
-            with cupy.cuda.Device(plan.device):
-                plan.launch(args, cupy.cuda.get_current_stream().ptr)
-    return out, state_out
 
 
 def _numpy_run(plan, arrays, state_layout, gate, l2norm):

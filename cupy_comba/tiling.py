@@ -20,7 +20,7 @@ MMA_VARIANTS = {layout: tuple(f"{layout}{slab}tc" for slab in MMA_SLABS) for lay
 def token_passes_only(variant):
     """Whether ``variant`` exists only as a T-token build (no decode build): the chunked kernels,
     ``...c4`` and ``...tc``."""
-    return variant is not None and variant.endswith(("c4", "tc"))
+    return variant.endswith(("c4", "tc"))
 
 
 def variants(layout, K, V, multi=False):
@@ -76,10 +76,12 @@ def choose(layout, K, V, separate_p, multi=False, T=1, heads=None):
 
 
 def launch(layout, variant, heads, K, V, separate_p, multi, device):
-    """``(kernel, grid, block)`` of one variant; ``multi`` selects the kernel built for T != 1.
+    """``(kernel, grid, block)`` of one variant; ``multi`` selects the kernel built for T != 1
+    (the chunked variants have only that build, whatever ``multi`` says).
 
     ``device`` must be current (the launch plan makes it so: its ``Launch`` needs it too).
     """
+    multi = multi or token_passes_only(variant)
     if variant not in variants(layout, K, V, multi):
         raise ValueError(f"variant {variant!r} cannot run a {layout!r} state with K={K}, V={V}"
                          f"{' over T tokens' if multi else ' for one step'}; "
