@@ -5,11 +5,13 @@
 Default shapes 1,1,64,32 (B*H = 1: the GPU work of a call, ~2 us, stays far below its host time,
 so the GPU never holds the host back) and 8,16,128,128 (B*H = 128), bf16, preallocated outputs.
 Each row is one piece of work repeated back to back (median of 5 bursts of 4000): the public
-calls, the launch floors (the plan's prepacked driver launch, CuPy's RawKernel call of the same
-kernel and arguments, the CUDA driver launching an empty kernel with a 336-byte and with an
-8-byte argument), the pieces of the call path, the call with the driver launch replaced by a
-no-op, and last the replay of one step captured in a CUDA graph (bursts of 200, below the GPU
-queue depth).
+calls (with the same arrays every call, and with fresh activations: 8 sets of q, k, v, p, beta,
+g taken in turn, so the pointers change every call), the launch floors (the plan's Launch as the
+op uses it -- a one-node graph replayed, with the same pointers and with new ones every call --,
+its kernel through cuLaunchKernel, CuPy's RawKernel call of the same kernel and arguments, the
+CUDA driver launching an empty kernel with a 336-byte and with an 8-byte argument), the pieces of
+the call path, the call with the launch replaced by a no-op, and last the replay of one step
+captured in a CUDA graph (bursts of 200, below the GPU queue depth).
 """
 
 import ctypes
@@ -49,11 +51,15 @@ def report(shape):
     _PLANS.clear()
     comba_decode_step(*args, out=out, state_out=state_out)  # the one plan, under the key the op built
     ((key, plan),) = _PLANS.items()
+    fresh = [decode_inputs(B, H, K, V, xp=cupy, seed=i + 1)[1:] for i in range(8)]
+    turn = iter(range(1 << 62))
     pointers = tuple(a.data.ptr for a in arrays)
     kernel_ptrs = (state.data.ptr, state_out.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr, p.data.ptr,
                    beta.data.ptr, g.data.ptr, out.data.ptr)
     stream = cupy.cuda.get_current_stream().ptr
     launch = plan.launch
+    swapped = (kernel_ptrs[1], kernel_ptrs[0]) + kernel_ptrs[2:]  # state and state_out trade places
+    alternate = iter(range(1 << 62))
     raw_args = (state, state_out, q, k, v, p, beta, g, out, launch.params, launch.scale)
     empty = cupy.RawModule(code=EMPTY).get_function("empty")
     blob = launch.params.tobytes()
@@ -66,8 +72,13 @@ def report(shape):
         "comba_decode_step(..., out=, state_out=)": lambda: comba_decode_step(*args, out=out, state_out=state_out),
         "gated_delta_decode_step(..., out=, state_out=)":
             lambda: gated_delta_decode_step(state, q, k, v, beta, g, out=out, state_out=state_out),
+        "comba_decode_step, fresh activations every call (8 sets in turn)":
+            lambda: comba_decode_step(state, *fresh[next(turn) & 7], out=out, state_out=state_out),
         "comba_decode_step (allocating outputs)": lambda: comba_decode_step(*args),
-        "launch floor: the plan's prepacked driver launch": lambda: launch(kernel_ptrs, stream),
+        "launch: the plan's Launch, same pointers (graph replay)": lambda: launch(kernel_ptrs, stream),
+        "launch: the plan's Launch, new pointers (node update + replay)":
+            lambda: launch(swapped if next(alternate) & 1 else kernel_ptrs, stream),
+        "launch floor: the plan's kernel through cuLaunchKernel": lambda: launch._launch_kernel(stream),
         "launch floor: CuPy RawKernel call, same kernel and args":
             lambda: launch.kernel(launch.grid, launch.block, raw_args),
         "launch floor: driver launch of an empty 1-arg kernel":
@@ -81,18 +92,19 @@ def report(shape):
         "piece: plan cache hit": lambda: _PLANS.get(key),
         "piece: check_overlaps": lambda: check_overlaps(pointers, plan.spans),
         "piece: current stream handle": lambda: cupy.cuda.get_current_stream().ptr,
+        "piece: is the stream capturing (cudaStreamIsCapturing)": lambda: cupy.cuda.runtime.streamIsCapturing(stream),
         "piece: current device (cudaGetDevice)": lambda: cupy.cuda.runtime.getDevice(),
         "piece: .data of 9 arrays": lambda: [a.data for a in arrays],
         "piece: the plan's 9 pointer slots written": lambda: launch._slots.__setitem__(slice(None), kernel_ptrs),
     }
     print(f"host time per call, {shape}, bf16:")
     for name, fn in rows.items():
-        print(f"  {name:58s} {per_call_us(fn):6.2f} us", flush=True)
+        print(f"  {name:66s} {per_call_us(fn):6.2f} us", flush=True)
     # The whole Python path with the driver launch taken out: what the library adds to the launch.
     plan.launch = lambda pointers, stream: None
     us = per_call_us(lambda: comba_decode_step(*args, out=out, state_out=state_out))
     plan.launch = launch
-    print(f"  {'comba_decode_step, the driver launch replaced by a no-op':58s} {us:6.2f} us", flush=True)
+    print(f"  {'comba_decode_step, the launch replaced by a no-op':66s} {us:6.2f} us", flush=True)
     # One step captured in a CUDA graph: bursts short enough that the GPU queue never fills.
     side = cupy.cuda.Stream(non_blocking=True)
     with side:
@@ -101,7 +113,7 @@ def report(shape):
         graph = side.end_capture()
     with side:  # the current stream, so the timer waits on the replays between bursts
         us = per_call_us(lambda: graph.launch(side), calls=200, bursts=25)
-    print(f"  {'comba_decode_step captured in a CUDA graph, graph.launch()':58s} {us:6.2f} us", flush=True)
+    print(f"  {'comba_decode_step captured in a CUDA graph, graph.launch()':66s} {us:6.2f} us", flush=True)
 
 
 if __name__ == "__main__":

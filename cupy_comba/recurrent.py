@@ -165,14 +165,19 @@ def _run(q, k, v, p, beta, g, scale, state, output_final_state, out, state_out, 
         return _run_general(q, k, v, p, beta, g, scale, state, output_final_state, out, state_out, o_dtype,
                             state_layout, gate, use_qk_l2norm, step, variant)
     qd = q.data
-    # One flat tuple (nested ones hash slower), three Nones for an absent array.
+    # One flat tuple (nested ones hash slower), three Nones for an absent array; True in place of
+    # the strides of a C-contiguous array (its strides follow from its shape; reading the flag is
+    # a fifth of the cost of building the strides tuple).
     np_, ns, no, nso = p is None, state is None, out is None, state_out is None
-    key = (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype,
-           None if np_ else p.shape, None if np_ else p.strides, None if np_ else p.dtype,
-           beta.shape, beta.strides, beta.dtype, g.shape, g.strides, g.dtype,
-           None if ns else state.shape, None if ns else state.strides, None if ns else state.dtype,
-           None if no else out.shape, None if no else out.strides, None if no else out.dtype,
-           None if nso else state_out.shape, None if nso else state_out.strides, None if nso else state_out.dtype,
+    key = (q.shape, q._c_contiguous or q.strides, q.dtype, k.shape, k._c_contiguous or k.strides, k.dtype,
+           v.shape, v._c_contiguous or v.strides, v.dtype,
+           None if np_ else p.shape, None if np_ else p._c_contiguous or p.strides, None if np_ else p.dtype,
+           beta.shape, beta._c_contiguous or beta.strides, beta.dtype, g.shape, g._c_contiguous or g.strides, g.dtype,
+           None if ns else state.shape, None if ns else state._c_contiguous or state.strides,
+           None if ns else state.dtype,
+           None if no else out.shape, None if no else out._c_contiguous or out.strides, None if no else out.dtype,
+           None if nso else state_out.shape, None if nso else state_out._c_contiguous or state_out.strides,
+           None if nso else state_out.dtype,
            o_dtype, scale, output_final_state, state_layout, gate, use_qk_l2norm, step, qd.device_id, variant)
     plan = _PLANS.get(key)
     if plan is None:
@@ -218,7 +223,9 @@ _PLANS_MAX = 256
 
 
 def _cache_plan(key):
-    triples = tuple(None if key[i] is None else key[i:i + 3] for i in range(0, 27, 3))
+    triples = tuple(None if key[i] is None else
+                    (key[i], c_strides(key[i], key[i + 2].itemsize) if key[i + 1] is True else key[i + 1], key[i + 2])
+                    for i in range(0, 27, 3))
     plan = _make_plan(*triples, *key[27:])
     if len(_PLANS) >= _PLANS_MAX:
         _PLANS.clear()

@@ -7,6 +7,7 @@ import pytest
 
 from cupy_comba import bfloat16, comba_decode_step, reference, tiling
 from cupy_comba.inputs import decode_inputs, decode_token
+from cupy_comba._launch import graph_launches
 from cupy_comba.recurrent import _run
 
 cupy = pytest.importorskip("cupy")
@@ -173,6 +174,76 @@ def test_runs_on_current_stream_and_in_a_cuda_graph():
     stream.synchronize()
     err_s, err_o = _errors(args, state_out, out)
     assert err_s <= STATE_TOL and err_o <= O_TOL[bfloat16]
+
+
+def _launch_of(args):
+    """The Launch of the plan a decode call with these arrays (and given outputs) runs."""
+    from cupy_comba.recurrent import _PLANS
+    return next(plan.launch for key, plan in _PLANS.items()
+                if key[0] == args[1].shape and key[18] == args[0].shape and key[21] is not None)
+
+
+@pytest.mark.parametrize("stream_kind", ["null", "non-blocking"])
+def test_repeated_calls_through_the_graph_launch(stream_kind):
+    """A decode loop as engines run it: the state ping-pongs between two buffers, the outputs
+    between two, fresh activations every token.  From the second launch on a stream the op replays
+    a one-node graph whose kernel node takes the new pointers; every step must match the reference."""
+    B, H, K, V = 5, 3, 128, 96
+    crng = cupy.random.default_rng(21)
+    state = decode_inputs(B, H, K, V, xp=cupy, seed=21)[0]
+    buffers = [cupy.full(state.shape, cupy.nan, F32) for _ in range(2)]
+    outs = [cupy.full((B, H, V), cupy.nan, bfloat16) for _ in range(2)]
+    stream = cupy.cuda.Stream.null if stream_kind == "null" else cupy.cuda.Stream(non_blocking=True)
+    S = state
+    with stream:
+        for t in range(6):
+            tok = [a.astype(bfloat16) for a in decode_token(cupy, crng, B, H, K, V)]
+            tok[5] = tok[5].astype(F32)
+            S_ref, o_ref = reference.comba_step(S, *tok)
+            S_new, o = comba_decode_step(S, *tok, out=outs[t % 2], state_out=buffers[t % 2])
+            assert S_new is buffers[t % 2] and o is outs[t % 2]
+            assert reference.relative_error(S_new, S_ref) <= STATE_TOL, t
+            assert reference.relative_error(o, o_ref) <= O_TOL[bfloat16], t
+            outs[(t + 1) % 2].fill(cupy.nan)  # the next step's outputs poisoned again
+            if t:
+                buffers[(t + 1) % 2].fill(cupy.nan)
+            S = S_new
+    launch = _launch_of([S] + tok)
+    if graph_launches():
+        assert launch._graphs.get(stream.ptr) is not None  # the loop did replay a graph
+
+
+def test_a_callers_capture_after_graph_launches_on_the_same_stream():
+    """Once the op replays its own graph on a stream, capturing that stream must still work: a
+    graph launch cannot be captured, so the op launches the kernel there (the caller's graph
+    holds an ordinary kernel node)."""
+    args = _gpu_inputs(4, 4, 64, 64, seed=22)
+    out, state_out = cupy.empty((4, 4, 64), bfloat16), cupy.empty(args[0].shape, F32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for _ in range(3):  # the second and third calls replay the op's graph
+            comba_decode_step(*args, out=out, state_out=state_out)
+        out.fill(cupy.nan)
+        state_out.fill(cupy.nan)
+        stream.begin_capture()
+        comba_decode_step(*args, out=out, state_out=state_out)
+        graph = stream.end_capture()
+        assert bool(cupy.isnan(state_out).all())  # the capture ran nothing ...
+        graph.launch(stream)
+    stream.synchronize()
+    err_s, err_o = _errors(args, state_out, out)  # ... the replay did
+    assert err_s <= STATE_TOL and err_o <= O_TOL[bfloat16]
+
+
+def test_plain_kernel_launches_when_graph_launches_are_off(monkeypatch):
+    from cupy_comba import _launch
+    monkeypatch.setattr(_launch, "_DRIVER", None)
+    assert not graph_launches()
+    args = _gpu_inputs(3, 2, 128, 64, seed=23)
+    for _ in range(3):
+        S, o = _run_poisoned(args)
+        err_s, err_o = _errors(args, S, o)
+        assert err_s <= STATE_TOL and err_o <= O_TOL[bfloat16]
 
 
 def test_gpu_argument_errors():

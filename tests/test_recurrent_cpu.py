@@ -171,3 +171,22 @@ def test_step_errors():
         gated_delta_decode_step(numpy.zeros((1, 1, 256, 32), F32), *(numpy.zeros((1, 1, 256), F32),) * 2,
                                 numpy.zeros((1, 1, 32), F32), numpy.zeros((1, 1), F32), numpy.zeros((1, 1), F32))
 
+
+
+def test_cupy_contiguity_flag_stands_for_the_strides():
+    """The op's call signature keeps True instead of the strides of a C-contiguous CuPy array
+    (reading the flag is cheaper) and launches with strides computed from the shape: that is only
+    right if CuPy's flag means exactly what our stride check means.  Arrays over unowned device
+    addresses are never touched, so this runs without a GPU."""
+    cupy = pytest.importorskip("cupy")
+    from cupy_comba._checks import c_strides, is_c_contiguous, span_of
+
+    memory = cupy.cuda.UnownedMemory(0x7F0000000000, 1 << 20, None, device_id=0)
+    base = cupy.ndarray((4, 6, 8, 16), numpy.float32, memptr=cupy.cuda.MemoryPointer(memory, 0))
+    views = [base, base[:, 2], base[1:2], base[:, :, :1], base[..., ::2], base.transpose(0, 2, 1, 3),
+             base[:, 1:2, :, :].reshape(4, 1, 128), base[:0], base[:, :, 3]]
+    for a in views:
+        assert a._c_contiguous == is_c_contiguous(a.shape, a.strides, a.itemsize), (a.shape, a.strides)
+        if a._c_contiguous:  # the strides the launch uses address the same elements
+            assert span_of(a.shape, c_strides(a.shape, a.itemsize), a.itemsize) == span_of(a.shape, a.strides,
+                                                                                            a.itemsize)
