@@ -90,7 +90,7 @@ def report(shape):
         "piece: shape, strides, dtype of 9 arrays": lambda: [(a.shape, a.strides, a.dtype) for a in arrays],
         "piece: data pointer and device of 9 arrays": lambda: [(a.data.ptr, a.data.device_id) for a in arrays],
         "piece: plan cache hit": lambda: _PLANS.get(key),
-        "piece: check_overlaps": lambda: check_overlaps(pointers, plan.spans),
+        "piece: check_overlaps": lambda: check_overlaps(pointers, plan.pairs),
         "piece: current stream handle": lambda: cupy.cuda.get_current_stream().ptr,
         "piece: is the stream capturing (cudaStreamIsCapturing)": lambda: cupy.cuda.runtime.streamIsCapturing(stream),
         "piece: current device (cudaGetDevice)": lambda: cupy.cuda.runtime.getDevice(),

@@ -143,28 +143,35 @@ def common_device(arrays):
 _NAMES = ("q", "k", "v", "p", "beta", "g", "state", "out", "state_out")
 
 
-def check_overlaps(pointers, spans):
+def overlap_pairs(spans):
+    """What :func:`check_overlaps` tests, worked out once per call signature.
+
+    ``spans`` holds ``(lo, hi)`` byte offsets from :func:`span_of` (or None where an array is
+    absent) in the order q, k, v, p, beta, g, state, out, state_out.  Returns ``(o, i, olo, ohi,
+    lo, hi)`` for every output ``o`` and array ``i`` it must not share memory with, both present
+    and non-empty: ``state_out`` against the inputs, ``out`` against everything else.
+    """
+    pairs = []
+    for o, others in ((8, range(7)), (7, (0, 1, 2, 3, 4, 5, 6, 8))):
+        if spans[o] is None or spans[o][0] >= spans[o][1]:
+            continue
+        pairs.extend((o, i, *spans[o], *spans[i]) for i in others
+                     if spans[i] is not None and spans[i][0] < spans[i][1])
+    return tuple(pairs)
+
+
+def check_overlaps(pointers, pairs):
     """Per call: outputs share no memory with inputs or with each other; ``state_out`` may be the state.
 
-    ``pointers`` (data pointers) and ``spans`` (``(lo, hi)`` byte offsets from :func:`span_of`)
-    follow the order q, k, v, p, beta, g, state, out, state_out, with None where absent.
+    ``pointers`` are the data pointers in :func:`overlap_pairs`' order (None where absent),
+    ``pairs`` what it returned for the call's signature.
     """
-    for o, others in ((8, range(7)), (7, (0, 1, 2, 3, 4, 5, 6, 8))):
-        op = pointers[o]
-        if op is None:
-            continue
-        olo, ohi = op + spans[o][0], op + spans[o][1]
-        if olo >= ohi:
-            continue
-        for i in others:
-            ip = pointers[i]
-            if ip is None:
-                continue
-            lo, hi = ip + spans[i][0], ip + spans[i][1]
-            if lo < ohi and olo < hi and lo < hi:
-                if o == 8 and i == 6:
-                    if (lo, hi) == (olo, ohi):
-                        continue  # state_out=state: the in-place update
-                    raise ValueError("state_out partially overlaps state: pass state itself for an in-place "
-                                     "update, or a separate buffer")
-                raise ValueError(f"{_NAMES[o]} overlaps {_NAMES[i]}: outputs must not share memory with inputs")
+    for o, i, olo, ohi, lo, hi in pairs:
+        op, ip = pointers[o], pointers[i]
+        if ip + lo < op + ohi and op + olo < ip + hi:
+            if o == 8 and i == 6:
+                if (op + olo, op + ohi) == (ip + lo, ip + hi):
+                    continue  # state_out=state: the in-place update
+                raise ValueError("state_out partially overlaps state: pass state itself for an in-place "
+                                 "update, or a separate buffer")
+            raise ValueError(f"{_NAMES[o]} overlaps {_NAMES[i]}: outputs must not share memory with inputs")

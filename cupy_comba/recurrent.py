@@ -22,7 +22,8 @@ from ._backend import cupy, deliver
 from . import tiling
 from ._checks import (
     c_strides, check_head_sizes, check_heads, check_overlaps, check_state_dtype, check_writable_output, common_device,
-    expect_shape, is_c_contiguous, namespace_of, ptr_of, real_scalar, resolve_output_dtype, resolve_scale, span_of,
+    expect_shape, is_c_contiguous, namespace_of, overlap_pairs, ptr_of, real_scalar, resolve_output_dtype,
+    resolve_scale, span_of,
 )
 from ._dtypes import ACTIVATION_CODES, ACTIVATION_NAMES, dtype_name, float32
 from ._launch import Launch
@@ -185,8 +186,12 @@ def _run(q, k, v, p, beta, g, scale, state, output_final_state, out, state_out, 
     pointers = (qd.ptr, k.data.ptr, v.data.ptr, None if np_ else p.data.ptr, beta.data.ptr, g.data.ptr,
                 None if ns else state.data.ptr, None if no else out.data.ptr, None if nso else state_out.data.ptr)
     if pointers != plan.verified:  # a decode loop often reuses one set of buffers: checked once
-        common_device(dict(zip(_ALL_NAMES, (q, k, v, p, beta, g, state, out, state_out))))
-        _check_pointers(pointers, plan.spans)
+        arrays = (q, k, v, p, beta, g, state, out, state_out)
+        device = plan.device
+        for a in arrays:
+            if a is not None and a.data.device_id != device:
+                common_device(dict(zip(_ALL_NAMES, arrays)))  # raises, naming each array's device
+        _check_pointers(pointers, plan.pairs)
         plan.verified = pointers
     if no or (nso and output_final_state):
         out, state_out, pointers = _fresh_outputs(plan, out, state_out, pointers)
@@ -205,14 +210,14 @@ def _run_general(q, k, v, p, beta, g, scale, state, write_final, out, state_out,
     plan = _make_plan(*key)
     if xp is cupy:  # CuPy arrays of a subclass: the kernel, checked every call
         pointers = tuple(None if a is None else a.data.ptr for a in arrays)
-        _check_pointers(pointers, plan.spans)
+        _check_pointers(pointers, plan.pairs)
         if out is None or (state_out is None and write_final):
             out, state_out, pointers = _fresh_outputs(plan, out, state_out, pointers)
         if plan.launch is not None:
             _launch(plan, pointers)
         o, S = out, state_out
     else:
-        check_overlaps([None if a is None else ptr_of(a) for a in arrays], plan.spans)
+        check_overlaps([None if a is None else ptr_of(a) for a in arrays], plan.pairs)
         o, S = _numpy_run(plan, arrays, state_layout, gate, l2norm)
     return (S, o) if step else (o, S)
 
@@ -245,7 +250,7 @@ def _general_checks(arrays):
 
 
 class _Plan:
-    __slots__ = ("B", "T", "H", "K", "V", "scale", "o_dtype", "o_shape", "state_shape", "write_final", "spans",
+    __slots__ = ("B", "T", "H", "K", "V", "scale", "o_dtype", "o_shape", "state_shape", "write_final", "pairs",
                  "launch", "step", "verified", "device")
 
 
@@ -311,8 +316,8 @@ def _make_plan(q, k, v, p, beta, g, state, out, state_out, o_dtype, scale, write
     plan.B, plan.T, plan.H, plan.K, plan.V, plan.step = B, T, H, K, V, step
     plan.scale, plan.o_dtype, plan.o_shape = resolve_scale(scale, K), o_dtype, o_shape
     plan.state_shape, plan.write_final = state_shape, write_final
-    plan.spans = tuple(None if s is None else span_of(s[0], s[1], s[2].itemsize)
-                       for s in (q, k, v, p, beta, g, state, out, state_out))
+    plan.pairs = overlap_pairs(tuple(None if s is None else span_of(s[0], s[1], s[2].itemsize)
+                                     for s in (q, k, v, p, beta, g, state, out, state_out)))
     plan.launch = plan.verified = None
     plan.device = device
     if device is None:
@@ -346,9 +351,9 @@ def _make_plan(q, k, v, p, beta, g, state, out, state_out, o_dtype, scale, write
     return plan
 
 
-def _check_pointers(pointers, spans):
+def _check_pointers(pointers, pairs):
     """Outputs apart from inputs, and the state buffers 16-byte aligned (their float4 accesses)."""
-    check_overlaps(pointers, spans)
+    check_overlaps(pointers, pairs)
     for name, ptr in (("state", pointers[6]), ("state_out", pointers[8])):
         if ptr is not None and ptr & 15:
             raise ValueError(f"{name} must start on a 16-byte boundary (e.g. a fresh allocation)")

@@ -4,33 +4,37 @@ benchmarks/sweep_decode.py and benchmarks/sweep_forward_tilings.py).
 Variant names: ``kv{COLS}x{RG}`` -- ``delta_rule_kv``, a CTA per COLS-column slab of a
 head with RG row groups; ``vk{R}x{NW}`` -- ``delta_rule_vk``, NW warps whose lanes hold
 R state rows each.  The same kernels run one decode step and T-token forward passes.
-Two families exist only for T-token passes: ``kv{COLS}x{RG}c4`` (``delta_rule_kv_chunked``,
-4 tokens a pass over the state) and ``{layout}{SLAB}tc`` (``delta_rule_mma``, a CTA per
-SLAB value columns, 8-token chunks on tensor cores).
+Three families exist only for T-token passes: ``kv{COLS}x{RG}c4`` (``delta_rule_kv_chunked``,
+4 tokens a pass over the state), ``kv{COLS}cc`` (``delta_rule_kv_columns``, K = 64 only: the
+same 4-token chunks with a thread per state column) and ``{layout}{SLAB}tc``
+(``delta_rule_mma``, a CTA per SLAB value columns, 8-token chunks on tensor cores).
 """
 
-from ._build import KV_CHUNKED_TILINGS, KV_TILINGS, MMA_SLABS, VK_TILINGS, get_kernel, _flag
+from ._build import KV_CHUNKED_TILINGS, KV_COLUMN_SLABS, KV_TILINGS, MMA_SLABS, VK_TILINGS, get_kernel, _flag
 
 KV_VARIANTS = tuple(f"kv{c}x{r}" for c, r in KV_TILINGS)
 KV_CHUNKED_VARIANTS = tuple(f"kv{c}x{r}c4" for c, r in KV_CHUNKED_TILINGS)
 VK_VARIANTS = {K: tuple(f"vk{r}x{w}" for r, w in VK_TILINGS[K]) for K in VK_TILINGS}
+KV_COLUMN_VARIANTS = tuple(f"kv{c}cc" for c in KV_COLUMN_SLABS)
 MMA_VARIANTS = {layout: tuple(f"{layout}{slab}tc" for slab in MMA_SLABS) for layout in ("kv", "vk")}
 
 
 def token_passes_only(variant):
     """Whether ``variant`` exists only as a T-token build (no decode build): the chunked kernels,
-    ``...c4`` and ``...tc``."""
-    return variant.endswith(("c4", "tc"))
+    ``...c4``, ``...cc`` and ``...tc``."""
+    return variant.endswith(("c4", "tc", "cc"))
 
 
 def variants(layout, K, V, multi=False):
     """The variants that can run a ``layout`` state with head sizes K, V (``multi``: T-token passes,
-    which also have the chunked kv kernels, ``kv{COLS}x{RG}c4``, and the tensor-core kernels,
-    ``{layout}{SLAB}tc``)."""
+    which also have the chunked kv kernels, ``kv{COLS}x{RG}c4`` and at K = 64 ``kv{COLS}cc``, and
+    the tensor-core kernels, ``{layout}{SLAB}tc``)."""
     mma = tuple(n for n, slab in zip(MMA_VARIANTS[layout], MMA_SLABS) if V % slab == 0) if multi else ()
     if layout == "kv":
         chunked = zip(KV_CHUNKED_VARIANTS, KV_CHUNKED_TILINGS) if multi else ()
-        return tuple(n for n, (c, _) in (*zip(KV_VARIANTS, KV_TILINGS), *chunked) if V % c == 0) + mma
+        columns = zip(KV_COLUMN_VARIANTS, KV_COLUMN_SLABS) if multi and K == 64 else ()
+        columns = tuple(n for n, c in columns if V % c == 0)
+        return tuple(n for n, (c, _) in (*zip(KV_VARIANTS, KV_TILINGS), *chunked) if V % c == 0) + mma + columns
     return tuple(n for n, (r, w) in zip(VK_VARIANTS[K], VK_TILINGS[K]) if V % _vk_rows(K, r, w) == 0) + mma
 
 
@@ -49,6 +53,11 @@ CHUNKED_T = range(3, 9)
 MMA_MIN_T = 6
 MMA_MAX_HEADS = 128
 
+#: "kv" T-token passes at K = 64 of at least COLUMN_MIN_T tokens over more than MMA_MAX_HEADS
+#: heads run the column kernel (``kv{COLS}cc``; benchmarks.md, "Tilings": against the token
+#: loop 16-20 % less time at B*H = 8192 and 4-29 % at B*H = 256 for T = 4-16).
+COLUMN_MIN_T = 3
+
 
 def choose(layout, K, V, separate_p, multi=False, T=1, heads=None):
     """The variant for a shape, from the H200 sweeps (docs/benchmarks.md, "Tilings").
@@ -62,11 +71,15 @@ def choose(layout, K, V, separate_p, multi=False, T=1, heads=None):
     tilings led at B*H = 128 and 1024 within a few percent, so the batch size does not enter.
     Either layout: T-token passes of at least :data:`MMA_MIN_T` tokens over at most
     :data:`MMA_MAX_HEADS` heads (``heads`` = B*H; None means many) run the tensor-core kernel.
+    kv at K = 64: passes of at least :data:`COLUMN_MIN_T` tokens over more heads run the column
+    kernel, 128-column slabs when V allows.
     """
     wide = V % 64 == 0
     if multi and T >= MMA_MIN_T and heads is not None and heads <= MMA_MAX_HEADS:
         return f"{layout}{64 if wide else 32}tc"
     if layout == "kv":
+        if multi and K == 64 and T >= COLUMN_MIN_T and (heads is None or heads > MMA_MAX_HEADS) and V % 64 == 0:
+            return "kv128cc" if V % 128 == 0 else "kv64cc"
         if multi and K == 128 and T in CHUNKED_T:
             return "kv64x8c4" if wide else "kv32x8c4"
         if not wide:
@@ -90,6 +103,10 @@ def launch(layout, variant, heads, K, V, separate_p, multi, device):
         slab = int(variant[2:-2])
         name = f"comba::delta_rule_mma<{K}, {slab}, {_flag(separate_p)}, {_flag(layout == 'vk')}>"
         return get_kernel("delta_rule_mma", name, device), (heads * (V // slab),), (2 * slab * K // 64,)
+    if variant.endswith("cc"):
+        cols = int(variant[2:-2])
+        name = f"comba::delta_rule_kv_columns<{K}, {cols}, {_flag(separate_p)}>"
+        return get_kernel("delta_rule_kv_columns", name, device), (heads * (V // cols),), (cols,)
     a, b = (int(x) for x in variant[2:].removesuffix("c4").split("x"))
     if layout == "kv":
         name = f"comba::delta_rule_kv<{K}, {a}, {b}, {_flag(separate_p)}, {_flag(multi)}>"

@@ -639,4 +639,241 @@ delta_rule_kv_chunked(const float* state, float* state_out, const void* __restri
     if (prm.write_final) slab.store(s, state_out);
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// delta_rule_kv_columns<K, COLS, SEPARATE_P>: the chunk algebra above with one thread per state
+// column.  A CTA is a slab of COLS columns of one head and has COLS threads; thread c holds all K
+// rows of column col0 + c in K registers.  Every K-reduction of the pass is then the thread's own
+// FMA chain (2 kChunk independent chains: no shuffle, no shared-memory reduction, no barrier
+// between the pass and the solve), each row of the chunk's p, q and k is one broadcast 16-byte
+// shared load that serves 4 tokens, and v, u and o of the column never leave the thread.  A
+// warp's state load or store of one row is 128 contiguous bytes.  The chunk's 28 dot products
+// are split over the warps (slot s to warp s % NW, each a K-long dot over the staged vectors,
+// summed by one transposing butterfly) between the staging and the pass, so the second barrier
+// of a chunk, which publishes them, comes after the pass.
+template <int K>
+struct ColumnStage {
+    float4 p[K], q[K], k[K];  // row i: component t is token t's p[i], q[i], k[i]
+    float dsum[32];           // the chunk's dot products by slot (kq_slot, kp_slot, ...)
+    float e[kChunk], beta[kChunk];
+};
+
+// The two vectors and components of dot-product slot `slot` (a compile-time constant after
+// unrolling): k_j.q_t, k_j.p_t, |q_t|^2, |k_t|^2, |p_t|^2.
+__device__ __forceinline__ float slot_product(int slot, const float4& q, const float4& k, const float4& p) {
+    if (slot < 16) {
+        const bool with_q = slot < 10;
+        const int base = with_q ? slot : slot - 10;
+        int t = with_q ? 0 : 1;
+        while ((with_q ? t * (t + 1) / 2 + t : t * (t - 1) / 2 + t - 1) < base) ++t;  // last slot of token t >= base
+        const int j = base - (with_q ? t * (t + 1) / 2 : t * (t - 1) / 2);
+        return component(k, j) * component(with_q ? q : p, t);
+    }
+    const int t = (slot - 16) & 3;
+    const float4& x = slot < 20 ? q : slot < 24 ? k : p;
+    return component(x, t) * component(x, t);
+}
+
+// Warp W's share of the chunk's dot products: slots W, W + NW, ... (NS of them, padded to a power
+// of two NP), each summed over the K rows: lane l takes rows l, l + 32, ...; one butterfly ends
+// with lane a holding slot W + a * NW.
+template <int W, int NW, int K>
+__device__ __forceinline__ void chunk_dots(ColumnStage<K>& st, int lane) {
+    constexpr int NS = (28 - W + NW - 1) / NW, NP = NS <= 8 ? 8 : NS <= 16 ? 16 : 32;
+    float x[NP];
+#pragma unroll
+    for (int a = 0; a < NP; ++a) x[a] = 0.f;
+#pragma unroll
+    for (int r = 0; r < K / 32; ++r) {
+        const int i = lane + 32 * r;
+        const float4 qq = st.q[i], kk = st.k[i], pp = st.p[i];
+#pragma unroll
+        for (int a = 0; a < NS; ++a) x[a] += slot_product(W + a * NW, qq, kk, pp);
+    }
+    butterfly<NP / 2>(x, lane);  // lane l: the sum over its group of NP lanes of value l % NP
+    const float sum = lane_sum(x[0], NP, 16);
+    if (lane < NS) st.dsum[W + lane * NW] = sum;
+}
+
+template <int NW, int K>
+__device__ __forceinline__ void chunk_dots_of_warp(ColumnStage<K>& st, int warp, int lane) {
+    if constexpr (NW == 1) {
+        chunk_dots<0, 1, K>(st, lane);
+    } else if constexpr (NW == 2) {
+        if (warp == 0) chunk_dots<0, 2, K>(st, lane); else chunk_dots<1, 2, K>(st, lane);
+    } else {
+        static_assert(NW == 4, "one, two or four warps");
+        switch (warp) {
+            case 0: chunk_dots<0, 4, K>(st, lane); break;
+            case 1: chunk_dots<1, 4, K>(st, lane); break;
+            case 2: chunk_dots<2, 4, K>(st, lane); break;
+            default: chunk_dots<3, 4, K>(st, lane); break;
+        }
+    }
+}
+
+// At most ~170 registers a thread (three 128-thread CTAs per SM): the K = 64 state registers, the
+// 2 kChunk chains and one chunk's raw loads fit without spilling.  K = 128 needs 128 state
+// registers and leaves two 128-thread CTAs an SM; that measured slower than delta_rule_kv_chunked
+// at every shape that mattered (docs/design.md), so _build.py compiles this kernel for K = 64.
+template <int K, int COLS, bool SEPARATE_P>
+__global__ void __launch_bounds__(COLS, 3 * 128 / COLS)
+delta_rule_kv_columns(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
+                      const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
+                      const void* __restrict__ g, void* __restrict__ o, const Params prm, const float scale) {
+    constexpr int NT = COLS, NW = NT / 32, E = (K + NT - 1) / NT, C = kChunk;
+    static_assert(NT % 32 == 0 && NW <= 4 && 2 * C <= NT, "bad column tiling");
+    __shared__ ColumnStage<K> stage[2];
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, T = static_cast<int>(prm.T);
+    const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H), slabs = V / COLS;
+    const int bh = static_cast<int>(blockIdx.x) / slabs;
+    const int col = (static_cast<int>(blockIdx.x) - bh * slabs) * COLS + tid;
+    const int b = bh / H, h = bh - b * H, hk = h / static_cast<int>(prm.group);
+    const long long head = static_cast<long long>(bh) * K * V + col;  // this thread's column
+
+    float s[K];
+    if (prm.has_initial) {
+#pragma unroll
+        for (int i = 0; i < K; ++i) s[i] = state[head + i * V];
+    } else {
+#pragma unroll
+        for (int i = 0; i < K; ++i) s[i] = 0.f;
+    }
+
+    const long long vb = b * prm.v_sb + h * prm.v_sh + col * prm.v_sv;
+    const long long ob = b * prm.o_sb + h * prm.o_sh + col * prm.o_sv;
+    for (int t0 = 0, n = 0; t0 < T; t0 += C, ++n) {
+        ColumnStage<K>& st = stage[n & 1];
+        const int c = min(C, T - t0);
+        // 1. Every load of the chunk in flight before any is used (raw bits; 0 for absent tokens).
+        unsigned bq[E][C], bk[E][C], bp[E][C], bv[C], bg = 0;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const int j = tid + e * NT;
+#pragma unroll
+            for (int t = 0; t < C; ++t) {
+                bq[e][t] = bk[e][t] = bp[e][t] = 0;
+                if (t < c && (K % NT == 0 || j < K)) {
+                    const long long tt = t0 + t;
+                    bq[e][t] = load_bits(q, b * prm.q_sb + tt * prm.q_st + hk * prm.q_sh + j * prm.q_sk, prm.q_t);
+                    bk[e][t] = load_bits(k, b * prm.k_sb + tt * prm.k_st + hk * prm.k_sh + j * prm.k_sk, prm.k_t);
+                    if (SEPARATE_P)
+                        bp[e][t] = load_bits(p, b * prm.p_sb + tt * prm.p_st + hk * prm.p_sh + j * prm.p_sk, prm.p_t);
+                }
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < C; ++t) bv[t] = t < c ? load_bits(v, vb + (t0 + t) * prm.v_st, prm.v_t) : 0u;
+        const int gt = tid >> 1;  // threads 2t, 2t+1: beta_t, g_t
+        if (tid < 2 * C && gt < c) {
+            bg = (tid & 1) ? load_bits(g, b * prm.g_sb + (t0 + gt) * prm.g_st + h * prm.g_sh, prm.g_t)
+                           : load_bits(beta, b * prm.beta_sb + (t0 + gt) * prm.beta_st + h * prm.beta_sh, prm.beta_t);
+        }
+
+        // 2. Stage the chunk's p, q, k (and gates); this column's v stays in registers.
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const int j = tid + e * NT;
+            if (K % NT == 0 || j < K) {
+                float xq[C], xk[C], xp[C];
+#pragma unroll
+                for (int t = 0; t < C; ++t) {
+                    xq[t] = bits_to_float(bq[e][t], prm.q_t);
+                    xk[t] = bits_to_float(bk[e][t], prm.k_t);
+                    xp[t] = SEPARATE_P ? bits_to_float(bp[e][t], prm.p_t) : xk[t];
+                }
+                st.q[j] = make_float4(xq[0], xq[1], xq[2], xq[3]);
+                st.k[j] = make_float4(xk[0], xk[1], xk[2], xk[3]);
+                st.p[j] = make_float4(xp[0], xp[1], xp[2], xp[3]);
+            }
+        }
+        if (tid < 2 * C) {
+            if (tid & 1) st.e[gt] = gt < c ? gate_of(bits_to_float(bg, prm.g_t), prm.gate_linear) : 1.f;
+            else st.beta[gt] = bits_to_float(bg, prm.beta_t);
+        }
+        float vt[C];
+#pragma unroll
+        for (int t = 0; t < C; ++t) vt[t] = bits_to_float(bv[t], prm.v_t);
+        __syncthreads();
+
+        // 3. This warp's share of the dot products (read by every thread after the pass).
+        chunk_dots_of_warp<NW, K>(st, warp, lane);
+
+        // 4. One pass: S0^T p_t and S0^T q_t of this column for the whole chunk.
+        float P[C], Q[C];
+#pragma unroll
+        for (int t = 0; t < C; ++t) P[t] = Q[t] = 0.f;
+#pragma unroll
+        for (int i = 0; i < K; ++i) {
+            const float4 pp = st.p[i], qq = st.q[i];
+#pragma unroll
+            for (int t = 0; t < C; ++t) {
+                P[t] = fmaf(component(pp, t), s[i], P[t]);
+                Q[t] = fmaf(component(qq, t), s[i], Q[t]);
+            }
+        }
+        __syncthreads();
+
+        // 5. The chunk's u_t and o_t of this column.
+        float fq[C], fk[C], fp[C], e[C];
+#pragma unroll
+        for (int t = 0; t < C; ++t) {
+            fq[t] = fk[t] = fp[t] = 1.f;
+            if (prm.l2norm) {
+                fq[t] = rsqrtf(st.dsum[nq_slot(t)] + kL2NormEps);
+                fk[t] = rsqrtf(st.dsum[nk_slot(t)] + kL2NormEps);
+                fp[t] = SEPARATE_P ? rsqrtf(st.dsum[np_slot(t)] + kL2NormEps) : fk[t];
+            }
+            e[t] = st.e[t];
+        }
+        float u[C];
+        float G = 1.f;  // G_t
+#pragma unroll
+        for (int t = 0; t < C; ++t) {
+            u[t] = 0.f;
+            if (t < c) {
+                G *= e[t];
+                float a = G * fp[t] * P[t], y = G * fq[t] * Q[t];
+                float rr = 1.f;  // r(j, t)
+#pragma unroll
+                for (int j = t - 1; j >= 0; --j) {
+                    rr *= e[j + 1];
+                    a = fmaf(rr * fk[j] * fp[t] * st.dsum[kp_slot(j, t)], u[j], a);
+                    y = fmaf(rr * fk[j] * fq[t] * st.dsum[kq_slot(j, t)], u[j], y);
+                }
+                u[t] = st.beta[t] * (vt[t] - a);
+                store_act(o, ob + (t0 + t) * prm.o_st, prm.o_t,
+                          scale * fmaf(fk[t] * fq[t] * st.dsum[kq_slot(t, t)], u[t], y));
+            }
+        }
+
+        // 6. The write: S = G_{c-1} S0 + sum_j r(j, c-1) k^_j u_j^T, in registers.
+        float w[C];
+        float rr = 1.f;  // r(j, c-1), built from the last token down
+#pragma unroll
+        for (int j = C - 1; j >= 0; --j) {
+            w[j] = 0.f;
+            if (j < c) {
+                w[j] = rr * fk[j] * u[j];
+                rr *= e[j];
+            }
+        }
+        // rr is now G_{c-1}.
+#pragma unroll
+        for (int i = 0; i < K; ++i) {
+            const float4 kk = st.k[i];
+            float x = rr * s[i];
+#pragma unroll
+            for (int j = 0; j < C; ++j) x = fmaf(component(kk, j), w[j], x);
+            s[i] = x;
+        }
+    }
+
+    if (prm.write_final) {
+#pragma unroll
+        for (int i = 0; i < K; ++i) state_out[head + i * V] = s[i];
+    }
+}
+
 }  // namespace comba

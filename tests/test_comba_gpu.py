@@ -246,6 +246,24 @@ def test_plain_kernel_launches_when_graph_launches_are_off(monkeypatch):
         assert err_s <= STATE_TOL and err_o <= O_TOL[bfloat16]
 
 
+def test_pointer_checks_run_again_when_the_buffers_change():
+    """Overlaps and alignment are checked once per set of pointers: a call that reuses a checked
+    call signature with new buffers that overlap must still be refused, and in-place still work."""
+    args = _gpu_inputs(2, 2, 64, 64, seed=24)
+    out, state_out = cupy.empty((2, 2, 64), bfloat16), cupy.empty(args[0].shape, F32)
+    for _ in range(2):
+        comba_decode_step(*args, out=out, state_out=state_out)
+    with pytest.raises(ValueError, match="out overlaps v"):
+        comba_decode_step(*args, out=args[3], state_out=state_out)
+    flat = cupy.empty(args[0].size + 4, F32)
+    shifted, overlapping = flat[4:].reshape(args[0].shape), flat[:-4].reshape(args[0].shape)
+    with pytest.raises(ValueError, match="partially overlaps"):
+        comba_decode_step(shifted, *args[1:], out=out, state_out=overlapping)
+    state = args[0].copy()
+    S, o = comba_decode_step(state, *args[1:], out=out, state_out=state)
+    assert S is state and _errors(args, S, o)[0] <= STATE_TOL
+
+
 def test_gpu_argument_errors():
     args = _gpu_inputs(2, 2, 64, 64, seed=12)
     with pytest.raises(TypeError, match="mixed NumPy and CuPy"):

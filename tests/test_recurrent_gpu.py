@@ -173,6 +173,28 @@ def test_tensor_core_path(layout, K, V, comba, gate, l2norm, T, initial):
     assert reference.relative_error(o, o_ref) <= O_TOL[F32]
 
 
+@pytest.mark.parametrize("V", [128, 64])
+@pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
+@pytest.mark.parametrize("gate,l2norm", [("log", False), ("linear", True)], ids=["log", "linear-l2norm"])
+@pytest.mark.parametrize("T,initial", [(4, True), (7, True), (13, False)], ids=["T4", "T7", "T13-zero-state"])
+def test_column_kernel_path(V, comba, gate, l2norm, T, initial):
+    """K = 64 over many heads: the ops choose the column kernel; GVA, fp32 o, full and partial chunks."""
+    B, H, Hk, K = 70, 4, 2, 64
+    assert tiling.choose("kv", K, V, comba, multi=True, T=T, heads=B * H).endswith("cc")
+    q, k, v, p, beta, g, S = forward_inputs(B, T, H, K, V, Hk=Hk, gate=gate, seed=V + T, dtype=F32,
+                                            normalize_keys=not l2norm, xp=cupy)
+    opts = dict(gate=gate, use_qk_l2norm=l2norm)
+    S0 = S if initial else None
+    out, state_out = _poisoned((B, T, H, V), F32), _poisoned(S.shape, F32)
+    if comba:
+        o, S_new = comba_forward(q, k, v, p, beta, g, initial_state=S0, out=out, state_out=state_out, **opts)
+    else:
+        o, S_new = gated_delta_forward(q, k, v, beta, g, initial_state=S0, out=out, state_out=state_out, **opts)
+    S_ref, o_ref = _ref(comba, q, k, v, p, beta, g, S if initial else cupy.zeros(S.shape), **opts)
+    assert reference.relative_error(S_new, S_ref) <= 1e-6
+    assert reference.relative_error(o, o_ref) <= O_TOL[F32]
+
+
 def test_comba_with_p_equal_k_is_gated_delta_and_layouts_agree():
     q, k, v, p, beta, g, S = forward_inputs(3, 4, 4, 128, 64, dtype=F32, xp=cupy)
     o1, S1 = comba_forward(q, k, v, k, beta, g, initial_state=S)
