@@ -54,8 +54,9 @@ MMA_MIN_T = 6
 MMA_MAX_HEADS = 128
 
 #: "kv" T-token passes at K = 64 of at least COLUMN_MIN_T tokens over more than MMA_MAX_HEADS
-#: heads run the column kernel (``kv{COLS}cc``; benchmarks.md, "Tilings": against the token
-#: loop 16-20 % less time at B*H = 8192 and 4-29 % at B*H = 256 for T = 4-16).
+#: heads run the column kernel (``kv{COLS}cc``; benchmarks.md, "Tilings", bench-h200-forward-
+#: columns.json: against the token loop 6 % less time at B*H = 8192 and T = 3, 17-22 % at T =
+#: 4-64, 15-31 % at B*H = 256; at T = 2 and 8192 heads the token loop is 7 % faster).
 COLUMN_MIN_T = 3
 
 
