@@ -409,6 +409,67 @@ __device__ __forceinline__ float component(const float4& a, int t) {
     return t == 0 ? a.x : t == 1 ? a.y : t == 2 ? a.z : a.w;
 }
 
+// Raw bits of one chunk's q, k and p that thread `tid` of NT stages: elements tid, tid + NT, ...
+// of each of the kChunk tokens (0 for tokens past the end, `c` = tokens present, and for rows
+// past K).  `issue` puts every load in flight and waits for none; `convert` is the first use.
+template <int K, int NT, bool SEPARATE_P>
+struct ChunkBits {
+    static constexpr int E = (K + NT - 1) / NT, C = kChunk;
+    unsigned q[E][C], k[E][C], p[E][C];
+
+    __device__ __forceinline__ void issue(const void* qa, const void* ka, const void* pa, const Params& prm, int tid,
+                                          int b, int hk, int t0, int c) {
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const int j = tid + e * NT;
+#pragma unroll
+            for (int t = 0; t < C; ++t) {
+                q[e][t] = k[e][t] = p[e][t] = 0;
+                if (t < c && (K % NT == 0 || j < K)) {
+                    const long long tt = t0 + t;
+                    q[e][t] = load_bits(qa, b * prm.q_sb + tt * prm.q_st + hk * prm.q_sh + j * prm.q_sk, prm.q_t);
+                    k[e][t] = load_bits(ka, b * prm.k_sb + tt * prm.k_st + hk * prm.k_sh + j * prm.k_sk, prm.k_t);
+                    if (SEPARATE_P)
+                        p[e][t] = load_bits(pa, b * prm.p_sb + tt * prm.p_st + hk * prm.p_sh + j * prm.p_sk, prm.p_t);
+                }
+            }
+        }
+    }
+
+    // Row tid + e * NT of the chunk's q, k and p (p = k for Gated DeltaNet), token by token.
+    __device__ __forceinline__ void convert(int e, const Params& prm, float (&xq)[C], float (&xk)[C],
+                                            float (&xp)[C]) const {
+#pragma unroll
+        for (int t = 0; t < C; ++t) {
+            xq[t] = bits_to_float(q[e][t], prm.q_t);
+            xk[t] = bits_to_float(k[e][t], prm.k_t);
+            xp[t] = SEPARATE_P ? bits_to_float(p[e][t], prm.p_t) : xk[t];
+        }
+    }
+};
+
+// Raw bits of the chunk's gates: threads 2t and 2t + 1 load beta_t and g_t; `stage_chunk_gates`
+// writes beta_t and the decay factor e_t (1 for tokens past the end: no decay).
+__device__ __forceinline__ unsigned issue_chunk_gates(const void* beta, const void* g, const Params& prm, int tid,
+                                                      int b, int h, int t0, int c) {
+    const int gt = tid >> 1;
+    unsigned bits = 0;
+    if (tid < 2 * kChunk && gt < c) {
+        bits = (tid & 1) ? load_bits(g, b * prm.g_sb + (t0 + gt) * prm.g_st + h * prm.g_sh, prm.g_t)
+                         : load_bits(beta, b * prm.beta_sb + (t0 + gt) * prm.beta_st + h * prm.beta_sh, prm.beta_t);
+    }
+    return bits;
+}
+
+__device__ __forceinline__ void stage_chunk_gates(float* e, float* beta, unsigned bits, const Params& prm, int tid,
+                                                  int c) {
+    const int gt = tid >> 1;
+    if (tid < 2 * kChunk) {
+        if (tid & 1) e[gt] = gt < c ? gate_of(bits_to_float(bits, prm.g_t), prm.gate_linear) : 1.f;
+        else beta[gt] = bits_to_float(bits, prm.beta_t);
+    }
+}
+
 template <int K, int COLS, int NW>
 struct ChunkStage {
     float4 p[K], q[K], k[K];      // row i: component t is token t's p[i], q[i], k[i]
@@ -441,22 +502,9 @@ delta_rule_kv_chunked(const float* state, float* state_out, const void* __restri
         ChunkStage<K, COLS, NW>& st = stage[n & 1];
         const int c = min(C, T - t0);
         // 1. Every load of the chunk in flight before any is used (raw bits; 0 for absent tokens).
-        unsigned bq[E][C], bk[E][C], bp[E][C], bv[C], bg = 0;
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-            const int j = tid + e * NT;
-#pragma unroll
-            for (int t = 0; t < C; ++t) {
-                bq[e][t] = bk[e][t] = bp[e][t] = 0;
-                if (t < c && (K % NT == 0 || j < K)) {
-                    const long long tt = t0 + t;
-                    bq[e][t] = load_bits(q, b * prm.q_sb + tt * prm.q_st + hk * prm.q_sh + j * prm.q_sk, prm.q_t);
-                    bk[e][t] = load_bits(k, b * prm.k_sb + tt * prm.k_st + hk * prm.k_sh + j * prm.k_sk, prm.k_t);
-                    if (SEPARATE_P)
-                        bp[e][t] = load_bits(p, b * prm.p_sb + tt * prm.p_st + hk * prm.p_sh + j * prm.p_sk, prm.p_t);
-                }
-            }
-        }
+        ChunkBits<K, NT, SEPARATE_P> bits;
+        bits.issue(q, k, p, prm, tid, b, hk, t0, c);
+        unsigned bv[C];
 #pragma unroll
         for (int t = 0; t < C; ++t) {
             bv[t] = 0;
@@ -464,11 +512,7 @@ delta_rule_kv_chunked(const float* state, float* state_out, const void* __restri
                 bv[t] = load_bits(v, b * prm.v_sb + (t0 + t) * prm.v_st + h * prm.v_sh + (col0 + tid) * prm.v_sv,
                                   prm.v_t);
         }
-        const int gt = tid >> 1;  // threads 2t, 2t+1: beta_t, g_t
-        if (tid < 2 * C && gt < c) {
-            bg = (tid & 1) ? load_bits(g, b * prm.g_sb + (t0 + gt) * prm.g_st + h * prm.g_sh, prm.g_t)
-                           : load_bits(beta, b * prm.beta_sb + (t0 + gt) * prm.beta_st + h * prm.beta_sh, prm.beta_t);
-        }
+        const unsigned bg = issue_chunk_gates(beta, g, prm, tid, b, h, t0, c);
 
         // 2. Stage the chunk; this thread's share of the 28 dot products on the way.
         float x[32];
@@ -479,12 +523,7 @@ delta_rule_kv_chunked(const float* state, float* state_out, const void* __restri
             const int j = tid + e * NT;
             if (K % NT == 0 || j < K) {
                 float xq[C], xk[C], xp[C];
-#pragma unroll
-                for (int t = 0; t < C; ++t) {
-                    xq[t] = bits_to_float(bq[e][t], prm.q_t);
-                    xk[t] = bits_to_float(bk[e][t], prm.k_t);
-                    xp[t] = SEPARATE_P ? bits_to_float(bp[e][t], prm.p_t) : xk[t];
-                }
+                bits.convert(e, prm, xq, xk, xp);
                 st.q[j] = make_float4(xq[0], xq[1], xq[2], xq[3]);
                 st.k[j] = make_float4(xk[0], xk[1], xk[2], xk[3]);
                 st.p[j] = make_float4(xp[0], xp[1], xp[2], xp[3]);
@@ -503,10 +542,7 @@ delta_rule_kv_chunked(const float* state, float* state_out, const void* __restri
 #pragma unroll
         for (int t = 0; t < C; ++t)
             if (tid < COLS) reinterpret_cast<float*>(st.v[t])[tid] = bits_to_float(bv[t], prm.v_t);
-        if (tid < 2 * C) {
-            if (tid & 1) st.e[gt] = gt < c ? gate_of(bits_to_float(bg, prm.g_t), prm.gate_linear) : 1.f;
-            else st.beta[gt] = bits_to_float(bg, prm.beta_t);
-        }
+        stage_chunk_gates(st.e, st.beta, bg, prm, tid, c);
         butterfly<16>(x, lane);  // lane i ends with this warp's sum of slot i
         st.dots[warp][lane] = x[0];
         __syncthreads();
@@ -747,29 +783,12 @@ delta_rule_kv_columns(const float* state, float* state_out, const void* __restri
         ColumnStage<K>& st = stage[n & 1];
         const int c = min(C, T - t0);
         // 1. Every load of the chunk in flight before any is used (raw bits; 0 for absent tokens).
-        unsigned bq[E][C], bk[E][C], bp[E][C], bv[C], bg = 0;
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-            const int j = tid + e * NT;
-#pragma unroll
-            for (int t = 0; t < C; ++t) {
-                bq[e][t] = bk[e][t] = bp[e][t] = 0;
-                if (t < c && (K % NT == 0 || j < K)) {
-                    const long long tt = t0 + t;
-                    bq[e][t] = load_bits(q, b * prm.q_sb + tt * prm.q_st + hk * prm.q_sh + j * prm.q_sk, prm.q_t);
-                    bk[e][t] = load_bits(k, b * prm.k_sb + tt * prm.k_st + hk * prm.k_sh + j * prm.k_sk, prm.k_t);
-                    if (SEPARATE_P)
-                        bp[e][t] = load_bits(p, b * prm.p_sb + tt * prm.p_st + hk * prm.p_sh + j * prm.p_sk, prm.p_t);
-                }
-            }
-        }
+        ChunkBits<K, NT, SEPARATE_P> bits;
+        bits.issue(q, k, p, prm, tid, b, hk, t0, c);
+        unsigned bv[C];
 #pragma unroll
         for (int t = 0; t < C; ++t) bv[t] = t < c ? load_bits(v, vb + (t0 + t) * prm.v_st, prm.v_t) : 0u;
-        const int gt = tid >> 1;  // threads 2t, 2t+1: beta_t, g_t
-        if (tid < 2 * C && gt < c) {
-            bg = (tid & 1) ? load_bits(g, b * prm.g_sb + (t0 + gt) * prm.g_st + h * prm.g_sh, prm.g_t)
-                           : load_bits(beta, b * prm.beta_sb + (t0 + gt) * prm.beta_st + h * prm.beta_sh, prm.beta_t);
-        }
+        const unsigned bg = issue_chunk_gates(beta, g, prm, tid, b, h, t0, c);
 
         // 2. Stage the chunk's p, q, k (and gates); this column's v stays in registers.
 #pragma unroll
@@ -777,21 +796,13 @@ delta_rule_kv_columns(const float* state, float* state_out, const void* __restri
             const int j = tid + e * NT;
             if (K % NT == 0 || j < K) {
                 float xq[C], xk[C], xp[C];
-#pragma unroll
-                for (int t = 0; t < C; ++t) {
-                    xq[t] = bits_to_float(bq[e][t], prm.q_t);
-                    xk[t] = bits_to_float(bk[e][t], prm.k_t);
-                    xp[t] = SEPARATE_P ? bits_to_float(bp[e][t], prm.p_t) : xk[t];
-                }
+                bits.convert(e, prm, xq, xk, xp);
                 st.q[j] = make_float4(xq[0], xq[1], xq[2], xq[3]);
                 st.k[j] = make_float4(xk[0], xk[1], xk[2], xk[3]);
                 st.p[j] = make_float4(xp[0], xp[1], xp[2], xp[3]);
             }
         }
-        if (tid < 2 * C) {
-            if (tid & 1) st.e[gt] = gt < c ? gate_of(bits_to_float(bg, prm.g_t), prm.gate_linear) : 1.f;
-            else st.beta[gt] = bits_to_float(bg, prm.beta_t);
-        }
+        stage_chunk_gates(st.e, st.beta, bg, prm, tid, c);
         float vt[C];
 #pragma unroll
         for (int t = 0; t < C; ++t) vt[t] = bits_to_float(bv[t], prm.v_t);
