@@ -32,6 +32,8 @@
 //   in the same order (so every row of a column applies the same u).
 // delta_rule_kv_chunked<K, COLS, RG, SEPARATE_P> -- the kv tiling, T-token passes with 4 tokens per
 //   pass over the state (its section below has the math).
+// delta_rule_kv_columns<K, COLS, SEPARATE_P> -- the same 4-token chunks with one CTA per (b, h,
+//   slab of COLS columns), COLS threads, thread c holding all K rows of column c (built for K = 64).
 // delta_rule_vk<K, R, NW, SEPARATE_P, MULTI> -- one CTA per (b, h, slab of ROWS = R*NW*(128/K) rows
 //   of V), NW warps.  LK = K/4 lanes hold one float4 each along a K-row (a warp-wide load
 //   covers 128/K whole rows, 512 contiguous bytes); every lane owns R rows.  The per-row
