@@ -6,12 +6,13 @@ lays out one plan's arguments once -- nine device-pointer slots, the ``Params`` 
 scale -- so a call writes the nine pointers and hands them to the driver.
 
 How it hands them over: on the H200 hosts we are lent (Firecracker VMs) ``cuLaunchKernel``
-takes 4.5-5.7 us of host time even for an empty kernel, ``cudaGraphLaunch`` of a one-node graph
-2.0-2.4 us (``benchmarks/host_overhead.py``).  So from the second launch on a stream, a Launch
-replays a graph holding its one kernel node, made for that stream by capturing the launch once.
-When the pointers differ from the ones the graph's node holds, ``cuGraphExecKernelNodeSetParams``
-(the driver API through ctypes: CuPy does not wrap it; about 0.5 us) gives the node the new
-ones.  The GPU runs the same kernel with the same arguments either way.
+takes 3.6-5.7 us of host time even for an empty kernel, ``cudaGraphLaunch`` of a one-node graph
+2.0-2.6 us (``benchmarks/host_overhead.py``; docs/design.md, "Host path").  So from the second
+launch on a stream, a Launch replays a graph holding its one kernel node, made for that stream by
+capturing the launch once.  When the pointers differ from the ones the graph's node holds,
+``cuGraphExecKernelNodeSetParams`` (the driver API through ctypes: CuPy does not wrap it; 1.2-1.8
+us with the ctypes call, 0.5 us of it the driver's) gives the node the new ones.  The GPU runs
+the same kernel with the same arguments either way.
 
 A stream that is capturing -- the caller building a CUDA graph of their own -- gets the plain
 ``cuLaunchKernel``: a graph launch cannot be captured (CUDA answers "operation not permitted when
