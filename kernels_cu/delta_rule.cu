@@ -438,14 +438,37 @@ struct ChunkBits {
         }
     }
 
-    // Row tid + e * NT of the chunk's q, k and p (p = k for Gated DeltaNet), token by token.
-    __device__ __forceinline__ void convert(int e, const Params& prm, float (&xq)[C], float (&xk)[C],
-                                            float (&xp)[C]) const {
+    // Row j = tid + e * NT of the chunk's q, k and p (p = k for Gated DeltaNet), converted into
+    // xq, xk, xp and staged as q4[j], k4[j], p4[j] (component t: token t).
+    __device__ __forceinline__ void stage(int e, int j, const Params& prm, float4* q4, float4* k4, float4* p4,
+                                          float (&xq)[C], float (&xk)[C], float (&xp)[C]) const {
 #pragma unroll
         for (int t = 0; t < C; ++t) {
             xq[t] = bits_to_float(q[e][t], prm.q_t);
             xk[t] = bits_to_float(k[e][t], prm.k_t);
             xp[t] = SEPARATE_P ? bits_to_float(p[e][t], prm.p_t) : xk[t];
+        }
+        q4[j] = make_float4(xq[0], xq[1], xq[2], xq[3]);
+        k4[j] = make_float4(xk[0], xk[1], xk[2], xk[3]);
+        p4[j] = make_float4(xp[0], xp[1], xp[2], xp[3]);
+    }
+};
+
+// The per-token factors of a chunk: the L2-norm factors fq, fk, fp of q, k and p (1 without
+// the option; fp = fk for Gated DeltaNet) from the staged squared norms, and the decays e_t.
+template <bool SEPARATE_P>
+struct ChunkFactors {
+    float fq[kChunk], fk[kChunk], fp[kChunk], e[kChunk];
+    __device__ __forceinline__ ChunkFactors(const float* dsum, const float* staged_e, const Params& prm) {
+#pragma unroll
+        for (int t = 0; t < kChunk; ++t) {
+            fq[t] = fk[t] = fp[t] = 1.f;
+            if (prm.l2norm) {
+                fq[t] = rsqrtf(dsum[nq_slot(t)] + kL2NormEps);
+                fk[t] = rsqrtf(dsum[nk_slot(t)] + kL2NormEps);
+                fp[t] = SEPARATE_P ? rsqrtf(dsum[np_slot(t)] + kL2NormEps) : fk[t];
+            }
+            e[t] = staged_e[t];
         }
     }
 };
@@ -525,10 +548,7 @@ delta_rule_kv_chunked(const float* state, float* state_out, const void* __restri
             const int j = tid + e * NT;
             if (K % NT == 0 || j < K) {
                 float xq[C], xk[C], xp[C];
-                bits.convert(e, prm, xq, xk, xp);
-                st.q[j] = make_float4(xq[0], xq[1], xq[2], xq[3]);
-                st.k[j] = make_float4(xk[0], xk[1], xk[2], xk[3]);
-                st.p[j] = make_float4(xp[0], xp[1], xp[2], xp[3]);
+                bits.stage(e, j, prm, st.q, st.k, st.p, xq, xk, xp);
 #pragma unroll
                 for (int t = 0; t < C; ++t) {
 #pragma unroll
@@ -595,17 +615,8 @@ delta_rule_kv_chunked(const float* state, float* state_out, const void* __restri
                 Qt[t].x += z.x; Qt[t].y += z.y; Qt[t].z += z.z; Qt[t].w += z.w;
             }
         }
-        float fq[C], fk[C], fp[C], e[C];
-#pragma unroll
-        for (int t = 0; t < C; ++t) {
-            fq[t] = fk[t] = fp[t] = 1.f;
-            if (prm.l2norm) {
-                fq[t] = rsqrtf(st.dsum[nq_slot(t)] + kL2NormEps);
-                fk[t] = rsqrtf(st.dsum[nk_slot(t)] + kL2NormEps);
-                fp[t] = SEPARATE_P ? rsqrtf(st.dsum[np_slot(t)] + kL2NormEps) : fk[t];
-            }
-            e[t] = st.e[t];
-        }
+        const ChunkFactors<SEPARATE_P> f(st.dsum, st.e, prm);
+        const float (&fq)[C] = f.fq, (&fk)[C] = f.fk, (&fp)[C] = f.fp, (&e)[C] = f.e;
         float u[C][4];
         float G = 1.f;  // G_t
         const long long ob = b * prm.o_sb + h * prm.o_sh;
@@ -798,10 +809,7 @@ delta_rule_kv_columns(const float* state, float* state_out, const void* __restri
             const int j = tid + e * NT;
             if (K % NT == 0 || j < K) {
                 float xq[C], xk[C], xp[C];
-                bits.convert(e, prm, xq, xk, xp);
-                st.q[j] = make_float4(xq[0], xq[1], xq[2], xq[3]);
-                st.k[j] = make_float4(xk[0], xk[1], xk[2], xk[3]);
-                st.p[j] = make_float4(xp[0], xp[1], xp[2], xp[3]);
+                bits.stage(e, j, prm, st.q, st.k, st.p, xq, xk, xp);
             }
         }
         stage_chunk_gates(st.e, st.beta, bg, prm, tid, c);
@@ -829,17 +837,8 @@ delta_rule_kv_columns(const float* state, float* state_out, const void* __restri
         __syncthreads();
 
         // 5. The chunk's u_t and o_t of this column.
-        float fq[C], fk[C], fp[C], e[C];
-#pragma unroll
-        for (int t = 0; t < C; ++t) {
-            fq[t] = fk[t] = fp[t] = 1.f;
-            if (prm.l2norm) {
-                fq[t] = rsqrtf(st.dsum[nq_slot(t)] + kL2NormEps);
-                fk[t] = rsqrtf(st.dsum[nk_slot(t)] + kL2NormEps);
-                fp[t] = SEPARATE_P ? rsqrtf(st.dsum[np_slot(t)] + kL2NormEps) : fk[t];
-            }
-            e[t] = st.e[t];
-        }
+        const ChunkFactors<SEPARATE_P> f(st.dsum, st.e, prm);
+        const float (&fq)[C] = f.fq, (&fk)[C] = f.fk, (&fp)[C] = f.fp, (&e)[C] = f.e;
         float u[C];
         float G = 1.f;  // G_t
 #pragma unroll
