@@ -29,6 +29,8 @@ VK_TILINGS = {64: ((8, 2), (16, 2)), 128: ((16, 2), (16, 4))}
 #: Slabs of ``delta_rule_kv_columns`` (T-token passes at K = 64, a thread per state column,
 #: kChunk tokens per pass): a CTA is a slab of COLS columns of one head, COLS threads.
 KV_COLUMN_SLABS = (128, 64)
+#: The head size ``delta_rule_kv_columns`` is built for (K state registers a thread).
+KV_COLUMN_K = 64
 #: Slabs of ``delta_rule_mma`` (kernels_cu/delta_rule_mma.cu, either layout): a CTA is a slab of
 #: SLAB value columns of one head, (SLAB / 16) x (K / 64) warps.
 MMA_SLABS = (64, 32)
@@ -57,7 +59,7 @@ SPECIALISATIONS = {
     ),
     "delta_rule_kv_columns": (
         "delta_rule.cu",
-        tuple(f"comba::delta_rule_kv_columns<64, {c}, {_flag(sep)}>" for c in KV_COLUMN_SLABS
+        tuple(f"comba::delta_rule_kv_columns<{KV_COLUMN_K}, {c}, {_flag(sep)}>" for c in KV_COLUMN_SLABS
               for sep in (True, False)),
     ),
     "delta_rule_mma": (

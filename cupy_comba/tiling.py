@@ -10,7 +10,9 @@ same 4-token chunks with a thread per state column) and ``{layout}{SLAB}tc``
 (``delta_rule_mma``, a CTA per SLAB value columns, 8-token chunks on tensor cores).
 """
 
-from ._build import KV_CHUNKED_TILINGS, KV_COLUMN_SLABS, KV_TILINGS, MMA_SLABS, VK_TILINGS, get_kernel, _flag
+from ._build import (
+    KV_CHUNKED_TILINGS, KV_COLUMN_K, KV_COLUMN_SLABS, KV_TILINGS, MMA_SLABS, VK_TILINGS, get_kernel, _flag,
+)
 
 KV_VARIANTS = tuple(f"kv{c}x{r}" for c, r in KV_TILINGS)
 KV_CHUNKED_VARIANTS = tuple(f"kv{c}x{r}c4" for c, r in KV_CHUNKED_TILINGS)
@@ -32,7 +34,7 @@ def variants(layout, K, V, multi=False):
     mma = tuple(n for n, slab in zip(MMA_VARIANTS[layout], MMA_SLABS) if V % slab == 0) if multi else ()
     if layout == "kv":
         chunked = zip(KV_CHUNKED_VARIANTS, KV_CHUNKED_TILINGS) if multi else ()
-        columns = zip(KV_COLUMN_VARIANTS, KV_COLUMN_SLABS) if multi and K == 64 else ()
+        columns = zip(KV_COLUMN_VARIANTS, KV_COLUMN_SLABS) if multi and K == KV_COLUMN_K else ()
         columns = tuple(n for n, c in columns if V % c == 0)
         return tuple(n for n, (c, _) in (*zip(KV_VARIANTS, KV_TILINGS), *chunked) if V % c == 0) + mma + columns
     return tuple(n for n, (r, w) in zip(VK_VARIANTS[K], VK_TILINGS[K]) if V % _vk_rows(K, r, w) == 0) + mma
@@ -79,7 +81,7 @@ def choose(layout, K, V, separate_p, multi=False, T=1, heads=None):
     if multi and T >= MMA_MIN_T and heads is not None and heads <= MMA_MAX_HEADS:
         return f"{layout}{64 if wide else 32}tc"
     if layout == "kv":
-        if multi and K == 64 and T >= COLUMN_MIN_T and (heads is None or heads > MMA_MAX_HEADS) and V % 64 == 0:
+        if multi and wide and K == KV_COLUMN_K and T >= COLUMN_MIN_T and (heads is None or heads > MMA_MAX_HEADS):
             return "kv128cc" if V % 128 == 0 else "kv64cc"
         if multi and K == 128 and T in CHUNKED_T:
             return "kv64x8c4" if wide else "kv32x8c4"

@@ -159,18 +159,7 @@ def test_tensor_core_path(layout, K, V, comba, gate, l2norm, T, initial):
     """Few heads and T >= 8: the ops choose the tensor-core kernel; fp32 o, every chunk shape."""
     B, H, Hk = 3, 4, 2
     assert tiling.choose(layout, K, V, comba, multi=True, T=T, heads=B * H).endswith("tc")
-    q, k, v, p, beta, g, S = forward_inputs(B, T, H, K, V, Hk=Hk, state_layout=layout, gate=gate, seed=K + T,
-                                            dtype=F32, normalize_keys=not l2norm, xp=cupy)
-    opts = dict(state_layout=layout, gate=gate, use_qk_l2norm=l2norm)
-    S0 = S if initial else None
-    out, state_out = _poisoned((B, T, H, V), F32), _poisoned(S.shape, F32)
-    if comba:
-        o, S_new = comba_forward(q, k, v, p, beta, g, initial_state=S0, out=out, state_out=state_out, **opts)
-    else:
-        o, S_new = gated_delta_forward(q, k, v, beta, g, initial_state=S0, out=out, state_out=state_out, **opts)
-    S_ref, o_ref = _ref(comba, q, k, v, p, beta, g, S if initial else cupy.zeros(S.shape), **opts)
-    assert reference.relative_error(S_new, S_ref) <= 1e-6
-    assert reference.relative_error(o, o_ref) <= O_TOL[F32]
+    _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed=K + T)
 
 
 @pytest.mark.parametrize("V", [128, 64])
@@ -181,9 +170,14 @@ def test_column_kernel_path(V, comba, gate, l2norm, T, initial):
     """K = 64 over many heads: the ops choose the column kernel; GVA, fp32 o, full and partial chunks."""
     B, H, Hk, K = 70, 4, 2, 64
     assert tiling.choose("kv", K, V, comba, multi=True, T=T, heads=B * H).endswith("cc")
-    q, k, v, p, beta, g, S = forward_inputs(B, T, H, K, V, Hk=Hk, gate=gate, seed=V + T, dtype=F32,
-                                            normalize_keys=not l2norm, xp=cupy)
-    opts = dict(gate=gate, use_qk_l2norm=l2norm)
+    _check_forward_fp32(B, H, Hk, K, V, T, "kv", comba, gate, l2norm, initial, seed=V + T)
+
+
+def _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed):
+    """The op's forward pass (fp32 activations and o, NaN-poisoned outputs) against the reference."""
+    q, k, v, p, beta, g, S = forward_inputs(B, T, H, K, V, Hk=Hk, state_layout=layout, gate=gate, seed=seed,
+                                            dtype=F32, normalize_keys=not l2norm, xp=cupy)
+    opts = dict(state_layout=layout, gate=gate, use_qk_l2norm=l2norm)
     S0 = S if initial else None
     out, state_out = _poisoned((B, T, H, V), F32), _poisoned(S.shape, F32)
     if comba:
