@@ -65,8 +65,17 @@ __device__ __forceinline__ void split(float x, unsigned& hi, unsigned& lo) {
     lo = to_tf32(x - __uint_as_float(hi));
 }
 
-// x split into slots i (hi) and i + 2 (lo) of a B fragment.
-__device__ __forceinline__ void split_into(unsigned* frag, int i, float x) { split(x, frag[i], frag[i + 2]); }
+// x split into B fragment register i (0 or 1): slots 2i (hi) and 2i + 1 (lo).  A fragment is kept as
+// {b0 hi, b0 lo, b1 hi, b1 lo} so that one staged value is one 8-byte store.
+__device__ __forceinline__ void split_into(unsigned* frag, int i, float x) { split(x, frag[2 * i], frag[2 * i + 1]); }
+
+// Two values split into one whole B fragment.
+__device__ __forceinline__ uint4 split_pair(float b0, float b1) {
+    uint4 f;
+    split(b0, f.x, f.y);
+    split(b1, f.z, f.w);
+    return f;
+}
 
 // An accumulator tile (c0 .. c3) as an A operand, split: a = (c0, c2, c1, c3) (the header's
 // permutation of the k index).
@@ -76,18 +85,43 @@ __device__ __forceinline__ void a_operand(const float (&c)[4], unsigned (&hi)[4]
     for (int i = 0; i < 4; ++i) split(a[i], hi[i], lo[i]);
 }
 
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+__device__ __forceinline__ void mma_tf32(float& d0, float& d1, float& d2, float& d3, const unsigned (&a)[4], unsigned b0,
+                                         unsigned b1) {
     asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// d += (ah + al)(bh + bl) without the al bl term; b = (b0 hi, b1 hi, b0 lo, b1 lo).
+// d += (ah + al)(bh + bl) without the al bl term; b = (b0 hi, b0 lo, b1 hi, b1 lo).
+// The accumulator tile is d0 .. d3 (rows g, g, g + 8, g + 8; columns 2j, 2j + 1, 2j, 2j + 1).
+__device__ __forceinline__ void mma3(float& d0, float& d1, float& d2, float& d3, const unsigned (&ah)[4],
+                                     const unsigned (&al)[4], uint4 b) {
+    mma_tf32(d0, d1, d2, d3, al, b.x, b.z);
+    mma_tf32(d0, d1, d2, d3, ah, b.y, b.w);
+    mma_tf32(d0, d1, d2, d3, ah, b.x, b.z);
+}
+
 __device__ __forceinline__ void mma3(float (&d)[4], const unsigned (&ah)[4], const unsigned (&al)[4], uint4 b) {
-    mma_tf32(d, al, b.x, b.y);
-    mma_tf32(d, ah, b.z, b.w);
-    mma_tf32(d, ah, b.x, b.y);
+    mma3(d[0], d[1], d[2], d[3], ah, al, b);
+}
+
+// The state tile is kept in memory order m = (S[r][c], S[r][c + 1], S[r + 1][c], S[r + 1][c + 1]) of
+// the lane's two 8-byte accesses (kernel below), so that the loaded values need no moves.  In kv,
+// (r, c) = (kk, vl) and the accumulator tile of S^T is (m0, m2, m1, m3); in vk, (r, c) = (vl, kk)
+// and it is m itself.
+template <bool VK>
+__device__ __forceinline__ void mma3_state(float (&m)[4], const unsigned (&ah)[4], const unsigned (&al)[4], uint4 b) {
+    if (VK) mma3(m[0], m[1], m[2], m[3], ah, al, b);
+    else mma3(m[0], m[2], m[1], m[3], ah, al, b);
+}
+
+// The state tile as an A operand, split (a_operand of its accumulator tile).
+template <bool VK>
+__device__ __forceinline__ void state_a_operand(const float (&m)[4], unsigned (&hi)[4], unsigned (&lo)[4]) {
+    const float a[4] = {m[0], VK ? m[2] : m[1], VK ? m[1] : m[2], m[3]};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) split(a[i], hi[i], lo[i]);
 }
 
 // The chunk's dot products, one slot each: k_j.q_t (j <= t), k_j.p_t (j < t), |q_t|^2, |k_t|^2,
@@ -129,15 +163,18 @@ struct MmaShape {
 };
 
 // Where the write fragment of lane (g, j) is kept in its row of MmaStage::kw: swizzled so that the
-// 32 threads staging 32 consecutive keys of one token spread over 8 banks rather than 2.
+// threads staging consecutive keys of one token spread over more banks.
 __device__ __forceinline__ int kw_lane(int g, int j) { return 4 * g + (j ^ ((g >> 1) & 3)); }
 
-// The 8 x 8 coefficients of a chunk (the header's M, Bq, ...).
+// Read fragments of k-step n are kept at lane ^ x_swizzle(n) of their row of MmaStage::x: the 8
+// threads of one 16-byte store phase (4 k-steps x 2 lanes) then hit 8 different bank groups.
+__device__ __forceinline__ int x_swizzle(int n) { return (n & 1) | ((n & 2) << 1); }
+
+// The 8 x 8 coefficients of a chunk (the header's M, Bq, ...), one copy a CTA.
 struct ChunkCoefficients {
     float m[kMmaChunk][kMmaChunk];     // M = (I + L)^-1 diag(beta)
     float bq[kMmaChunk][kMmaChunk];    // scale * Bq
     float cp[kMmaChunk], cq[kMmaChunk], w[kMmaChunk];  // G_t fp_t, scale G_t fq_t, r(j, 7) fk_j
-    float fq[kMmaChunk], fk[kMmaChunk], fp[kMmaChunk], G[kMmaChunk];
     float g_last;                      // G_7
 };
 
@@ -145,153 +182,224 @@ template <int K, int SLAB>
 struct MmaStage {
     uint4 x[K / 8][2][32];             // read B fragments of [p_0 .. p_7 | q_0 .. q_7], per k-step
     uint4 kw[K / 8][32];               // write B fragments of [k_0 .. k_7]^T, per state column tile
-    union {
-        float raw[3 * kMmaChunk][K];   // k_t, p_t, q_t in fp32, for the dot products
-        float4 part[SLAB / 16][MmaShape<K, SLAB>::KS][2][32];  // per key part: the read's Rp, Rq
-    };
+    float raw[3 * kMmaChunk][K];       // k_t, p_t, q_t in fp32, for the dot products
+    float4 part[SLAB / 16][MmaShape<K, SLAB>::KS][2][32];  // per key part: the read's Rp, Rq
     float v[kMmaChunk][SLAB];          // v of the slab
     float dots[16 * kMmaSlotGroups];
     float e[kMmaChunk], beta[kMmaChunk];
-    ChunkCoefficients coef[MmaShape<K, SLAB>::NW];  // one copy a warp: no warp waits on another's
+    ChunkCoefficients coef;
 };
 
-// Raw bits of one chunk that thread `tid` stages: elements tid, tid + NT, ... of the C x K
-// token-major q, k, p, EV elements of the v slab, and beta / g on threads 0 .. 2C - 1.  At most EP
-// elements of q, k, p a pass (PASSES passes a chunk), so that the bits in flight and the state
-// fit the registers together.
+// Four consecutive keys of one token: one 8- or 16-byte load where the keys are contiguous and
+// the rows aligned (`vec`), else four scalar loads (any strides).  Raw bits, converted at first
+// use (common.cuh, load_bits): 4 floats, or 4 16-bit values -- packed in .x, .y after a vector
+// load, one a word otherwise.
+__device__ __forceinline__ uint4 load4_bits(const void* base, long long i, long long sk, long long dtype, bool vec) {
+    if (vec) {
+        if (dtype == F32) return *reinterpret_cast<const uint4*>(static_cast<const float*>(base) + i);
+        const uint2 h = *reinterpret_cast<const uint2*>(static_cast<const unsigned short*>(base) + i);
+        return make_uint4(h.x, h.y, 0u, 0u);
+    }
+    return make_uint4(load_bits(base, i, dtype), load_bits(base, i + sk, dtype), load_bits(base, i + 2 * sk, dtype),
+                      load_bits(base, i + 3 * sk, dtype));
+}
+
+__device__ __forceinline__ float4 bits4_to_float4(uint4 u, long long dtype, bool vec) {
+    if (dtype == F32) return make_float4(__uint_as_float(u.x), __uint_as_float(u.y), __uint_as_float(u.z),
+                                         __uint_as_float(u.w));
+    if (!vec) return make_float4(bits_to_float(u.x, dtype), bits_to_float(u.y, dtype), bits_to_float(u.z, dtype),
+                                 bits_to_float(u.w, dtype));
+    if (dtype == BF16) return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u),
+                                          __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u));
+    return make_float4(f16_bits_to_float(u.x & 0xffffu), f16_bits_to_float(u.x >> 16), f16_bits_to_float(u.y & 0xffffu),
+                       f16_bits_to_float(u.y >> 16));
+}
+
+// Whether every 4-key run of an activation [B, T, H, K] is one aligned vector load.
+__device__ __forceinline__ bool rows_vectorisable(const void* base, long long sb, long long st, long long sh,
+                                                  long long sk, long long dtype) {
+    const unsigned long long bytes = dtype == F32 ? 16 : 8;
+    return sk == 1 && sb % 4 == 0 && st % 4 == 0 && sh % 4 == 0 && reinterpret_cast<unsigned long long>(base) % bytes == 0;
+}
+
+// Raw bits of one chunk that thread `tid` stages: in pass P keys 4 (tid + P NT) .. + 3 of the C x K
+// token-major q, k, p (one token), EV consecutive values of the v slab, and beta / g on threads
+// 0 .. 2C - 1.  One pass is issued a chunk ahead; with two passes the second is loaded and staged
+// in turn, so that the bits in flight and the state fit the registers together.
 template <int K, int NT, int SLAB>
 struct ChunkBits {
-    static constexpr int E = kMmaChunk * K / NT, EP = E < 4 ? E : 4, PASSES = E / EP, EV = kMmaChunk * SLAB / NT;
-    unsigned q[EP], k[EP], p[EP], v[EV], gate;
+    static constexpr int E = kMmaChunk * K / NT, PASSES = E / 4, EV = kMmaChunk * SLAB / NT;
+    static_assert(E % 4 == 0 && PASSES <= 2 && SLAB % EV == 0, "bad staging split");
+    uint4 q, k, p;
+    unsigned v[EV], gate;
 };
 
-template <int K, int SLAB, bool SEPARATE_P, int PASS>
+// FAST: every one of q, k, p, v bf16 with vector rows (the kernel's `fast`), so no dtype or stride
+// branch is taken per element.
+template <int K, int SLAB, bool SEPARATE_P, int PASS, bool FAST>
 __device__ __forceinline__ void issue_chunk(ChunkBits<K, MmaShape<K, SLAB>::NT, SLAB>& x, const void* q, const void* k,
                                             const void* v, const void* p, const void* beta, const void* g,
-                                            const Params& prm, int tid, int b, int h, int hk, int slab0, int t0,
-                                            int c) {
-    constexpr int NT = MmaShape<K, SLAB>::NT, VS = SLAB;
+                                            const Params& prm, bool vec, int tid, int b, int h, int hk, int slab0,
+                                            int t0, int c) {
+    constexpr int NT = MmaShape<K, SLAB>::NT;
     using Bits = ChunkBits<K, NT, SLAB>;
-#pragma unroll
-    for (int e = 0; e < Bits::EP; ++e) {
-        const int i = tid + (PASS * Bits::EP + e) * NT, t = i / K, kk = i % K;
-        x.q[e] = x.k[e] = x.p[e] = 0;
-        if (t < c) {
-            const long long tt = t0 + t;
-            x.q[e] = load_bits(q, b * prm.q_sb + tt * prm.q_st + hk * prm.q_sh + kk * prm.q_sk, prm.q_t);
-            x.k[e] = load_bits(k, b * prm.k_sb + tt * prm.k_st + hk * prm.k_sh + kk * prm.k_sk, prm.k_t);
-            if (SEPARATE_P)
-                x.p[e] = load_bits(p, b * prm.p_sb + tt * prm.p_st + hk * prm.p_sh + kk * prm.p_sk, prm.p_t);
+    const int i0 = 4 * (tid + PASS * NT), t = i0 / K, kk = i0 % K;
+    x.q = x.k = x.p = make_uint4(0u, 0u, 0u, 0u);
+    if (t < c) {
+        const long long tt = t0 + t;
+        const long long iq = b * prm.q_sb + tt * prm.q_st + hk * prm.q_sh + kk * prm.q_sk;
+        const long long ik = b * prm.k_sb + tt * prm.k_st + hk * prm.k_sh + kk * prm.k_sk;
+        const long long ip = b * prm.p_sb + tt * prm.p_st + hk * prm.p_sh + kk * prm.p_sk;
+        if (FAST) {
+            const uint2 hq = *reinterpret_cast<const uint2*>(static_cast<const unsigned short*>(q) + iq);
+            const uint2 hk2 = *reinterpret_cast<const uint2*>(static_cast<const unsigned short*>(k) + ik);
+            x.q = make_uint4(hq.x, hq.y, 0u, 0u);
+            x.k = make_uint4(hk2.x, hk2.y, 0u, 0u);
+            if (SEPARATE_P) {
+                const uint2 hp = *reinterpret_cast<const uint2*>(static_cast<const unsigned short*>(p) + ip);
+                x.p = make_uint4(hp.x, hp.y, 0u, 0u);
+            }
+        } else {
+            x.q = load4_bits(q, iq, prm.q_sk, prm.q_t, vec);
+            x.k = load4_bits(k, ik, prm.k_sk, prm.k_t, vec);
+            if (SEPARATE_P) x.p = load4_bits(p, ip, prm.p_sk, prm.p_t, vec);
         }
     }
+    if (PASS == 0) {
+        const int iv = Bits::EV * tid, tv = iv / SLAB, vv = iv % SLAB;
+        const long long vi = b * prm.v_sb + (t0 + tv) * prm.v_st + h * prm.v_sh + (slab0 + vv) * prm.v_sv;
+        if (FAST) {  // EV consecutive bf16 values, two a word in v[0 .. EV / 2)
+            const unsigned short* vp = static_cast<const unsigned short*>(v) + vi;
+            if constexpr (Bits::EV == 4) {
+                const uint2 w = tv < c ? *reinterpret_cast<const uint2*>(vp) : make_uint2(0u, 0u);
+                x.v[0] = w.x;
+                x.v[1] = w.y;
+            } else {
+                static_assert(Bits::EV == 2, "v staging: 2 or 4 values a thread");
+                x.v[0] = tv < c ? *reinterpret_cast<const unsigned*>(vp) : 0u;
+            }
+        } else {
 #pragma unroll
-    for (int e = 0; e < Bits::EV && PASS == 0; ++e) {
-        const int i = tid + e * NT, t = i / VS, vv = i % VS;
-        x.v[e] = t < c ? load_bits(v, b * prm.v_sb + (t0 + t) * prm.v_st + h * prm.v_sh + (slab0 + vv) * prm.v_sv,
-                                   prm.v_t)
-                       : 0u;
-    }
-    const int gt = tid >> 1;  // threads 2t, 2t + 1: beta_t, g_t
-    if (PASS == 0) x.gate = 0;
-    if (PASS == 0 && tid < 2 * kMmaChunk && gt < c) {
-        x.gate = (tid & 1) ? load_bits(g, b * prm.g_sb + (t0 + gt) * prm.g_st + h * prm.g_sh, prm.g_t)
-                           : load_bits(beta, b * prm.beta_sb + (t0 + gt) * prm.beta_st + h * prm.beta_sh, prm.beta_t);
+            for (int e = 0; e < Bits::EV; ++e) x.v[e] = tv < c ? load_bits(v, vi + e * prm.v_sv, prm.v_t) : 0u;
+        }
+        const int gt = tid >> 1;  // threads 2t, 2t + 1: beta_t, g_t
+        x.gate = 0;
+        if (tid < 2 * kMmaChunk && gt < c) {
+            x.gate = (tid & 1) ? load_bits(g, b * prm.g_sb + (t0 + gt) * prm.g_st + h * prm.g_sh, prm.g_t)
+                               : load_bits(beta, b * prm.beta_sb + (t0 + gt) * prm.beta_st + h * prm.beta_sh, prm.beta_t);
+        }
     }
 }
 
-template <int K, int SLAB, bool SEPARATE_P, int PASS>
+template <int K, int SLAB, bool SEPARATE_P, int PASS, bool FAST>
 __device__ __forceinline__ void stage_chunk(MmaStage<K, SLAB>& st, const ChunkBits<K, MmaShape<K, SLAB>::NT, SLAB>& x,
-                                            const Params& prm, int tid, int c) {
-    constexpr int NT = MmaShape<K, SLAB>::NT, VS = SLAB;
+                                            const Params& prm, bool vec, int tid, int c) {
+    constexpr int NT = MmaShape<K, SLAB>::NT;
     using Bits = ChunkBits<K, NT, SLAB>;
+    const int i0 = 4 * (tid + PASS * NT), t = i0 / K, kk = i0 % K;
+    const float4 xq = bits4_to_float4(x.q, FAST ? BF16 : prm.q_t, FAST || vec);
+    const float4 xk = bits4_to_float4(x.k, FAST ? BF16 : prm.k_t, FAST || vec);
+    const float4 xp = SEPARATE_P ? bits4_to_float4(x.p, FAST ? BF16 : prm.p_t, FAST || vec) : xk;
+    *reinterpret_cast<float4*>(&st.raw[t][kk]) = xk;
+    *reinterpret_cast<float4*>(&st.raw[8 + t][kk]) = xp;
+    *reinterpret_cast<float4*>(&st.raw[16 + t][kk]) = xq;
+    // Read operand: keys 8n + 2j, 8n + 2j + 1 are k-columns j, j + 4 (b0, b1) of lane 4t + j.
+    const int n = kk >> 3, j0 = (kk & 7) >> 1, sw = x_swizzle(n);
+    st.x[n][0][(4 * t + j0) ^ sw] = split_pair(xp.x, xp.y);
+    st.x[n][0][(4 * t + j0 + 1) ^ sw] = split_pair(xp.z, xp.w);
+    st.x[n][1][(4 * t + j0) ^ sw] = split_pair(xq.x, xq.y);
+    st.x[n][1][(4 * t + j0 + 1) ^ sw] = split_pair(xq.z, xq.w);
+    // Write operand: token t is k-row t / 2 (b0, even t) or t / 2 + 4 (b1, odd t) of lane (key % 8, t / 2).
+    const float xs[4] = {xk.x, xk.y, xk.z, xk.w};
 #pragma unroll
-    for (int e = 0; e < Bits::EP; ++e) {
-        const int i = tid + (PASS * Bits::EP + e) * NT, t = i / K, kk = i % K;
-        const float xq = bits_to_float(x.q[e], prm.q_t), xk = bits_to_float(x.k[e], prm.k_t);
-        const float xp = SEPARATE_P ? bits_to_float(x.p[e], prm.p_t) : xk;
-        st.raw[t][kk] = xk;
-        st.raw[8 + t][kk] = xp;
-        st.raw[16 + t][kk] = xq;
-        // Read operand: row kk = 8n + 2j + par of B is k-column j (par 0) or j + 4 (par 1), column t.
-        const int n = kk >> 3, j = (kk & 7) >> 1, par = kk & 1;
-        split_into(reinterpret_cast<unsigned*>(&st.x[n][0][4 * t + j]), par, xp);
-        split_into(reinterpret_cast<unsigned*>(&st.x[n][1][4 * t + j]), par, xq);
-        // Write operand: k-row of token t is j = t / 2 (par 0) or j + 4 (par 1); column kk % 8.
-        split_into(reinterpret_cast<unsigned*>(&st.kw[n][kw_lane(kk & 7, t >> 1)]), t & 1, xk);
+    for (int e = 0; e < 4; ++e) {
+        uint2 f;
+        split(xs[e], f.x, f.y);
+        *reinterpret_cast<uint2*>(reinterpret_cast<unsigned*>(&st.kw[n][kw_lane((kk & 7) + e, t >> 1)]) + 2 * (t & 1)) = f;
     }
+    if (PASS == 0) {
+        const int iv = Bits::EV * tid;
 #pragma unroll
-    for (int e = 0; e < Bits::EV && PASS == 0; ++e) {
-        const int i = tid + e * NT;
-        st.v[i / VS][i % VS] = bits_to_float(x.v[e], prm.v_t);
-    }
-    const int gt = tid >> 1;
-    if (PASS == 0 && tid < 2 * kMmaChunk) {
-        if (tid & 1) st.e[gt] = gt < c ? gate_of(bits_to_float(x.gate, prm.g_t), prm.gate_linear) : 1.f;
-        else st.beta[gt] = bits_to_float(x.gate, prm.beta_t);
+        for (int e = 0; e < Bits::EV; ++e) {
+            const unsigned w = FAST ? x.v[e / 2] : x.v[e];
+            st.v[iv / SLAB][iv % SLAB + e] =
+                FAST ? __uint_as_float(e % 2 ? w & 0xffff0000u : w << 16) : bits_to_float(w, prm.v_t);
+        }
+        const int gt = tid >> 1;
+        if (tid < 2 * kMmaChunk) {
+            if (tid & 1) st.e[gt] = gt < c ? gate_of(bits_to_float(x.gate, prm.g_t), prm.gate_linear) : 1.f;
+            else st.beta[gt] = bits_to_float(x.gate, prm.beta_t);
+        }
     }
 }
 
-// One warp: the chunk's 8 x 8 coefficients from the staged dot products and gates.  First lane t
-// < 8 finds token t's norm factors and G_t; then lane m < 8 solves column m of M, lane 8 + t
-// builds column t of scale * Bq and lane 16 + j the per-token factors.  Operands are read from
-// shared memory where they are used: the state holds half the registers throughout.
+// The chunk's 8 x 8 coefficients from the staged dot products and gates, once a CTA, by warps 0
+// (M) and 1 (Bq and the per-token factors).  Lane t % 8 of each finds token t's norm factors;
+// the others' come by shuffle.  Warp 0: lane m < 8 solves column m of M (the other lanes repeat
+// the work of lane m % 8 and store nothing).  Warp 1: lane t < 8 builds column t of scale * Bq,
+// lane 8 + j the factors w_j, cp_j, cq_j.
 template <int K, int SLAB, bool SEPARATE_P>
 __device__ __forceinline__ void chunk_coefficients(ChunkCoefficients& cf, const MmaStage<K, SLAB>& st,
-                                                   const Params& prm, float scale, int lane) {
+                                                   const Params& prm, float scale, int warp, int lane) {
     constexpr int C = kMmaChunk;
-    if (lane < C) {
-        const int t = lane;
-        float f[3] = {1.f, 1.f, 1.f}, G = 1.f;
-        if (prm.l2norm) {
-            f[0] = rsqrtf(st.dots[mnk_slot(t)] + kL2NormEps);
-            f[1] = SEPARATE_P ? rsqrtf(st.dots[mnp_slot(t)] + kL2NormEps) : f[0];
-            f[2] = rsqrtf(st.dots[mnq_slot(t)] + kL2NormEps);
-        }
-#pragma unroll
-        for (int i = 0; i < C; ++i) G *= i <= t ? st.e[i] : 1.f;
-        cf.fk[t] = f[0];
-        cf.fp[t] = f[1];
-        cf.fq[t] = f[2];
-        cf.G[t] = G;
+    const int t = lane & (C - 1);
+    float fk = 1.f, fp = 1.f, fq = 1.f;
+    if (prm.l2norm) {
+        fk = rsqrtf(st.dots[mnk_slot(t)] + kL2NormEps);
+        fp = SEPARATE_P ? rsqrtf(st.dots[mnp_slot(t)] + kL2NormEps) : fk;
+        fq = rsqrtf(st.dots[mnq_slot(t)] + kL2NormEps);
     }
-    __syncwarp();
-    if (lane < C) {  // column m of (I + L)^-1 diag(beta): x_t = beta_m [t == m] - sum_{j<t} L[t][j] x_j
-        const int m = lane;
+    float e[C], fkj[C];
+#pragma unroll
+    for (int j = 0; j < C; ++j) {
+        e[j] = st.e[j];
+        fkj[j] = __shfl_sync(0xffffffffu, fk, j);
+    }
+    if (warp == 0) {  // column m of (I + L)^-1 diag(beta): x_t = beta_m [t == m] - sum_{j<t} L[t][j] x_j
+        const int m = t;
         float x[C];
 #pragma unroll
-        for (int t = 0; t < C; ++t) {
+        for (int tt = 0; tt < C; ++tt) {
             float s = 0.f, r = 1.f;
 #pragma unroll
-            for (int j = t - 1; j >= 0; --j) {
-                r *= st.e[j + 1];
-                s = fmaf(r * cf.fk[j] * st.dots[mp_slot(j, t)], x[j], s);
+            for (int j = tt - 1; j >= 0; --j) {
+                r *= e[j + 1];
+                s = fmaf(r * fkj[j] * st.dots[mp_slot(j, tt)], x[j], s);
             }
-            x[t] = t == m ? st.beta[t] : (t < m ? 0.f : -st.beta[t] * cf.fp[t] * s);
-            cf.m[t][m] = x[t];
+            const float fpt = __shfl_sync(0xffffffffu, fp, tt), bt = st.beta[tt];
+            x[tt] = tt == m ? bt : (tt < m ? 0.f : -bt * fpt * s);
+            if (lane < C) cf.m[tt][m] = x[tt];
         }
-    } else if (lane < 2 * C) {  // column t of scale * Bq: r(j, t) fk_j fq_t (k_j . q_t) for j <= t
-        const int t = lane - C;
-        const float sq = scale * cf.fq[t];
-        float r = 1.f;  // r(j, t), built from j = t down
+    } else {
+        float G = 1.f;  // G_t
 #pragma unroll
-        for (int j = C - 1; j >= 0; --j) {
-            float dot = 0.f;
+        for (int i = 0; i < C; ++i) G *= i <= t ? e[i] : 1.f;
+        if (lane < C) {  // column t of scale * Bq: r(j, t) fk_j fq_t (k_j . q_t) for j <= t
+            const float sq = scale * fq;
+            float r = 1.f;  // r(j, t), built from j = t down
 #pragma unroll
-            for (int tt = j; tt < C; ++tt) dot = tt == t ? st.dots[mq_slot(j, tt)] : dot;
-            cf.bq[j][t] = j <= t ? sq * r * cf.fk[j] * dot : 0.f;
-            if (j <= t && j > 0) r *= st.e[j];
+            for (int j = C - 1; j >= 0; --j) {
+                const float dot = st.dots[mq_slot(j, t)];  // a slot of the chunk for every j; used for j <= t
+                cf.bq[j][t] = j <= t ? sq * r * fkj[j] * dot : 0.f;
+                if (j <= t && j > 0) r *= e[j];
+            }
+        } else if (lane < 2 * C) {
+            const int j = t;
+            float r = 1.f;  // r(j, 7)
+#pragma unroll
+            for (int i = 1; i < C; ++i) r *= i > j ? e[i] : 1.f;
+            cf.w[j] = r * fk;
+            cf.cp[j] = G * fp;
+            cf.cq[j] = scale * G * fq;
+            if (j == C - 1) cf.g_last = G;
         }
-    } else if (lane < 3 * C) {
-        const int j = lane - 2 * C;
-        float r = 1.f;  // r(j, 7)
-#pragma unroll
-        for (int i = 1; i < C; ++i) r *= i > j ? st.e[i] : 1.f;
-        cf.w[j] = r * cf.fk[j];
-        cf.cp[j] = cf.G[j] * cf.fp[j];
-        cf.cq[j] = scale * cf.G[j] * cf.fq[j];
-        if (j == 0) cf.g_last = cf.G[C - 1];
     }
 }
+
+template <int P>
+struct Pass {
+    static constexpr int value = P;
+};
 
 template <int K, int SLAB, bool SEPARATE_P, bool VK>
 __global__ void __launch_bounds__(MmaShape<K, SLAB>::NT, MmaShape<K, SLAB>::MIN_CTAS)
@@ -300,7 +408,7 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
                const void* __restrict__ g, void* __restrict__ o, const Params prm, const float scale) {
     using Shape = MmaShape<K, SLAB>;
     using Bits = ChunkBits<K, Shape::NT, SLAB>;
-    constexpr int C = kMmaChunk, NT = Shape::NT, KS = Shape::KS, NKW = Shape::NKW;
+    constexpr int C = kMmaChunk, NT = Shape::NT, KS = Shape::KS, NKW = Shape::NKW, NW = Shape::NW;
     static_assert(K % 64 == 0 && SLAB % 16 == 0 && (C * K) % NT == 0 && (C * SLAB) % NT == 0, "bad mma tiling");
     __shared__ MmaStage<K, SLAB> st;
 
@@ -321,7 +429,31 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
     const int first = VK ? (slab0 + vl) * K + kk0 : kk0 * V + slab0 + vl;
     const int next_row = VK ? K : V, next_tile = VK ? 8 : 8 * V;
 
-    // acc[n] = (S^T[vl][kk], S^T[vl][kk + 1], S^T[vl + 1][kk], S^T[vl + 1][kk + 1]), kk = 8 (n0 + n) + 2 lj.
+    // The first pass of each chunk's loads is issued one chunk ahead: in flight while the previous
+    // chunk is computed.  The first chunk's go out before the state, which is needed later.
+    static_assert(NW >= 2, "the coefficients take two warps");
+    const bool vec = rows_vectorisable(q, prm.q_sb, prm.q_st, prm.q_sh, prm.q_sk, prm.q_t) &&
+                     rows_vectorisable(k, prm.k_sb, prm.k_st, prm.k_sh, prm.k_sk, prm.k_t) &&
+                     (!SEPARATE_P || rows_vectorisable(p, prm.p_sb, prm.p_st, prm.p_sh, prm.p_sk, prm.p_t));
+    const bool fast = vec && prm.q_t == BF16 && prm.k_t == BF16 && (!SEPARATE_P || prm.p_t == BF16) &&
+                      prm.v_t == BF16 && prm.v_sv == 1 && prm.v_sb % Bits::EV == 0 && prm.v_st % Bits::EV == 0 &&
+                      prm.v_sh % Bits::EV == 0 && reinterpret_cast<unsigned long long>(v) % (2 * Bits::EV) == 0;
+    Bits bits;
+    auto issue = [&](auto pass, int t_first, int count) {
+        if (fast)
+            issue_chunk<K, SLAB, SEPARATE_P, decltype(pass)::value, true>(bits, q, k, v, p, beta, g, prm, vec, tid, b, h,
+                                                                          hk, slab0, t_first, count);
+        else
+            issue_chunk<K, SLAB, SEPARATE_P, decltype(pass)::value, false>(bits, q, k, v, p, beta, g, prm, vec, tid, b,
+                                                                           h, hk, slab0, t_first, count);
+    };
+    auto stage = [&](auto pass, int count) {
+        if (fast) stage_chunk<K, SLAB, SEPARATE_P, decltype(pass)::value, true>(st, bits, prm, vec, tid, count);
+        else stage_chunk<K, SLAB, SEPARATE_P, decltype(pass)::value, false>(st, bits, prm, vec, tid, count);
+    };
+    if (T > 0) issue(Pass<0>{}, 0, min(C, T));
+
+    // acc[n]: tile n of the state in memory order (mma3_state), kk = 8 (n0 + n) + 2 lj.
     float acc[NKW][4];
     if (prm.has_initial) {
         const float* src = state + head + first;
@@ -329,38 +461,57 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
         for (int n = 0; n < NKW; ++n, src += next_tile) {
             const float2 a = *reinterpret_cast<const float2*>(src);
             const float2 z = *reinterpret_cast<const float2*>(src + next_row);
-            if (VK) { acc[n][0] = a.x; acc[n][1] = a.y; acc[n][2] = z.x; acc[n][3] = z.y; }
-            else { acc[n][0] = a.x; acc[n][1] = z.x; acc[n][2] = a.y; acc[n][3] = z.y; }
+            acc[n][0] = a.x; acc[n][1] = a.y; acc[n][2] = z.x; acc[n][3] = z.y;
         }
     } else {
 #pragma unroll
         for (int n = 0; n < NKW; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
     }
 
-    // The first pass of each chunk's loads is issued one chunk ahead: in flight while the previous
-    // chunk is computed.
-    Bits bits;
-    if (T > 0)
-        issue_chunk<K, SLAB, SEPARATE_P, 0>(bits, q, k, v, p, beta, g, prm, tid, b, h, hk, slab0, 0, min(C, T));
     for (int t0 = 0; t0 < T; t0 += C) {
         const int c = min(C, T - t0);
         __syncthreads();  // the previous chunk's readers are done with the stage
-        stage_chunk<K, SLAB, SEPARATE_P, 0>(st, bits, prm, tid, c);
+        stage(Pass<0>{}, c);
         if constexpr (Bits::PASSES > 1) {
-            issue_chunk<K, SLAB, SEPARATE_P, 1>(bits, q, k, v, p, beta, g, prm, tid, b, h, hk, slab0, t0, c);
-            stage_chunk<K, SLAB, SEPARATE_P, 1>(st, bits, prm, tid, c);
+            issue(Pass<1>{}, t0, c);
+            stage(Pass<1>{}, c);
         }
-        static_assert(Bits::PASSES <= 2, "more staging passes than issued");
-        if (t0 + C < T)
-            issue_chunk<K, SLAB, SEPARATE_P, 0>(bits, q, k, v, p, beta, g, prm, tid, b, h, hk, slab0, t0 + C,
-                                                min(C, T - t0 - C));
+        if (t0 + C < T) issue(Pass<0>{}, t0 + C, min(C, T - t0 - C));
         __syncthreads();
 
-        // Dot products: warp w sums the slot groups w, w + NW, ... (16 slots; lane l ends with slot
+        // Read: [Rp | Rq] = S0^T [p | q] over this warp's keys, then summed over the key parts.
+        // Two accumulators per product (even and odd tiles) halve the chain of dependent mma.sync.
+        float rp[4] = {0.f, 0.f, 0.f, 0.f}, rq[4] = {0.f, 0.f, 0.f, 0.f};
+        auto read = [&]() {
+            float rp2[4] = {0.f, 0.f, 0.f, 0.f}, rq2[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int n = 0; n < NKW; ++n) {
+                unsigned ah[4], al[4];
+                state_a_operand<VK>(acc[n], ah, al);
+                const int slot = lane ^ x_swizzle(n0 + n);
+                mma3(n % 2 ? rp2 : rp, ah, al, st.x[n0 + n][0][slot]);
+                mma3(n % 2 ? rq2 : rq, ah, al, st.x[n0 + n][1][slot]);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                rp[i] += rp2[i];
+                rq[i] += rq2[i];
+            }
+            if constexpr (KS > 1) {
+                st.part[vgroup][kpart][0][lane] = make_float4(rp[0], rp[1], rp[2], rp[3]);
+                st.part[vgroup][kpart][1][lane] = make_float4(rq[0], rq[1], rq[2], rq[3]);
+            }
+        };
+        // Warps 0 and 1 solve the coefficients once the dots are in.  With 8 warps they sum no dots:
+        // they read while warps 2 .. 7 sum the 6 dot groups, and solve while those read.
+        constexpr bool EARLY_READ = NW >= 2 + kMmaSlotGroups;
+        if (EARLY_READ && warp < 2) read();
+
+        // Dot products: slot group grp goes to warp (grp + 2) % NW (16 slots; lane l ends with slot
         // 16 grp + l % 16): the lanes' partial sums over K meet in a transposing butterfly.
 #pragma unroll
         for (int grp = 0; grp < kMmaSlotGroups; ++grp) {
-            if (grp % Shape::NW != warp) continue;
+            if ((grp + 2) % NW != warp) continue;
             float xs[16];
 #pragma unroll
             for (int i = 0; i < 16; ++i) xs[i] = 0.f;
@@ -374,32 +525,11 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
             xs[0] += __shfl_xor_sync(0xffffffffu, xs[0], 16);
             if (lane < 16) st.dots[16 * grp + lane] = xs[0];
         }
-        __syncthreads();  // dots complete; raw is dead (its space takes the read's partial sums)
-        ChunkCoefficients& cf = st.coef[warp];
-        chunk_coefficients<K, SLAB, SEPARATE_P>(cf, st, prm, scale, lane);
-
-        // Read: [Rp | Rq] = S0^T [p | q] over this warp's keys, then summed over the key parts.
-        // Two accumulators per product (even and odd tiles) halve the chain of dependent mma.sync.
-        float rp[4] = {0.f, 0.f, 0.f, 0.f}, rq[4] = {0.f, 0.f, 0.f, 0.f};
-        float rp2[4] = {0.f, 0.f, 0.f, 0.f}, rq2[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int n = 0; n < NKW; ++n) {
-            unsigned ah[4], al[4];
-            a_operand(acc[n], ah, al);
-            mma3(n % 2 ? rp2 : rp, ah, al, st.x[n0 + n][0][lane]);
-            mma3(n % 2 ? rq2 : rq, ah, al, st.x[n0 + n][1][lane]);
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            rp[i] += rp2[i];
-            rq[i] += rq2[i];
-        }
-        __syncwarp();  // this warp's coefficients are written
+        __syncthreads();  // dots complete
+        if (warp < 2) chunk_coefficients<K, SLAB, SEPARATE_P>(st.coef, st, prm, scale, warp, lane);
+        if (!(EARLY_READ && warp < 2)) read();
+        __syncthreads();  // the coefficients and the key parts' partial sums are complete
         if constexpr (KS > 1) {
-            st.part[vgroup][kpart][0][lane] = make_float4(rp[0], rp[1], rp[2], rp[3]);
-            st.part[vgroup][kpart][1][lane] = make_float4(rq[0], rq[1], rq[2], rq[3]);
-            // The KS warps of a value group meet at their own named barrier (1 + vgroup), 32 KS threads.
-            asm volatile("bar.sync %0, %1;" ::"r"(1 + vgroup), "r"(32 * KS) : "memory");
             // The same sum, in the same order, in every warp of a value group.
             float4 sp = st.part[vgroup][0][0][lane], sq = st.part[vgroup][0][1][lane];
 #pragma unroll
@@ -411,6 +541,7 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
             rp[0] = sp.x; rp[1] = sp.y; rp[2] = sp.z; rp[3] = sp.w;
             rq[0] = sq.x; rq[1] = sq.y; rq[2] = sq.z; rq[3] = sq.w;
         }
+        const ChunkCoefficients& cf = st.coef;
 
         // U^T = Y M^T, O^T = Rq diag(scale G fq) + U^T (scale Bq); this lane's tokens ta, tb.
         const int ta = 2 * lj, tb = ta + 1;
@@ -450,7 +581,7 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
         for (int n = 0; n < NKW; ++n) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[n][i] *= gl;
-            mma3(acc[n], uh, ul, st.kw[n0 + n][kw_lane(lg, lj)]);
+            mma3_state<VK>(acc[n], uh, ul, st.kw[n0 + n][kw_lane(lg, lj)]);
         }
     }
 
@@ -458,10 +589,8 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
         float* dst = state_out + head + first;
 #pragma unroll
         for (int n = 0; n < NKW; ++n, dst += next_tile) {
-            const float2 a = VK ? make_float2(acc[n][0], acc[n][1]) : make_float2(acc[n][0], acc[n][2]);
-            const float2 z = VK ? make_float2(acc[n][2], acc[n][3]) : make_float2(acc[n][1], acc[n][3]);
-            *reinterpret_cast<float2*>(dst) = a;
-            *reinterpret_cast<float2*>(dst + next_row) = z;
+            *reinterpret_cast<float2*>(dst) = make_float2(acc[n][0], acc[n][1]);
+            *reinterpret_cast<float2*>(dst + next_row) = make_float2(acc[n][2], acc[n][3]);
         }
     }
 }

@@ -105,6 +105,30 @@ def test_every_forward_tiling(layout, K, V, comba, T, initial):
         assert bool(cupy.array_equal(out2, out)), variant
 
 
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("dtype", [bfloat16, F16, F32], ids=lambda d: numpy.dtype(d).name)
+def test_every_forward_tiling_strided_activations(layout, dtype):
+    """Every T-token build with q, k, p, v as odd-offset, stride-2 views (no vector loads possible)."""
+    B, T, H, Hk, K, V = 5, 11, 4, 2, 128, 64
+    q, k, v, p, beta, g, S = forward_inputs(B, T, H, K, V, Hk=Hk, state_layout=layout, seed=T, dtype=dtype,
+                                            xp=cupy)
+
+    def strided(a):
+        wide = _poisoned(a.shape[:-1] + (2 * a.shape[-1] + 1,), a.dtype)
+        wide[..., 1::2] = a
+        return wide[..., 1::2]
+
+    views = [strided(a) for a in (q, k, v, p)]
+    assert all(view.strides[-1] == 2 * view.itemsize for view in views)
+    S_ref, o_ref = reference.comba_loop(S, q, k, v, p, beta, g, state_layout=layout)
+    for variant in tiling.variants(layout, K, V, multi=True):
+        out, state_out = _poisoned((B, T, H, V), F32), _poisoned(S.shape, F32)
+        _family_run(*views[:3], views[3], beta, g, None, S, True, out, state_out, None, layout, "log", False,
+                    step=False, variant=variant)
+        assert reference.relative_error(state_out, S_ref) <= 1e-6, variant
+        assert reference.relative_error(out, o_ref) <= O_TOL[F32], variant
+
+
 @pytest.mark.parametrize("shape", [(1, 1, 1, 64, 32), (2, 3, 5, 128, 96), (3, 2, 3, 64, 256), (257, 2, 3, 128, 32),
                                    (2, 7, 8, 128, 128)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("layout", ["kv", "vk"])
