@@ -45,15 +45,25 @@ def _vk_rows(K, r, w):
 
 
 #: "kv" T-token passes of this many tokens run the chunked kernel at K = 128 (benchmarks.md,
-#: "Tilings"; at K = 64 the token loop measured faster).
-CHUNKED_T = range(3, 9)
+#: "Tilings"; at K = 64 the token loop measured faster, and from T = 5 the token loop or the
+#: tensor-core kernel, bench-h200-forward-manyheads.json).
+CHUNKED_T = range(3, 5)
 
 #: T-token passes of at least MMA_MIN_T tokens over at most MMA_MAX_HEADS heads (B*H) run the
 #: tensor-core kernel, in either layout: with few heads the GPU waits on each token's latency,
 #: and the tensor-core kernel takes 8 tokens a step (benchmarks.md, "Tilings": it led every case
-#: of T = 6-512 at B*H = 16-128, and lost at T <= 4 or B*H >= 256).
+#: of T = 6-512 at B*H = 16-128).
 MMA_MIN_T = 6
 MMA_MAX_HEADS = 128
+
+#: Over more heads the tensor-core kernel costs about the same for every T of one 8-token chunk,
+#: so it runs where its chunks are nearly full: T in MMA_MANY_HEADS_T or T >= MMA_MANY_HEADS_MIN_T
+#: (bench-h200-forward-manyheads.json, B*H = 256 and 8192, both layouts, K = 64 and 128: it led
+#: or tied every case of T = 7, 8 and 13-32 and lost at T = 9-12 to the token loop or the column
+#: kernel, which take those).  Only its 64-column slabs: the 32-column ones were measured at this
+#: many heads only at K = 128, 1.4x slower than the 64-column ones.
+MMA_MANY_HEADS_T = (7, 8)
+MMA_MANY_HEADS_MIN_T = 13
 
 #: "kv" T-token passes at K = 64 of at least COLUMN_MIN_T tokens over more than MMA_MAX_HEADS
 #: heads run the column kernel (``kv{COLS}cc``; benchmarks.md, "Tilings", bench-h200-forward-
@@ -73,12 +83,15 @@ def choose(layout, K, V, separate_p, multi=False, T=1, heads=None):
     vk: two warps of 16 rows per lane (8 at K = 64 when V is not a multiple of 64).  The same
     tilings led at B*H = 128 and 1024 within a few percent, so the batch size does not enter.
     Either layout: T-token passes of at least :data:`MMA_MIN_T` tokens over at most
-    :data:`MMA_MAX_HEADS` heads (``heads`` = B*H; None means many) run the tensor-core kernel.
-    kv at K = 64: passes of at least :data:`COLUMN_MIN_T` tokens over more heads run the column
-    kernel, 128-column slabs when V allows.
+    :data:`MMA_MAX_HEADS` heads (``heads`` = B*H; None means many) run the tensor-core kernel, and
+    over more heads those of T in :data:`MMA_MANY_HEADS_T` or T >= :data:`MMA_MANY_HEADS_MIN_T`
+    when V is a multiple of 64.
+    kv at K = 64: the other passes of at least :data:`COLUMN_MIN_T` tokens over more heads run the
+    column kernel, 128-column slabs when V allows.
     """
     wide = V % 64 == 0
-    if multi and T >= MMA_MIN_T and heads is not None and heads <= MMA_MAX_HEADS:
+    few = heads is not None and heads <= MMA_MAX_HEADS
+    if multi and (T >= MMA_MIN_T if few else wide and (T in MMA_MANY_HEADS_T or T >= MMA_MANY_HEADS_MIN_T)):
         return f"{layout}{64 if wide else 32}tc"
     if layout == "kv":
         if multi and wide and K == KV_COLUMN_K and T >= COLUMN_MIN_T and (heads is None or heads > MMA_MAX_HEADS):

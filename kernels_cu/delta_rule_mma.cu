@@ -33,19 +33,26 @@
 // are adjacent in memory (one 8-byte access per state row in "kv", per pair of K in "vk").
 //
 // Launch geometry: delta_rule_mma<K, SLAB, SEPARATE_P, VK> -- one CTA per (b, h, slab of SLAB
-// value columns); (SLAB / 16) x (K / 64) warps, each 16 value columns x 64 keys of the state (32
-// registers a lane).  The K-reduction of a warp stays in its mma.sync accumulators; the K / 64 key
-// parts of a value group add their partial [Rp | Rq] through shared memory at a named barrier.
-// Per chunk the CTA stages q, k, p, v, beta, g in shared memory (the B operands pre-split into hi
-// / lo fragments), the warps share the 88 dot products, every warp solves the 8 x 8 system for
-// itself (no warp waits on another), and a warp runs 72 mma.sync: 48 for the read, 3 + 3 for U
-// and O, 24 for the write.
+// value columns); NW = (SLAB / 16) x (K / 64) warps, each 16 value columns x 64 keys of the state
+// (32 registers a lane).  The K-reduction of a warp stays in its mma.sync accumulators; the K / 64
+// key parts of a value group add their partial [Rp | Rq] through shared memory.  Per chunk, four
+// CTA barriers:
+//   1. every thread stages 4 consecutive keys of one token of q, k, p (one 8- or 16-byte load
+//      where the rows allow it; a bf16 fast path with no dtype branch) as fp32 rows for the dot
+//      products and as whole hi / lo B fragments, plus its v values and the gates;
+//   2. the 88 dot products in 6 groups of 16, on warps 2 .. 7 when there are 8 warps (warps 0
+//      and 1 run their read meanwhile), else spread over all warps;
+//   3. warps 0 and 1 solve the chunk's 8 x 8 coefficients once for the CTA (M; Bq and the
+//      per-token factors) while the others run their read;
+//   4. U, O and the write.
+// A warp runs 72 mma.sync a chunk: 48 for the read, 3 + 3 for U and O, 24 for the write.
 //
-// Where it stands (docs/benchmarks.md, "Tilings"): with few heads (B*H <= 128) the GPU waits on
-// each token's latency and this kernel, 8 tokens a step, is the fastest from T = 6 on (1.3-2.4x
-// the token loop from T = 8); with many heads it issues ~2300 instructions a warp per chunk at half the
-// issue rate, and the CUDA-core kernels stay ahead.  cupy_comba.tiling.choose takes it for the
-// former only.
+// Where it stands (docs/benchmarks.md, "Multi-token" and "Tilings"): with few heads (B*H <= 128)
+// the GPU waits on each token's latency and this kernel, 8 tokens a step, is the fastest from T = 6
+// on; with many heads one chunk costs about the same whatever its fill, so cupy_comba.tiling.choose
+// takes it there for T = 7, 8 and T >= 13 (B*H = 8192, K = V = 128, T = 16: 827-845 us against
+// 1006-1019 us for the token loop).  Nsight Compute at that shape: about 1230 instructions a warp a
+// chunk, half the issue rate, a fifth of the stall samples at the barriers.
 #include "common.cuh"
 #include "params.cuh"
 

@@ -186,10 +186,22 @@ def test_tensor_core_path(layout, K, V, comba, gate, l2norm, T, initial):
     _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed=K + T)
 
 
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("K", [128, 64])
+@pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
+@pytest.mark.parametrize("gate,l2norm", [("log", False), ("linear", True)], ids=["log", "linear-l2norm"])
+@pytest.mark.parametrize("T,initial", [(7, True), (16, True), (13, False)], ids=["T7", "T16", "T13-zero-state"])
+def test_tensor_core_path_many_heads(layout, K, comba, gate, l2norm, T, initial):
+    """More than 128 heads and nearly full 8-token chunks: the ops choose the tensor-core kernel."""
+    B, H, Hk, V = 33, 4, 2, 128
+    assert tiling.choose(layout, K, V, comba, multi=True, T=T, heads=B * H) == f"{layout}64tc"
+    _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed=K + T + 1)
+
+
 @pytest.mark.parametrize("V", [128, 64])
 @pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
 @pytest.mark.parametrize("gate,l2norm", [("log", False), ("linear", True)], ids=["log", "linear-l2norm"])
-@pytest.mark.parametrize("T,initial", [(4, True), (7, True), (13, False)], ids=["T4", "T7", "T13-zero-state"])
+@pytest.mark.parametrize("T,initial", [(4, True), (5, True), (11, False)], ids=["T4", "T5", "T11-zero-state"])
 def test_column_kernel_path(V, comba, gate, l2norm, T, initial):
     """K = 64 over many heads: the ops choose the column kernel; GVA, fp32 o, full and partial chunks."""
     B, H, Hk, K = 70, 4, 2, 64
