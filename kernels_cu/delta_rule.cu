@@ -438,19 +438,29 @@ struct ChunkBits {
         }
     }
 
-    // Row j = tid + e * NT of the chunk's q, k and p (p = k for Gated DeltaNet), converted into
-    // xq, xk, xp and staged as q4[j], k4[j], p4[j] (component t: token t).
-    __device__ __forceinline__ void stage(int e, int j, const Params& prm, float4* q4, float4* k4, float4* p4,
-                                          float (&xq)[C], float (&xk)[C], float (&xp)[C]) const {
+    // This thread's rows j = tid, tid + NT, ... of the chunk's q, k and p (p = k for Gated
+    // DeltaNet), converted and staged as q4[j], k4[j], p4[j] (component t: token t); then
+    // on_row(xq, xk, xp) with the row's values, for the caller's per-row work.
+    template <class F>
+    __device__ __forceinline__ void stage(int tid, const Params& prm, float4* q4, float4* k4, float4* p4,
+                                          F&& on_row) const {
 #pragma unroll
-        for (int t = 0; t < C; ++t) {
-            xq[t] = bits_to_float(q[e][t], prm.q_t);
-            xk[t] = bits_to_float(k[e][t], prm.k_t);
-            xp[t] = SEPARATE_P ? bits_to_float(p[e][t], prm.p_t) : xk[t];
+        for (int e = 0; e < E; ++e) {
+            const int j = tid + e * NT;
+            if (K % NT == 0 || j < K) {
+                float xq[C], xk[C], xp[C];
+#pragma unroll
+                for (int t = 0; t < C; ++t) {
+                    xq[t] = bits_to_float(q[e][t], prm.q_t);
+                    xk[t] = bits_to_float(k[e][t], prm.k_t);
+                    xp[t] = SEPARATE_P ? bits_to_float(p[e][t], prm.p_t) : xk[t];
+                }
+                q4[j] = make_float4(xq[0], xq[1], xq[2], xq[3]);
+                k4[j] = make_float4(xk[0], xk[1], xk[2], xk[3]);
+                p4[j] = make_float4(xp[0], xp[1], xp[2], xp[3]);
+                on_row(xq, xk, xp);
+            }
         }
-        q4[j] = make_float4(xq[0], xq[1], xq[2], xq[3]);
-        k4[j] = make_float4(xk[0], xk[1], xk[2], xk[3]);
-        p4[j] = make_float4(xp[0], xp[1], xp[2], xp[3]);
     }
 };
 
@@ -473,28 +483,6 @@ struct ChunkFactors {
     }
 };
 
-// Raw bits of the chunk's gates: threads 2t and 2t + 1 load beta_t and g_t; `stage_chunk_gates`
-// writes beta_t and the decay factor e_t (1 for tokens past the end: no decay).
-__device__ __forceinline__ unsigned issue_chunk_gates(const void* beta, const void* g, const Params& prm, int tid,
-                                                      int b, int h, int t0, int c) {
-    const int gt = tid >> 1;
-    unsigned bits = 0;
-    if (tid < 2 * kChunk && gt < c) {
-        bits = (tid & 1) ? load_bits(g, b * prm.g_sb + (t0 + gt) * prm.g_st + h * prm.g_sh, prm.g_t)
-                         : load_bits(beta, b * prm.beta_sb + (t0 + gt) * prm.beta_st + h * prm.beta_sh, prm.beta_t);
-    }
-    return bits;
-}
-
-__device__ __forceinline__ void stage_chunk_gates(float* e, float* beta, unsigned bits, const Params& prm, int tid,
-                                                  int c) {
-    const int gt = tid >> 1;
-    if (tid < 2 * kChunk) {
-        if (tid & 1) e[gt] = gt < c ? gate_of(bits_to_float(bits, prm.g_t), prm.gate_linear) : 1.f;
-        else beta[gt] = bits_to_float(bits, prm.beta_t);
-    }
-}
-
 template <int K, int COLS, int NW>
 struct ChunkStage {
     float4 p[K], q[K], k[K];      // row i: component t is token t's p[i], q[i], k[i]
@@ -511,7 +499,7 @@ __global__ void __launch_bounds__(COLS / 4 * RG, 3 * 128 / (COLS / 4 * RG))
 delta_rule_kv_chunked(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
                       const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
                       const void* __restrict__ g, void* __restrict__ o, const Params prm, const float scale) {
-    constexpr int LC = COLS / 4, NT = LC * RG, R = K / RG, NW = NT / 32, E = (K + NT - 1) / NT, C = kChunk;
+    constexpr int LC = COLS / 4, NT = LC * RG, R = K / RG, NW = NT / 32, C = kChunk;
     static_assert(NT % 32 == 0 && K % RG == 0 && COLS <= NT && 2 * C <= NT, "bad kv tiling");
     __shared__ ChunkStage<K, COLS, NW> stage[2];
     __shared__ float4 red[NW][2 * C][LC];  // per-warp partial S0^T p_t, S0^T q_t
@@ -537,34 +525,28 @@ delta_rule_kv_chunked(const float* state, float* state_out, const void* __restri
                 bv[t] = load_bits(v, b * prm.v_sb + (t0 + t) * prm.v_st + h * prm.v_sh + (col0 + tid) * prm.v_sv,
                                   prm.v_t);
         }
-        const unsigned bg = issue_chunk_gates(beta, g, prm, tid, b, h, t0, c);
+        const unsigned bg = issue_chunk_gates<kChunk>(beta, g, prm, tid, b, h, t0, c);
 
         // 2. Stage the chunk; this thread's share of the 28 dot products on the way.
         float x[32];
 #pragma unroll
         for (int i = 0; i < 32; ++i) x[i] = 0.f;
+        bits.stage(tid, prm, st.q, st.k, st.p, [&](const float (&xq)[C], const float (&xk)[C], const float (&xp)[C]) {
 #pragma unroll
-        for (int e = 0; e < E; ++e) {
-            const int j = tid + e * NT;
-            if (K % NT == 0 || j < K) {
-                float xq[C], xk[C], xp[C];
-                bits.stage(e, j, prm, st.q, st.k, st.p, xq, xk, xp);
+            for (int t = 0; t < C; ++t) {
 #pragma unroll
-                for (int t = 0; t < C; ++t) {
+                for (int i = 0; i <= t; ++i) x[kq_slot(i, t)] = fmaf(xk[i], xq[t], x[kq_slot(i, t)]);
 #pragma unroll
-                    for (int i = 0; i <= t; ++i) x[kq_slot(i, t)] = fmaf(xk[i], xq[t], x[kq_slot(i, t)]);
-#pragma unroll
-                    for (int i = 0; i < t; ++i) x[kp_slot(i, t)] = fmaf(xk[i], xp[t], x[kp_slot(i, t)]);
-                    x[nq_slot(t)] = fmaf(xq[t], xq[t], x[nq_slot(t)]);
-                    x[nk_slot(t)] = fmaf(xk[t], xk[t], x[nk_slot(t)]);
-                    x[np_slot(t)] = fmaf(xp[t], xp[t], x[np_slot(t)]);
-                }
+                for (int i = 0; i < t; ++i) x[kp_slot(i, t)] = fmaf(xk[i], xp[t], x[kp_slot(i, t)]);
+                x[nq_slot(t)] = fmaf(xq[t], xq[t], x[nq_slot(t)]);
+                x[nk_slot(t)] = fmaf(xk[t], xk[t], x[nk_slot(t)]);
+                x[np_slot(t)] = fmaf(xp[t], xp[t], x[np_slot(t)]);
             }
-        }
+        });
 #pragma unroll
         for (int t = 0; t < C; ++t)
             if (tid < COLS) reinterpret_cast<float*>(st.v[t])[tid] = bits_to_float(bv[t], prm.v_t);
-        stage_chunk_gates(st.e, st.beta, bg, prm, tid, c);
+        stage_chunk_gates<kChunk>(st.e, st.beta, bg, prm, tid, c);
         butterfly<16>(x, lane);  // lane i ends with this warp's sum of slot i
         st.dots[warp][lane] = x[0];
         __syncthreads();
@@ -770,7 +752,7 @@ __global__ void __launch_bounds__(COLS, 3 * 128 / COLS)
 delta_rule_kv_columns(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
                       const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
                       const void* __restrict__ g, void* __restrict__ o, const Params prm, const float scale) {
-    constexpr int NT = COLS, NW = NT / 32, E = (K + NT - 1) / NT, C = kChunk;
+    constexpr int NT = COLS, NW = NT / 32, C = kChunk;
     static_assert(NT % 32 == 0 && NW <= 4 && 2 * C <= NT, "bad column tiling");
     __shared__ ColumnStage<K> stage[2];
 
@@ -801,18 +783,11 @@ delta_rule_kv_columns(const float* state, float* state_out, const void* __restri
         unsigned bv[C];
 #pragma unroll
         for (int t = 0; t < C; ++t) bv[t] = t < c ? load_bits(v, vb + (t0 + t) * prm.v_st, prm.v_t) : 0u;
-        const unsigned bg = issue_chunk_gates(beta, g, prm, tid, b, h, t0, c);
+        const unsigned bg = issue_chunk_gates<kChunk>(beta, g, prm, tid, b, h, t0, c);
 
         // 2. Stage the chunk's p, q, k (and gates); this column's v stays in registers.
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-            const int j = tid + e * NT;
-            if (K % NT == 0 || j < K) {
-                float xq[C], xk[C], xp[C];
-                bits.stage(e, j, prm, st.q, st.k, st.p, xq, xk, xp);
-            }
-        }
-        stage_chunk_gates(st.e, st.beta, bg, prm, tid, c);
+        bits.stage(tid, prm, st.q, st.k, st.p, [](const float (&)[C], const float (&)[C], const float (&)[C]) {});
+        stage_chunk_gates<kChunk>(st.e, st.beta, bg, prm, tid, c);
         float vt[C];
 #pragma unroll
         for (int t = 0; t < C; ++t) vt[t] = bits_to_float(bv[t], prm.v_t);

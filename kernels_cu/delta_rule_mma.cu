@@ -257,20 +257,9 @@ __device__ __forceinline__ void issue_chunk(ChunkBits<K, MmaShape<K, SLAB>::NT, 
         const long long iq = b * prm.q_sb + tt * prm.q_st + hk * prm.q_sh + kk * prm.q_sk;
         const long long ik = b * prm.k_sb + tt * prm.k_st + hk * prm.k_sh + kk * prm.k_sk;
         const long long ip = b * prm.p_sb + tt * prm.p_st + hk * prm.p_sh + kk * prm.p_sk;
-        if (FAST) {
-            const uint2 hq = *reinterpret_cast<const uint2*>(static_cast<const unsigned short*>(q) + iq);
-            const uint2 hk2 = *reinterpret_cast<const uint2*>(static_cast<const unsigned short*>(k) + ik);
-            x.q = make_uint4(hq.x, hq.y, 0u, 0u);
-            x.k = make_uint4(hk2.x, hk2.y, 0u, 0u);
-            if (SEPARATE_P) {
-                const uint2 hp = *reinterpret_cast<const uint2*>(static_cast<const unsigned short*>(p) + ip);
-                x.p = make_uint4(hp.x, hp.y, 0u, 0u);
-            }
-        } else {
-            x.q = load4_bits(q, iq, prm.q_sk, prm.q_t, vec);
-            x.k = load4_bits(k, ik, prm.k_sk, prm.k_t, vec);
-            if (SEPARATE_P) x.p = load4_bits(p, ip, prm.p_sk, prm.p_t, vec);
-        }
+        x.q = load4_bits(q, iq, prm.q_sk, FAST ? BF16 : prm.q_t, FAST || vec);
+        x.k = load4_bits(k, ik, prm.k_sk, FAST ? BF16 : prm.k_t, FAST || vec);
+        if (SEPARATE_P) x.p = load4_bits(p, ip, prm.p_sk, FAST ? BF16 : prm.p_t, FAST || vec);
     }
     if (PASS == 0) {
         const int iv = Bits::EV * tid, tv = iv / SLAB, vv = iv % SLAB;
@@ -289,12 +278,7 @@ __device__ __forceinline__ void issue_chunk(ChunkBits<K, MmaShape<K, SLAB>::NT, 
 #pragma unroll
             for (int e = 0; e < Bits::EV; ++e) x.v[e] = tv < c ? load_bits(v, vi + e * prm.v_sv, prm.v_t) : 0u;
         }
-        const int gt = tid >> 1;  // threads 2t, 2t + 1: beta_t, g_t
-        x.gate = 0;
-        if (tid < 2 * kMmaChunk && gt < c) {
-            x.gate = (tid & 1) ? load_bits(g, b * prm.g_sb + (t0 + gt) * prm.g_st + h * prm.g_sh, prm.g_t)
-                               : load_bits(beta, b * prm.beta_sb + (t0 + gt) * prm.beta_st + h * prm.beta_sh, prm.beta_t);
-        }
+        x.gate = issue_chunk_gates<kMmaChunk>(beta, g, prm, tid, b, h, t0, c);
     }
 }
 
@@ -332,11 +316,7 @@ __device__ __forceinline__ void stage_chunk(MmaStage<K, SLAB>& st, const ChunkBi
             st.v[iv / SLAB][iv % SLAB + e] =
                 FAST ? __uint_as_float(e % 2 ? w & 0xffff0000u : w << 16) : bits_to_float(w, prm.v_t);
         }
-        const int gt = tid >> 1;
-        if (tid < 2 * kMmaChunk) {
-            if (tid & 1) st.e[gt] = gt < c ? gate_of(bits_to_float(x.gate, prm.g_t), prm.gate_linear) : 1.f;
-            else st.beta[gt] = bits_to_float(x.gate, prm.beta_t);
-        }
+        stage_chunk_gates<kMmaChunk>(st.e, st.beta, x.gate, prm, tid, c);
     }
 }
 
