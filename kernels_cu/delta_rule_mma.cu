@@ -18,10 +18,12 @@
 // exact algebra.  The 8 x 8 system M and the dot products come from CUDA cores (fp32); the four
 // products with a V dimension run on tensor cores.
 //
-// Precision.  TF32 keeps 10 mantissa bits.  Every operand x is split as hi = tf32(x), lo =
-// tf32(x - hi) and a product is hi*hi + hi*lo + lo*hi ("3xTF32"): about 2^-22 relative per
-// product, the accuracy of an fp32 FMA chain (state error vs float64 ~1e-7, as the CUDA-core
-// kernels).
+// Precision.  TF32 keeps 10 mantissa bits.  Every fp32 operand x is split as hi = x rounded to TF32,
+// lo = x - hi (split() below), and a product is hi*hi + hi*lo + lo*hi ("3xTF32"): about 2^-21
+// relative per product, the accuracy of an fp32 FMA chain (state error vs float64 ~1.6e-7, as the
+// CUDA-core kernels).  bf16 and fp16 values are TF32 values already (lo = 0), so when q, k and p
+// all are, the read and write products leave out their hi*lo term: two mma.sync instead of three,
+// with the same sums.
 //
 // Fragments.  The state lives in registers as the fp32 accumulator of S^T (rows V, columns K):
 // in each 16 x 8 tile lane (g = lane / 4, j = lane % 4) holds rows g, g + 8 and columns 2j,
@@ -45,7 +47,8 @@
 //   3. warps 0 and 1 solve the chunk's 8 x 8 coefficients once for the CTA (M; Bq and the
 //      per-token factors) while the others run their read;
 //   4. U, O and the write.
-// A warp runs 72 mma.sync a chunk: 48 for the read, 3 + 3 for U and O, 24 for the write.
+// A warp runs 72 mma.sync a chunk with an fp32 among q, k, p (48 for the read, 3 + 3 for U and O, 24
+// for the write), 54 otherwise (32, 3 + 3, 16).
 //
 // Where it stands (docs/benchmarks.md, "Multi-token" and "Tilings"): with few heads (B*H <= 128)
 // the GPU waits on each token's latency and this kernel, 8 tokens a step, is the fastest from T = 6
@@ -60,27 +63,25 @@ namespace comba {
 
 constexpr int kMmaChunk = 8;
 
-__device__ __forceinline__ unsigned to_tf32(float x) {
-    unsigned r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
-}
-
-// hi, lo halves of x: x = hi + lo to ~2^-22.
+// hi, lo halves of x: x = hi + lo exactly, hi = x rounded to TF32 (10 mantissa bits, ties away from
+// zero; integer arithmetic, 2 instructions against 4 for cvt.rna.tf32's inf / NaN handling).  lo goes
+// to the tensor cores as it is; they read only its top 19 bits (lo to < 2^-10 of itself, so x to
+// < 2^-21).  NaN stays NaN: hi of the canonical NaN (0x7fffffff) wraps to -0, but lo is NaN.  When x
+// is already a TF32 value (every bf16 or fp16 input), hi = x and lo = 0 exactly.
 __device__ __forceinline__ void split(float x, unsigned& hi, unsigned& lo) {
-    hi = to_tf32(x);
-    lo = to_tf32(x - __uint_as_float(hi));
+    hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+    lo = __float_as_uint(x - __uint_as_float(hi));
 }
 
-// x split into B fragment register i (0 or 1): slots 2i (hi) and 2i + 1 (lo).  A fragment is kept as
-// {b0 hi, b0 lo, b1 hi, b1 lo} so that one staged value is one 8-byte store.
-__device__ __forceinline__ void split_into(unsigned* frag, int i, float x) { split(x, frag[2 * i], frag[2 * i + 1]); }
+// A B fragment is kept as {b0 hi, b1 hi, b0 lo, b1 lo}: the hi and lo register pairs go to mma.sync
+// as they were loaded, with no moves.
+__device__ __forceinline__ void split_into(unsigned* frag, int i, float x) { split(x, frag[i], frag[2 + i]); }
 
 // Two values split into one whole B fragment.
 __device__ __forceinline__ uint4 split_pair(float b0, float b1) {
     uint4 f;
-    split(b0, f.x, f.y);
-    split(b1, f.z, f.w);
+    split(b0, f.x, f.z);
+    split(b1, f.y, f.w);
     return f;
 }
 
@@ -100,27 +101,30 @@ __device__ __forceinline__ void mma_tf32(float& d0, float& d1, float& d2, float&
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// d += (ah + al)(bh + bl) without the al bl term; b = (b0 hi, b0 lo, b1 hi, b1 lo).
+// d += (ah + al)(bh + bl) without the al bl term; b = (b0 hi, b1 hi, b0 lo, b1 lo).  B_EXACT: b is
+// TF32 already (bl = 0, from bf16 / fp16 inputs), so the ah bl product is left out -- the same sum.
 // The accumulator tile is d0 .. d3 (rows g, g, g + 8, g + 8; columns 2j, 2j + 1, 2j, 2j + 1).
+template <bool B_EXACT = false>
 __device__ __forceinline__ void mma3(float& d0, float& d1, float& d2, float& d3, const unsigned (&ah)[4],
                                      const unsigned (&al)[4], uint4 b) {
-    mma_tf32(d0, d1, d2, d3, al, b.x, b.z);
-    mma_tf32(d0, d1, d2, d3, ah, b.y, b.w);
-    mma_tf32(d0, d1, d2, d3, ah, b.x, b.z);
+    mma_tf32(d0, d1, d2, d3, al, b.x, b.y);
+    if (!B_EXACT) mma_tf32(d0, d1, d2, d3, ah, b.z, b.w);
+    mma_tf32(d0, d1, d2, d3, ah, b.x, b.y);
 }
 
+template <bool B_EXACT = false>
 __device__ __forceinline__ void mma3(float (&d)[4], const unsigned (&ah)[4], const unsigned (&al)[4], uint4 b) {
-    mma3(d[0], d[1], d[2], d[3], ah, al, b);
+    mma3<B_EXACT>(d[0], d[1], d[2], d[3], ah, al, b);
 }
 
 // The state tile is kept in memory order m = (S[r][c], S[r][c + 1], S[r + 1][c], S[r + 1][c + 1]) of
 // the lane's two 8-byte accesses (kernel below), so that the loaded values need no moves.  In kv,
 // (r, c) = (kk, vl) and the accumulator tile of S^T is (m0, m2, m1, m3); in vk, (r, c) = (vl, kk)
 // and it is m itself.
-template <bool VK>
+template <bool VK, bool B_EXACT>
 __device__ __forceinline__ void mma3_state(float (&m)[4], const unsigned (&ah)[4], const unsigned (&al)[4], uint4 b) {
-    if (VK) mma3(m[0], m[1], m[2], m[3], ah, al, b);
-    else mma3(m[0], m[2], m[1], m[3], ah, al, b);
+    if (VK) mma3<B_EXACT>(m[0], m[1], m[2], m[3], ah, al, b);
+    else mma3<B_EXACT>(m[0], m[2], m[1], m[3], ah, al, b);
 }
 
 // The state tile as an A operand, split (a_operand of its accumulator tile).
@@ -304,9 +308,8 @@ __device__ __forceinline__ void stage_chunk(MmaStage<K, SLAB>& st, const ChunkBi
     const float xs[4] = {xk.x, xk.y, xk.z, xk.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-        uint2 f;
-        split(xs[e], f.x, f.y);
-        *reinterpret_cast<uint2*>(reinterpret_cast<unsigned*>(&st.kw[n][kw_lane((kk & 7) + e, t >> 1)]) + 2 * (t & 1)) = f;
+        unsigned* f = reinterpret_cast<unsigned*>(&st.kw[n][kw_lane((kk & 7) + e, t >> 1)]);
+        split(xs[e], f[t & 1], f[2 + (t & 1)]);
     }
     if (PASS == 0) {
         const int iv = Bits::EV * tid;
@@ -388,6 +391,11 @@ struct Pass {
     static constexpr int value = P;
 };
 
+template <bool B>
+struct Flag {
+    static constexpr bool value = B;
+};
+
 template <int K, int SLAB, bool SEPARATE_P, bool VK>
 __global__ void __launch_bounds__(MmaShape<K, SLAB>::NT, MmaShape<K, SLAB>::MIN_CTAS)
 delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
@@ -426,19 +434,22 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
                       prm.v_t == BF16 && prm.v_sv == 1 && prm.v_sb % Bits::EV == 0 && prm.v_st % Bits::EV == 0 &&
                       prm.v_sh % Bits::EV == 0 && reinterpret_cast<unsigned long long>(v) % (2 * Bits::EV) == 0;
     Bits bits;
-    auto issue = [&](auto pass, int t_first, int count) {
-        if (fast)
+    // `fast` implies bf16 q, k, p, so the loop built for EXACT = false (fp32 among them) has no fast path.
+    auto issue = [&](auto pass, int t_first, int count, auto exact_tag) {
+        if (decltype(exact_tag)::value && fast)
             issue_chunk<K, SLAB, SEPARATE_P, decltype(pass)::value, true>(bits, q, k, v, p, beta, g, prm, vec, tid, b, h,
                                                                           hk, slab0, t_first, count);
         else
             issue_chunk<K, SLAB, SEPARATE_P, decltype(pass)::value, false>(bits, q, k, v, p, beta, g, prm, vec, tid, b,
                                                                            h, hk, slab0, t_first, count);
     };
-    auto stage = [&](auto pass, int count) {
-        if (fast) stage_chunk<K, SLAB, SEPARATE_P, decltype(pass)::value, true>(st, bits, prm, vec, tid, count);
-        else stage_chunk<K, SLAB, SEPARATE_P, decltype(pass)::value, false>(st, bits, prm, vec, tid, count);
+    auto stage = [&](auto pass, int count, auto exact_tag) {
+        if (decltype(exact_tag)::value && fast)
+            stage_chunk<K, SLAB, SEPARATE_P, decltype(pass)::value, true>(st, bits, prm, vec, tid, count);
+        else
+            stage_chunk<K, SLAB, SEPARATE_P, decltype(pass)::value, false>(st, bits, prm, vec, tid, count);
     };
-    if (T > 0) issue(Pass<0>{}, 0, min(C, T));
+    if (T > 0) issue(Pass<0>{}, 0, min(C, T), Flag<true>{});
 
     // acc[n]: tile n of the state in memory order (mma3_state), kk = 8 (n0 + n) + 2 lj.
     float acc[NKW][4];
@@ -455,122 +466,130 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
         for (int n = 0; n < NKW; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
     }
 
-    for (int t0 = 0; t0 < T; t0 += C) {
-        const int c = min(C, T - t0);
-        __syncthreads();  // the previous chunk's readers are done with the stage
-        stage(Pass<0>{}, c);
-        if constexpr (Bits::PASSES > 1) {
-            issue(Pass<1>{}, t0, c);
-            stage(Pass<1>{}, c);
-        }
-        if (t0 + C < T) issue(Pass<0>{}, t0 + C, min(C, T - t0 - C));
-        __syncthreads();
+    // EXACT: q, k and p are all bf16 / fp16, whose values TF32 holds exactly, so the read and write
+    // products skip their B operands' lo halves (two mma.sync each instead of three, same sums).
+    const bool exact = prm.q_t != F32 && prm.k_t != F32 && (!SEPARATE_P || prm.p_t != F32);
+    auto chunks = [&](auto exact_tag) {
+        constexpr bool EXACT = decltype(exact_tag)::value;
+        for (int t0 = 0; t0 < T; t0 += C) {
+            const int c = min(C, T - t0);
+            __syncthreads();  // the previous chunk's readers are done with the stage
+            stage(Pass<0>{}, c, exact_tag);
+            if constexpr (Bits::PASSES > 1) {
+                issue(Pass<1>{}, t0, c, exact_tag);
+                stage(Pass<1>{}, c, exact_tag);
+            }
+            if (t0 + C < T) issue(Pass<0>{}, t0 + C, min(C, T - t0 - C), exact_tag);
+            __syncthreads();
 
-        // Read: [Rp | Rq] = S0^T [p | q] over this warp's keys, then summed over the key parts.
-        // Two accumulators per product (even and odd tiles) halve the chain of dependent mma.sync.
-        float rp[4] = {0.f, 0.f, 0.f, 0.f}, rq[4] = {0.f, 0.f, 0.f, 0.f};
-        auto read = [&]() {
-            float rp2[4] = {0.f, 0.f, 0.f, 0.f}, rq2[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-            for (int n = 0; n < NKW; ++n) {
-                unsigned ah[4], al[4];
-                state_a_operand<VK>(acc[n], ah, al);
-                const int slot = lane ^ x_swizzle(n0 + n);
-                mma3(n % 2 ? rp2 : rp, ah, al, st.x[n0 + n][0][slot]);
-                mma3(n % 2 ? rq2 : rq, ah, al, st.x[n0 + n][1][slot]);
+            // Read: [Rp | Rq] = S0^T [p | q] over this warp's keys, then summed over the key parts.
+            // Two accumulators per product (even and odd tiles) halve the chain of dependent mma.sync.
+            float rp[4] = {0.f, 0.f, 0.f, 0.f}, rq[4] = {0.f, 0.f, 0.f, 0.f};
+            auto read = [&]() {
+                float rp2[4] = {0.f, 0.f, 0.f, 0.f}, rq2[4] = {0.f, 0.f, 0.f, 0.f};
+    #pragma unroll
+                for (int n = 0; n < NKW; ++n) {
+                    unsigned ah[4], al[4];
+                    state_a_operand<VK>(acc[n], ah, al);
+                    const int slot = lane ^ x_swizzle(n0 + n);
+                    mma3<EXACT>(n % 2 ? rp2 : rp, ah, al, st.x[n0 + n][0][slot]);
+                    mma3<EXACT>(n % 2 ? rq2 : rq, ah, al, st.x[n0 + n][1][slot]);
+                }
+    #pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    rp[i] += rp2[i];
+                    rq[i] += rq2[i];
+                }
+                if constexpr (KS > 1) {
+                    st.part[vgroup][kpart][0][lane] = make_float4(rp[0], rp[1], rp[2], rp[3]);
+                    st.part[vgroup][kpart][1][lane] = make_float4(rq[0], rq[1], rq[2], rq[3]);
+                }
+            };
+            // Warps 0 and 1 solve the coefficients once the dots are in.  With 8 warps they sum no dots:
+            // they read while warps 2 .. 7 sum the 6 dot groups, and solve while those read.
+            constexpr bool EARLY_READ = NW >= 2 + kMmaSlotGroups;
+            if (EARLY_READ && warp < 2) read();
+
+            // Dot products: slot group grp goes to warp (grp + 2) % NW (16 slots; lane l ends with slot
+            // 16 grp + l % 16): the lanes' partial sums over K meet in a transposing butterfly.
+    #pragma unroll
+            for (int grp = 0; grp < kMmaSlotGroups; ++grp) {
+                if ((grp + 2) % NW != warp) continue;
+                float xs[16];
+    #pragma unroll
+                for (int i = 0; i < 16; ++i) xs[i] = 0.f;
+    #pragma unroll 1
+                for (int kq = lane; kq < K; kq += 32) {  // not unrolled: few operands live at a time
+                    for_each_slot([&](int s, int a, int bb) {
+                        if (s / 16 == grp) xs[s % 16] = fmaf(st.raw[a][kq], st.raw[bb][kq], xs[s % 16]);
+                    });
+                }
+                butterfly<8>(xs, lane);
+                xs[0] += __shfl_xor_sync(0xffffffffu, xs[0], 16);
+                if (lane < 16) st.dots[16 * grp + lane] = xs[0];
             }
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                rp[i] += rp2[i];
-                rq[i] += rq2[i];
-            }
+            __syncthreads();  // dots complete
+            if (warp < 2) chunk_coefficients<K, SLAB, SEPARATE_P>(st.coef, st, prm, scale, warp, lane);
+            if (!(EARLY_READ && warp < 2)) read();
+            __syncthreads();  // the coefficients and the key parts' partial sums are complete
             if constexpr (KS > 1) {
-                st.part[vgroup][kpart][0][lane] = make_float4(rp[0], rp[1], rp[2], rp[3]);
-                st.part[vgroup][kpart][1][lane] = make_float4(rq[0], rq[1], rq[2], rq[3]);
+                // The same sum, in the same order, in every warp of a value group.
+                float4 sp = st.part[vgroup][0][0][lane], sq = st.part[vgroup][0][1][lane];
+    #pragma unroll
+                for (int j = 1; j < KS; ++j) {
+                    const float4 a = st.part[vgroup][j][0][lane], z = st.part[vgroup][j][1][lane];
+                    sp.x += a.x; sp.y += a.y; sp.z += a.z; sp.w += a.w;
+                    sq.x += z.x; sq.y += z.y; sq.z += z.z; sq.w += z.w;
+                }
+                rp[0] = sp.x; rp[1] = sp.y; rp[2] = sp.z; rp[3] = sp.w;
+                rq[0] = sq.x; rq[1] = sq.y; rq[2] = sq.z; rq[3] = sq.w;
             }
-        };
-        // Warps 0 and 1 solve the coefficients once the dots are in.  With 8 warps they sum no dots:
-        // they read while warps 2 .. 7 sum the 6 dot groups, and solve while those read.
-        constexpr bool EARLY_READ = NW >= 2 + kMmaSlotGroups;
-        if (EARLY_READ && warp < 2) read();
+            const ChunkCoefficients& cf = st.coef;
 
-        // Dot products: slot group grp goes to warp (grp + 2) % NW (16 slots; lane l ends with slot
-        // 16 grp + l % 16): the lanes' partial sums over K meet in a transposing butterfly.
-#pragma unroll
-        for (int grp = 0; grp < kMmaSlotGroups; ++grp) {
-            if ((grp + 2) % NW != warp) continue;
-            float xs[16];
-#pragma unroll
-            for (int i = 0; i < 16; ++i) xs[i] = 0.f;
-#pragma unroll 1
-            for (int kq = lane; kq < K; kq += 32) {  // not unrolled: few operands live at a time
-                for_each_slot([&](int s, int a, int bb) {
-                    if (s / 16 == grp) xs[s % 16] = fmaf(st.raw[a][kq], st.raw[bb][kq], xs[s % 16]);
-                });
+            // U^T = Y M^T, O^T = Rq diag(scale G fq) + U^T (scale Bq); this lane's tokens ta, tb.
+            const int ta = 2 * lj, tb = ta + 1;
+            unsigned yh[4], yl[4], mb[4], bb[4];
+            {
+                const float y[4] = {st.v[ta][vl] - cf.cp[ta] * rp[0], st.v[tb][vl] - cf.cp[tb] * rp[1],
+                                    st.v[ta][vl + 1] - cf.cp[ta] * rp[2], st.v[tb][vl + 1] - cf.cp[tb] * rp[3]};
+                a_operand(y, yh, yl);
             }
-            butterfly<8>(xs, lane);
-            xs[0] += __shfl_xor_sync(0xffffffffu, xs[0], 16);
-            if (lane < 16) st.dots[16 * grp + lane] = xs[0];
-        }
-        __syncthreads();  // dots complete
-        if (warp < 2) chunk_coefficients<K, SLAB, SEPARATE_P>(st.coef, st, prm, scale, warp, lane);
-        if (!(EARLY_READ && warp < 2)) read();
-        __syncthreads();  // the coefficients and the key parts' partial sums are complete
-        if constexpr (KS > 1) {
-            // The same sum, in the same order, in every warp of a value group.
-            float4 sp = st.part[vgroup][0][0][lane], sq = st.part[vgroup][0][1][lane];
-#pragma unroll
-            for (int j = 1; j < KS; ++j) {
-                const float4 a = st.part[vgroup][j][0][lane], z = st.part[vgroup][j][1][lane];
-                sp.x += a.x; sp.y += a.y; sp.z += a.z; sp.w += a.w;
-                sq.x += z.x; sq.y += z.y; sq.z += z.z; sq.w += z.w;
+            split_into(mb, 0, cf.m[lg][ta]);
+            split_into(mb, 1, cf.m[lg][tb]);
+            float u[4] = {0.f, 0.f, 0.f, 0.f};
+            mma3(u, yh, yl, make_uint4(mb[0], mb[1], mb[2], mb[3]));
+            unsigned uh[4], ul[4];
+            if (kpart == 0) {  // o once per value group
+                float ov[4] = {cf.cq[ta] * rq[0], cf.cq[tb] * rq[1], cf.cq[ta] * rq[2], cf.cq[tb] * rq[3]};
+                a_operand(u, uh, ul);
+                split_into(bb, 0, cf.bq[ta][lg]);
+                split_into(bb, 1, cf.bq[tb][lg]);
+                mma3(ov, uh, ul, make_uint4(bb[0], bb[1], bb[2], bb[3]));
+                const long long ob = b * prm.o_sb + h * prm.o_sh + (slab0 + vl) * prm.o_sv;
+                if (ta < c) {
+                    store_act(o, ob + (t0 + ta) * prm.o_st, prm.o_t, ov[0]);
+                    store_act(o, ob + (t0 + ta) * prm.o_st + prm.o_sv, prm.o_t, ov[2]);
+                }
+                if (tb < c) {
+                    store_act(o, ob + (t0 + tb) * prm.o_st, prm.o_t, ov[1]);
+                    store_act(o, ob + (t0 + tb) * prm.o_st + prm.o_sv, prm.o_t, ov[3]);
+                }
             }
-            rp[0] = sp.x; rp[1] = sp.y; rp[2] = sp.z; rp[3] = sp.w;
-            rq[0] = sq.x; rq[1] = sq.y; rq[2] = sq.z; rq[3] = sq.w;
-        }
-        const ChunkCoefficients& cf = st.coef;
 
-        // U^T = Y M^T, O^T = Rq diag(scale G fq) + U^T (scale Bq); this lane's tokens ta, tb.
-        const int ta = 2 * lj, tb = ta + 1;
-        unsigned yh[4], yl[4], mb[4], bb[4];
-        {
-            const float y[4] = {st.v[ta][vl] - cf.cp[ta] * rp[0], st.v[tb][vl] - cf.cp[tb] * rp[1],
-                                st.v[ta][vl + 1] - cf.cp[ta] * rp[2], st.v[tb][vl + 1] - cf.cp[tb] * rp[3]};
-            a_operand(y, yh, yl);
-        }
-        split_into(mb, 0, cf.m[lg][ta]);
-        split_into(mb, 1, cf.m[lg][tb]);
-        float u[4] = {0.f, 0.f, 0.f, 0.f};
-        mma3(u, yh, yl, make_uint4(mb[0], mb[1], mb[2], mb[3]));
-        unsigned uh[4], ul[4];
-        if (kpart == 0) {  // o once per value group
-            float ov[4] = {cf.cq[ta] * rq[0], cf.cq[tb] * rq[1], cf.cq[ta] * rq[2], cf.cq[tb] * rq[3]};
-            a_operand(u, uh, ul);
-            split_into(bb, 0, cf.bq[ta][lg]);
-            split_into(bb, 1, cf.bq[tb][lg]);
-            mma3(ov, uh, ul, make_uint4(bb[0], bb[1], bb[2], bb[3]));
-            const long long ob = b * prm.o_sb + h * prm.o_sh + (slab0 + vl) * prm.o_sv;
-            if (ta < c) {
-                store_act(o, ob + (t0 + ta) * prm.o_st, prm.o_t, ov[0]);
-                store_act(o, ob + (t0 + ta) * prm.o_st + prm.o_sv, prm.o_t, ov[2]);
-            }
-            if (tb < c) {
-                store_act(o, ob + (t0 + tb) * prm.o_st, prm.o_t, ov[1]);
-                store_act(o, ob + (t0 + tb) * prm.o_st + prm.o_sv, prm.o_t, ov[3]);
+            // Write: S^T = G_7 S0^T + (U^T diag(w)) [k_0 .. k_7]^T.
+            const float wa = cf.w[ta], wb = cf.w[tb], gl = cf.g_last;
+            const float uw[4] = {u[0] * wa, u[1] * wb, u[2] * wa, u[3] * wb};
+            a_operand(uw, uh, ul);
+    #pragma unroll
+            for (int n = 0; n < NKW; ++n) {
+    #pragma unroll
+                for (int i = 0; i < 4; ++i) acc[n][i] *= gl;
+                mma3_state<VK, EXACT>(acc[n], uh, ul, st.kw[n0 + n][kw_lane(lg, lj)]);
             }
         }
-
-        // Write: S^T = G_7 S0^T + (U^T diag(w)) [k_0 .. k_7]^T.
-        const float wa = cf.w[ta], wb = cf.w[tb], gl = cf.g_last;
-        const float uw[4] = {u[0] * wa, u[1] * wb, u[2] * wa, u[3] * wb};
-        a_operand(uw, uh, ul);
-#pragma unroll
-        for (int n = 0; n < NKW; ++n) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[n][i] *= gl;
-            mma3_state<VK>(acc[n], uh, ul, st.kw[n0 + n][kw_lane(lg, lj)]);
-        }
-    }
+    };
+    if (exact) chunks(Flag<true>{});
+    else chunks(Flag<false>{});
 
     if (prm.write_final) {
         float* dst = state_out + head + first;
