@@ -85,6 +85,23 @@ __device__ __forceinline__ uint4 split_pair(float b0, float b1) {
     return f;
 }
 
+// A staged B fragment.  EXACT (bf16 / fp16 inputs, lo = 0): only the hi pair is stored and
+// loaded, 8 bytes; otherwise the whole {hi, hi, lo, lo}.
+template <bool EXACT>
+__device__ __forceinline__ void store_fragment(uint4& dst, float b0, float b1) {
+    if (EXACT) *reinterpret_cast<uint2*>(&dst) = make_uint2(__float_as_uint(b0), __float_as_uint(b1));
+    else dst = split_pair(b0, b1);
+}
+
+template <bool EXACT>
+__device__ __forceinline__ uint4 load_fragment(const uint4& src) {
+    if (EXACT) {
+        const uint2 h = *reinterpret_cast<const uint2*>(&src);
+        return make_uint4(h.x, h.y, 0u, 0u);
+    }
+    return src;
+}
+
 // An accumulator tile (c0 .. c3) as an A operand, split: a = (c0, c2, c1, c3) (the header's
 // permutation of the k index).
 __device__ __forceinline__ void a_operand(const float (&c)[4], unsigned (&hi)[4], unsigned (&lo)[4]) {
@@ -135,34 +152,6 @@ __device__ __forceinline__ void state_a_operand(const float (&m)[4], unsigned (&
     for (int i = 0; i < 4; ++i) split(a[i], hi[i], lo[i]);
 }
 
-// The chunk's dot products, one slot each: k_j.q_t (j <= t), k_j.p_t (j < t), |q_t|^2, |k_t|^2,
-// |p_t|^2.  Vectors are numbered k_t = t, p_t = 8 + t, q_t = 16 + t (rows of MmaStage::raw).
-__host__ __device__ constexpr int mq_slot(int j, int t) { return t * (t + 1) / 2 + j; }        // 0 .. 35
-__host__ __device__ constexpr int mp_slot(int j, int t) { return 36 + t * (t - 1) / 2 + j; }   // 36 .. 63
-__host__ __device__ constexpr int mnq_slot(int t) { return 64 + t; }
-__host__ __device__ constexpr int mnk_slot(int t) { return 72 + t; }
-__host__ __device__ constexpr int mnp_slot(int t) { return 80 + t; }
-constexpr int kMmaSlotGroups = 6;  // 88 slots, summed 16 at a time
-
-// Calls f(slot, a, b) for every slot, in slot order (a, b: vector numbers).
-template <class F>
-__device__ __forceinline__ void for_each_slot(F&& f) {
-#pragma unroll
-    for (int t = 0; t < kMmaChunk; ++t)
-#pragma unroll
-        for (int j = 0; j <= t; ++j) f(mq_slot(j, t), j, 16 + t);
-#pragma unroll
-    for (int t = 1; t < kMmaChunk; ++t)
-#pragma unroll
-        for (int j = 0; j < t; ++j) f(mp_slot(j, t), j, 8 + t);
-#pragma unroll
-    for (int t = 0; t < kMmaChunk; ++t) {
-        f(mnq_slot(t), 16 + t, 16 + t);
-        f(mnk_slot(t), t, t);
-        f(mnp_slot(t), 8 + t, 8 + t);
-    }
-}
-
 // Warps of a CTA: SLAB / 16 value groups x K / 64 key parts; a warp holds 16 value columns x 64
 // keys of the state (32 registers a lane).
 template <int K, int SLAB>
@@ -189,16 +178,30 @@ struct ChunkCoefficients {
     float g_last;                      // G_7
 };
 
-template <int K, int SLAB>
+// The chunk's Gram products, each a 16 x 8 mma.sync accumulator, one per key part (summed when
+// read): rows [p_0 .. p_7 | q_0 .. q_7] (or [k | q] for kGramKK) against columns k, p or q.
+enum GramProduct { kGramK = 0, kGramP = 1, kGramQ = 2, kGramKK = 3 };
+
+template <int K, int SLAB, bool SEPARATE_P>
 struct MmaStage {
-    uint4 x[K / 8][2][32];             // read B fragments of [p_0 .. p_7 | q_0 .. q_7], per k-step
+    static constexpr int KS = MmaShape<K, SLAB>::KS, PLANES = SEPARATE_P ? 3 : 2;
+    uint4 x[K / 8][PLANES][32];        // B fragments of p, q (and k) over the keys, per k-step
     uint4 kw[K / 8][32];               // write B fragments of [k_0 .. k_7]^T, per state column tile
-    float raw[3 * kMmaChunk][K];       // k_t, p_t, q_t in fp32, for the dot products
-    float4 part[SLAB / 16][MmaShape<K, SLAB>::KS][2][32];  // per key part: the read's Rp, Rq
+    float4 part[SLAB / 16][KS][2][32]; // per key part: the read's Rp, Rq
+    float4 gram[KS][4][32];            // per key part: the Gram products (GramProduct)
     float v[kMmaChunk][SLAB];          // v of the slab
-    float dots[16 * kMmaSlotGroups];
     float e[kMmaChunk], beta[kMmaChunk];
     ChunkCoefficients coef;
+
+    // Entry (r, c) of Gram product pr, summed over the key parts: lane 4 (r % 8) + c / 2 holds it,
+    // element 2 (r / 8) + c % 2 of its accumulator tile.
+    __device__ __forceinline__ float dot(int pr, int r, int c) const {
+        float s = 0.f;
+#pragma unroll
+        for (int kp = 0; kp < KS; ++kp)
+            s += reinterpret_cast<const float*>(&gram[kp][pr][4 * (r & 7) + (c >> 1)])[2 * (r >> 3) + (c & 1)];
+        return s;
+    }
 };
 
 // Four consecutive keys of one token: one 8- or 16-byte load where the keys are contiguous and
@@ -286,8 +289,8 @@ __device__ __forceinline__ void issue_chunk(ChunkBits<K, MmaShape<K, SLAB>::NT, 
     }
 }
 
-template <int K, int SLAB, bool SEPARATE_P, int PASS, bool FAST>
-__device__ __forceinline__ void stage_chunk(MmaStage<K, SLAB>& st, const ChunkBits<K, MmaShape<K, SLAB>::NT, SLAB>& x,
+template <int K, int SLAB, bool SEPARATE_P, int PASS, bool FAST, bool EXACT>
+__device__ __forceinline__ void stage_chunk(MmaStage<K, SLAB, SEPARATE_P>& st, const ChunkBits<K, MmaShape<K, SLAB>::NT, SLAB>& x,
                                             const Params& prm, bool vec, int tid, int c) {
     constexpr int NT = MmaShape<K, SLAB>::NT;
     using Bits = ChunkBits<K, NT, SLAB>;
@@ -295,21 +298,23 @@ __device__ __forceinline__ void stage_chunk(MmaStage<K, SLAB>& st, const ChunkBi
     const float4 xq = bits4_to_float4(x.q, FAST ? BF16 : prm.q_t, FAST || vec);
     const float4 xk = bits4_to_float4(x.k, FAST ? BF16 : prm.k_t, FAST || vec);
     const float4 xp = SEPARATE_P ? bits4_to_float4(x.p, FAST ? BF16 : prm.p_t, FAST || vec) : xk;
-    *reinterpret_cast<float4*>(&st.raw[t][kk]) = xk;
-    *reinterpret_cast<float4*>(&st.raw[8 + t][kk]) = xp;
-    *reinterpret_cast<float4*>(&st.raw[16 + t][kk]) = xq;
     // Read operand: keys 8n + 2j, 8n + 2j + 1 are k-columns j, j + 4 (b0, b1) of lane 4t + j.
     const int n = kk >> 3, j0 = (kk & 7) >> 1, sw = x_swizzle(n);
-    st.x[n][0][(4 * t + j0) ^ sw] = split_pair(xp.x, xp.y);
-    st.x[n][0][(4 * t + j0 + 1) ^ sw] = split_pair(xp.z, xp.w);
-    st.x[n][1][(4 * t + j0) ^ sw] = split_pair(xq.x, xq.y);
-    st.x[n][1][(4 * t + j0 + 1) ^ sw] = split_pair(xq.z, xq.w);
+    store_fragment<EXACT>(st.x[n][0][(4 * t + j0) ^ sw], xp.x, xp.y);
+    store_fragment<EXACT>(st.x[n][0][(4 * t + j0 + 1) ^ sw], xp.z, xp.w);
+    store_fragment<EXACT>(st.x[n][1][(4 * t + j0) ^ sw], xq.x, xq.y);
+    store_fragment<EXACT>(st.x[n][1][(4 * t + j0 + 1) ^ sw], xq.z, xq.w);
+    if constexpr (SEPARATE_P) {  // k in the same layout, for the Gram products
+        store_fragment<EXACT>(st.x[n][2][(4 * t + j0) ^ sw], xk.x, xk.y);
+        store_fragment<EXACT>(st.x[n][2][(4 * t + j0 + 1) ^ sw], xk.z, xk.w);
+    }
     // Write operand: token t is k-row t / 2 (b0, even t) or t / 2 + 4 (b1, odd t) of lane (key % 8, t / 2).
     const float xs[4] = {xk.x, xk.y, xk.z, xk.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
         unsigned* f = reinterpret_cast<unsigned*>(&st.kw[n][kw_lane((kk & 7) + e, t >> 1)]);
-        split(xs[e], f[t & 1], f[2 + (t & 1)]);
+        if (EXACT) f[t & 1] = __float_as_uint(xs[e]);
+        else split(xs[e], f[t & 1], f[2 + (t & 1)]);
     }
     if (PASS == 0) {
         const int iv = Bits::EV * tid;
@@ -323,21 +328,55 @@ __device__ __forceinline__ void stage_chunk(MmaStage<K, SLAB>& st, const ChunkBi
     }
 }
 
-// The chunk's 8 x 8 coefficients from the staged dot products and gates, once a CTA, by warps 0
+// A 16 x 8 product of fragments whose lo halves are zero when EXACT (bf16 / fp16 inputs): one
+// mma.sync then, else three (3xTF32).
+template <bool EXACT>
+__device__ __forceinline__ void mma_fragments(float (&d)[4], const unsigned (&ah)[4], const unsigned (&al)[4], uint4 b) {
+    if (EXACT) mma_tf32(d[0], d[1], d[2], d[3], ah, b.x, b.y);
+    else mma3(d, ah, al, b);
+}
+
+// This warp's part (k-steps n0 .. n0 + 7) of the chunk's Gram products, into st.gram[n0 / 8]:
+// A = [p_0 .. p_7 | q_0 .. q_7] as rows -- lane (g, j) holds p_g and q_g at k-columns j, j + 4 in
+// its staged B fragments of p and q, exactly an A fragment's four values -- against B = k (always:
+// k_j . p_t and k_j . q_t), and with use_qk_l2norm B = q (|q_t|^2), and for Comba B = p (|p_t|^2)
+// and A = [k | q] against k (|k_t|^2).
+template <int K, int SLAB, bool SEPARATE_P, bool EXACT>
+__device__ __forceinline__ void gram_products(MmaStage<K, SLAB, SEPARATE_P>& st, bool l2norm, int n0, int lane) {
+    // Planes of MmaStage::x: p (k for Gated DeltaNet), q, k.
+    constexpr int P = 0, Q = 1, KP = SEPARATE_P ? 2 : 0;
+#pragma unroll
+    for (int pr = 0; pr < 4; ++pr) {  // one product at a time: few registers live
+        if (pr != kGramK && !(l2norm && (SEPARATE_P || pr == kGramQ))) continue;
+        const int rows = pr == kGramKK ? KP : P, cols = pr == kGramK || pr == kGramKK ? KP : pr == kGramQ ? Q : P;
+        float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 2
+        for (int n = 0; n < MmaShape<K, SLAB>::NKW; ++n) {
+            const int slot = lane ^ x_swizzle(n0 + n);
+            const uint4 xr = load_fragment<EXACT>(st.x[n0 + n][rows][slot]);
+            const uint4 xq = load_fragment<EXACT>(st.x[n0 + n][Q][slot]);
+            const unsigned ah[4] = {xr.x, xq.x, xr.y, xq.y}, al[4] = {xr.z, xq.z, xr.w, xq.w};
+            mma_fragments<EXACT>(d, ah, al, load_fragment<EXACT>(st.x[n0 + n][cols][slot]));
+        }
+        st.gram[n0 / MmaShape<K, SLAB>::NKW][pr][lane] = make_float4(d[0], d[1], d[2], d[3]);
+    }
+}
+
+// The chunk's 8 x 8 coefficients from the Gram products and gates, once a CTA, by warps 0
 // (M) and 1 (Bq and the per-token factors).  Lane t % 8 of each finds token t's norm factors;
 // the others' come by shuffle.  Warp 0: lane m < 8 solves column m of M (the other lanes repeat
 // the work of lane m % 8 and store nothing).  Warp 1: lane t < 8 builds column t of scale * Bq,
 // lane 8 + j the factors w_j, cp_j, cq_j.
 template <int K, int SLAB, bool SEPARATE_P>
-__device__ __forceinline__ void chunk_coefficients(ChunkCoefficients& cf, const MmaStage<K, SLAB>& st,
+__device__ __forceinline__ void chunk_coefficients(ChunkCoefficients& cf, const MmaStage<K, SLAB, SEPARATE_P>& st,
                                                    const Params& prm, float scale, int warp, int lane) {
     constexpr int C = kMmaChunk;
     const int t = lane & (C - 1);
     float fk = 1.f, fp = 1.f, fq = 1.f;
     if (prm.l2norm) {
-        fk = rsqrtf(st.dots[mnk_slot(t)] + kL2NormEps);
-        fp = SEPARATE_P ? rsqrtf(st.dots[mnp_slot(t)] + kL2NormEps) : fk;
-        fq = rsqrtf(st.dots[mnq_slot(t)] + kL2NormEps);
+        fk = rsqrtf(st.dot(SEPARATE_P ? kGramKK : kGramK, t, t) + kL2NormEps);
+        fp = SEPARATE_P ? rsqrtf(st.dot(kGramP, t, t) + kL2NormEps) : fk;
+        fq = rsqrtf(st.dot(kGramQ, 8 + t, t) + kL2NormEps);
     }
     float e[C], fkj[C];
 #pragma unroll
@@ -354,7 +393,7 @@ __device__ __forceinline__ void chunk_coefficients(ChunkCoefficients& cf, const 
 #pragma unroll
             for (int j = tt - 1; j >= 0; --j) {
                 r *= e[j + 1];
-                s = fmaf(r * fkj[j] * st.dots[mp_slot(j, tt)], x[j], s);
+                s = fmaf(r * fkj[j] * st.dot(kGramK, tt, j), x[j], s);  // k_j . p_tt
             }
             const float fpt = __shfl_sync(0xffffffffu, fp, tt), bt = st.beta[tt];
             x[tt] = tt == m ? bt : (tt < m ? 0.f : -bt * fpt * s);
@@ -369,7 +408,7 @@ __device__ __forceinline__ void chunk_coefficients(ChunkCoefficients& cf, const 
             float r = 1.f;  // r(j, t), built from j = t down
 #pragma unroll
             for (int j = C - 1; j >= 0; --j) {
-                const float dot = st.dots[mq_slot(j, t)];  // a slot of the chunk for every j; used for j <= t
+                const float dot = st.dot(kGramK, 8 + t, j);  // k_j . q_t, used for j <= t
                 cf.bq[j][t] = j <= t ? sq * r * fkj[j] * dot : 0.f;
                 if (j <= t && j > 0) r *= e[j];
             }
@@ -405,7 +444,7 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
     using Bits = ChunkBits<K, Shape::NT, SLAB>;
     constexpr int C = kMmaChunk, NT = Shape::NT, KS = Shape::KS, NKW = Shape::NKW, NW = Shape::NW;
     static_assert(K % 64 == 0 && SLAB % 16 == 0 && (C * K) % NT == 0 && (C * SLAB) % NT == 0, "bad mma tiling");
-    __shared__ MmaStage<K, SLAB> st;
+    __shared__ MmaStage<K, SLAB, SEPARATE_P> st;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, lg = lane >> 2, lj = lane & 3;
     const int kpart = warp % KS, vgroup = warp / KS, n0 = kpart * NKW;  // this warp's tiles n0 .. n0 + 7
@@ -445,9 +484,10 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
     };
     auto stage = [&](auto pass, int count, auto exact_tag) {
         if (decltype(exact_tag)::value && fast)
-            stage_chunk<K, SLAB, SEPARATE_P, decltype(pass)::value, true>(st, bits, prm, vec, tid, count);
+            stage_chunk<K, SLAB, SEPARATE_P, decltype(pass)::value, true, true>(st, bits, prm, vec, tid, count);
         else
-            stage_chunk<K, SLAB, SEPARATE_P, decltype(pass)::value, false>(st, bits, prm, vec, tid, count);
+            stage_chunk<K, SLAB, SEPARATE_P, decltype(pass)::value, false, decltype(exact_tag)::value>(st, bits, prm, vec,
+                                                                                                     tid, count);
     };
     if (T > 0) issue(Pass<0>{}, 0, min(C, T), Flag<true>{});
 
@@ -485,17 +525,17 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
             // Read: [Rp | Rq] = S0^T [p | q] over this warp's keys, then summed over the key parts.
             // Two accumulators per product (even and odd tiles) halve the chain of dependent mma.sync.
             float rp[4] = {0.f, 0.f, 0.f, 0.f}, rq[4] = {0.f, 0.f, 0.f, 0.f};
-            auto read = [&]() {
+            {
                 float rp2[4] = {0.f, 0.f, 0.f, 0.f}, rq2[4] = {0.f, 0.f, 0.f, 0.f};
-    #pragma unroll
+#pragma unroll
                 for (int n = 0; n < NKW; ++n) {
                     unsigned ah[4], al[4];
                     state_a_operand<VK>(acc[n], ah, al);
                     const int slot = lane ^ x_swizzle(n0 + n);
-                    mma3<EXACT>(n % 2 ? rp2 : rp, ah, al, st.x[n0 + n][0][slot]);
-                    mma3<EXACT>(n % 2 ? rq2 : rq, ah, al, st.x[n0 + n][1][slot]);
+                    mma3<EXACT>(n % 2 ? rp2 : rp, ah, al, load_fragment<EXACT>(st.x[n0 + n][0][slot]));
+                    mma3<EXACT>(n % 2 ? rq2 : rq, ah, al, load_fragment<EXACT>(st.x[n0 + n][1][slot]));
                 }
-    #pragma unroll
+#pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     rp[i] += rp2[i];
                     rq[i] += rq2[i];
@@ -504,38 +544,17 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
                     st.part[vgroup][kpart][0][lane] = make_float4(rp[0], rp[1], rp[2], rp[3]);
                     st.part[vgroup][kpart][1][lane] = make_float4(rq[0], rq[1], rq[2], rq[3]);
                 }
-            };
-            // Warps 0 and 1 solve the coefficients once the dots are in.  With 8 warps they sum no dots:
-            // they read while warps 2 .. 7 sum the 6 dot groups, and solve while those read.
-            constexpr bool EARLY_READ = NW >= 2 + kMmaSlotGroups;
-            if (EARLY_READ && warp < 2) read();
-
-            // Dot products: slot group grp goes to warp (grp + 2) % NW (16 slots; lane l ends with slot
-            // 16 grp + l % 16): the lanes' partial sums over K meet in a transposing butterfly.
-    #pragma unroll
-            for (int grp = 0; grp < kMmaSlotGroups; ++grp) {
-                if ((grp + 2) % NW != warp) continue;
-                float xs[16];
-    #pragma unroll
-                for (int i = 0; i < 16; ++i) xs[i] = 0.f;
-    #pragma unroll 1
-                for (int kq = lane; kq < K; kq += 32) {  // not unrolled: few operands live at a time
-                    for_each_slot([&](int s, int a, int bb) {
-                        if (s / 16 == grp) xs[s % 16] = fmaf(st.raw[a][kq], st.raw[bb][kq], xs[s % 16]);
-                    });
-                }
-                butterfly<8>(xs, lane);
-                xs[0] += __shfl_xor_sync(0xffffffffu, xs[0], 16);
-                if (lane < 16) st.dots[16 * grp + lane] = xs[0];
             }
-            __syncthreads();  // dots complete
+            // The Gram products over this warp's keys, on the warps of value group 0 (one per key part):
+            // the staged fragments of p and q are an A operand [p; q] as they lie in each lane.
+            if (warp < KS) gram_products<K, SLAB, SEPARATE_P, EXACT>(st, prm.l2norm != 0, n0, lane);
+            __syncthreads();  // Gram products and the key parts' partial sums complete
             if (warp < 2) chunk_coefficients<K, SLAB, SEPARATE_P>(st.coef, st, prm, scale, warp, lane);
-            if (!(EARLY_READ && warp < 2)) read();
-            __syncthreads();  // the coefficients and the key parts' partial sums are complete
+            __syncthreads();  // coefficients complete
             if constexpr (KS > 1) {
                 // The same sum, in the same order, in every warp of a value group.
                 float4 sp = st.part[vgroup][0][0][lane], sq = st.part[vgroup][0][1][lane];
-    #pragma unroll
+#pragma unroll
                 for (int j = 1; j < KS; ++j) {
                     const float4 a = st.part[vgroup][j][0][lane], z = st.part[vgroup][j][1][lane];
                     sp.x += a.x; sp.y += a.y; sp.z += a.z; sp.w += a.w;
@@ -580,11 +599,11 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
             const float wa = cf.w[ta], wb = cf.w[tb], gl = cf.g_last;
             const float uw[4] = {u[0] * wa, u[1] * wb, u[2] * wa, u[3] * wb};
             a_operand(uw, uh, ul);
-    #pragma unroll
+#pragma unroll
             for (int n = 0; n < NKW; ++n) {
-    #pragma unroll
+#pragma unroll
                 for (int i = 0; i < 4; ++i) acc[n][i] *= gl;
-                mma3_state<VK, EXACT>(acc[n], uh, ul, st.kw[n0 + n][kw_lane(lg, lj)]);
+                mma3_state<VK, EXACT>(acc[n], uh, ul, load_fragment<EXACT>(st.kw[n0 + n][kw_lane(lg, lj)]));
             }
         }
     };
