@@ -68,6 +68,22 @@ __device__ __forceinline__ void store_act(void* base, long long i, long long dty
     }
 }
 
+// Two activation values of one row, x0 at element i and x1 at i + stride: one 4- or 8-byte store
+// when `paired` (the caller has checked stride == 1 and the alignment), else two stores.
+__device__ __forceinline__ void store_act_pair(void* base, long long i, long long stride, long long dtype, float x0,
+                                               float x1, bool paired) {
+    if (!paired) {
+        store_act(base, i, dtype, x0);
+        store_act(base, i + stride, dtype, x1);
+    } else if (dtype == F32) {
+        *reinterpret_cast<float2*>(static_cast<float*>(base) + i) = make_float2(x0, x1);
+    } else {
+        const unsigned b0 = dtype == BF16 ? float_to_bf16_bits(x0) : float_to_f16_bits(x0);
+        const unsigned b1 = dtype == BF16 ? float_to_bf16_bits(x1) : float_to_f16_bits(x1);
+        *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(base) + i) = b0 | (b1 << 16);
+    }
+}
+
 // State accesses: plain 16-byte loads and stores.  Not `.nc` (the state may be updated in
 // place, state_out == state) and deliberately no streaming hint: on the H200, `.cs` loads and
 // stores cost 4-7 % of copy bandwidth in every tiling we measured (docs/design.md).

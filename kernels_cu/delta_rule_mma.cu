@@ -336,17 +336,18 @@ __device__ __forceinline__ void mma_fragments(float (&d)[4], const unsigned (&ah
     else mma3(d, ah, al, b);
 }
 
-// This warp's part (k-steps n0 .. n0 + 7) of the chunk's Gram products, into st.gram[n0 / 8]:
-// A = [p_0 .. p_7 | q_0 .. q_7] as rows -- lane (g, j) holds p_g and q_g at k-columns j, j + 4 in
-// its staged B fragments of p and q, exactly an A fragment's four values -- against B = k (always:
-// k_j . p_t and k_j . q_t), and with use_qk_l2norm B = q (|q_t|^2), and for Comba B = p (|p_t|^2)
-// and A = [k | q] against k (|k_t|^2).
+// This warp's part (k-steps n0 .. n0 + 7) of the Gram products that give the norms for
+// use_qk_l2norm, into st.gram[n0 / 8]: A = [p_0 .. p_7 | q_0 .. q_7] as rows -- lane (g, j) holds p_g
+// and q_g at k-columns j, j + 4 in its staged B fragments of p and q, exactly an A fragment's four
+// values -- against B = q (|q_t|^2), and for Comba B = p (|p_t|^2) and A = [k | q] against k
+// (|k_t|^2).  (The read computes the third product, against k: k_j . p_t and k_j . q_t, and for
+// Gated DeltaNet |k_t|^2 = k_t . p_t.)
 template <int K, int SLAB, bool SEPARATE_P, bool EXACT>
 __device__ __forceinline__ void gram_products(MmaStage<K, SLAB, SEPARATE_P>& st, bool l2norm, int n0, int lane) {
     // Planes of MmaStage::x: p (k for Gated DeltaNet), q, k.
     constexpr int P = 0, Q = 1, KP = SEPARATE_P ? 2 : 0;
 #pragma unroll
-    for (int pr = 0; pr < 4; ++pr) {  // one product at a time: few registers live
+    for (int pr = EXACT ? kGramP : kGramK; pr <= kGramKK; ++pr) {  // one product at a time: few registers live
         if (pr != kGramK && !(l2norm && (SEPARATE_P || pr == kGramQ))) continue;
         const int rows = pr == kGramKK ? KP : P, cols = pr == kGramK || pr == kGramKK ? KP : pr == kGramQ ? Q : P;
         float d[4] = {0.f, 0.f, 0.f, 0.f};
@@ -472,6 +473,10 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
     const bool fast = vec && prm.q_t == BF16 && prm.k_t == BF16 && (!SEPARATE_P || prm.p_t == BF16) &&
                       prm.v_t == BF16 && prm.v_sv == 1 && prm.v_sb % Bits::EV == 0 && prm.v_st % Bits::EV == 0 &&
                       prm.v_sh % Bits::EV == 0 && reinterpret_cast<unsigned long long>(v) % (2 * Bits::EV) == 0;
+    // A lane's o values vl, vl + 1 (vl even) of a token as one store where o's rows are contiguous and aligned.
+    const int o_bytes = prm.o_t == F32 ? 8 : 4;
+    const bool o_pairs = prm.o_sv == 1 && prm.o_sb % 2 == 0 && prm.o_st % 2 == 0 && prm.o_sh % 2 == 0 &&
+                         reinterpret_cast<unsigned long long>(o) % o_bytes == 0;
     Bits bits;
     // `fast` implies bf16 q, k, p, so the loop built for EXACT = false (fp32 among them) has no fast path.
     auto issue = [&](auto pass, int t_first, int count, auto exact_tag) {
@@ -524,16 +529,26 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
 
             // Read: [Rp | Rq] = S0^T [p | q] over this warp's keys, then summed over the key parts.
             // Two accumulators per product (even and odd tiles) halve the chain of dependent mma.sync.
+            // The warps of value group 0 (one per key part) also take the Gram products over their keys
+            // (gram_products): k_j . p_t and k_j . q_t here, from the fragments the read loads; the
+            // norms for use_qk_l2norm after it.
+            const bool gram_warp = warp < KS;
             float rp[4] = {0.f, 0.f, 0.f, 0.f}, rq[4] = {0.f, 0.f, 0.f, 0.f};
             {
-                float rp2[4] = {0.f, 0.f, 0.f, 0.f}, rq2[4] = {0.f, 0.f, 0.f, 0.f};
+                float rp2[4] = {0.f, 0.f, 0.f, 0.f}, rq2[4] = {0.f, 0.f, 0.f, 0.f}, dk[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
                 for (int n = 0; n < NKW; ++n) {
                     unsigned ah[4], al[4];
                     state_a_operand<VK>(acc[n], ah, al);
                     const int slot = lane ^ x_swizzle(n0 + n);
-                    mma3<EXACT>(n % 2 ? rp2 : rp, ah, al, load_fragment<EXACT>(st.x[n0 + n][0][slot]));
-                    mma3<EXACT>(n % 2 ? rq2 : rq, ah, al, load_fragment<EXACT>(st.x[n0 + n][1][slot]));
+                    const uint4 xp = load_fragment<EXACT>(st.x[n0 + n][0][slot]);
+                    const uint4 xq = load_fragment<EXACT>(st.x[n0 + n][1][slot]);
+                    mma3<EXACT>(n % 2 ? rp2 : rp, ah, al, xp);
+                    mma3<EXACT>(n % 2 ? rq2 : rq, ah, al, xq);
+                    if (EXACT && gram_warp) {
+                        const unsigned gh[4] = {xp.x, xq.x, xp.y, xq.y}, gl[4] = {xp.z, xq.z, xp.w, xq.w};
+                        mma_fragments<EXACT>(dk, gh, gl, SEPARATE_P ? load_fragment<EXACT>(st.x[n0 + n][2][slot]) : xp);
+                    }
                 }
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
@@ -544,10 +559,9 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
                     st.part[vgroup][kpart][0][lane] = make_float4(rp[0], rp[1], rp[2], rp[3]);
                     st.part[vgroup][kpart][1][lane] = make_float4(rq[0], rq[1], rq[2], rq[3]);
                 }
+                if (EXACT && gram_warp) st.gram[kpart][kGramK][lane] = make_float4(dk[0], dk[1], dk[2], dk[3]);
             }
-            // The Gram products over this warp's keys, on the warps of value group 0 (one per key part):
-            // the staged fragments of p and q are an A operand [p; q] as they lie in each lane.
-            if (warp < KS) gram_products<K, SLAB, SEPARATE_P, EXACT>(st, prm.l2norm != 0, n0, lane);
+            if (gram_warp) gram_products<K, SLAB, SEPARATE_P, EXACT>(st, prm.l2norm != 0, n0, lane);
             __syncthreads();  // Gram products and the key parts' partial sums complete
             if (warp < 2) chunk_coefficients<K, SLAB, SEPARATE_P>(st.coef, st, prm, scale, warp, lane);
             __syncthreads();  // coefficients complete
@@ -585,14 +599,8 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
                 split_into(bb, 1, cf.bq[tb][lg]);
                 mma3(ov, uh, ul, make_uint4(bb[0], bb[1], bb[2], bb[3]));
                 const long long ob = b * prm.o_sb + h * prm.o_sh + (slab0 + vl) * prm.o_sv;
-                if (ta < c) {
-                    store_act(o, ob + (t0 + ta) * prm.o_st, prm.o_t, ov[0]);
-                    store_act(o, ob + (t0 + ta) * prm.o_st + prm.o_sv, prm.o_t, ov[2]);
-                }
-                if (tb < c) {
-                    store_act(o, ob + (t0 + tb) * prm.o_st, prm.o_t, ov[1]);
-                    store_act(o, ob + (t0 + tb) * prm.o_st + prm.o_sv, prm.o_t, ov[3]);
-                }
+                if (ta < c) store_act_pair(o, ob + (t0 + ta) * prm.o_st, prm.o_sv, prm.o_t, ov[0], ov[2], o_pairs);
+                if (tb < c) store_act_pair(o, ob + (t0 + tb) * prm.o_st, prm.o_sv, prm.o_t, ov[1], ov[3], o_pairs);
             }
 
             // Write: S^T = G_7 S0^T + (U^T diag(w)) [k_0 .. k_7]^T.
