@@ -58,6 +58,10 @@ def time_graph(fn, *, iters=20, warmup=3, sample_ms=2.0, max_calls=256):
     Each sample replays a graph of ``calls`` back-to-back calls, with
     ``calls`` chosen so that a sample lasts about ``sample_ms``.
     """
+    # The capture stream does not wait for the legacy default stream: without this, the samples
+    # overlap whatever work is still queued there -- typically the GPU generating this case's inputs
+    # (a float64 reference warm-up of a 1-2 GiB state read up to 2x slow).
+    cupy.cuda.Device().synchronize()
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         fn()
