@@ -45,8 +45,8 @@ def _vk_rows(K, r, w):
 
 
 #: "kv" T-token passes of this many tokens run the chunked kernel at K = 128 (benchmarks.md,
-#: "Tilings"; at K = 64 the token loop measured faster, and from T = 5 the token loop or the
-#: tensor-core kernel, bench-h200-forward-manyheads.json).
+#: "Tilings"; at K = 64 the column kernel takes them over many heads, the token loop over few; from
+#: T = 5 the tensor-core kernel or the token loop, bench-h200-forward-manyheads.json).
 CHUNKED_T = range(3, 5)
 
 #: T-token passes of at least MMA_MIN_T tokens over at most MMA_MAX_HEADS heads (B*H) run the
@@ -56,19 +56,19 @@ CHUNKED_T = range(3, 5)
 MMA_MIN_T = 6
 MMA_MAX_HEADS = 128
 
-#: Over more heads the tensor-core kernel costs about the same for every T of one 8-token chunk,
-#: so it runs where its chunks are nearly full: T in MMA_MANY_HEADS_T or T >= MMA_MANY_HEADS_MIN_T
-#: (bench-h200-forward-manyheads.json, B*H = 256 and 8192, both layouts, K = 64 and 128: it led
-#: or tied every case of T = 7, 8 and 13-32 and lost at T = 9-12 to the token loop or the column
-#: kernel, which take those).  Only its 64-column slabs: the 32-column ones were measured at this
-#: many heads only at K = 128, 1.4x slower than the 64-column ones.
-MMA_MANY_HEADS_T = (7, 8)
-MMA_MANY_HEADS_MIN_T = 13
+#: Over more heads the tensor-core kernel runs T-token passes of at least MMA_MANY_HEADS_MIN_T
+#: tokens (bench-h200-forward-manyheads*.json, B*H = 256 and 8192, both layouts, K = 64 and 128:
+#: from T = 5 it led or tied every case but one, kv at K = 128, T = 9 and 8192 heads, 5 % behind the
+#: token loop; at T = 3 and 4 the chunked, column or token-loop kernels lead).  Only its 64-column
+#: slabs: the 32-column ones were measured at this many heads only at K = 128, 1.4x slower than the
+#: 64-column ones.
+MMA_MANY_HEADS_MIN_T = 5
 
-#: "kv" T-token passes at K = 64 of at least COLUMN_MIN_T tokens over more than MMA_MAX_HEADS
-#: heads run the column kernel (``kv{COLS}cc``; benchmarks.md, "Tilings", bench-h200-forward-
-#: columns.json: against the token loop 6 % less time at B*H = 8192 and T = 3, 17-22 % at T =
-#: 4-64, 15-31 % at B*H = 256; at T = 2 and 8192 heads the token loop is 7 % faster).
+#: "kv" T-token passes at K = 64 of at least COLUMN_MIN_T tokens (and fewer than the tensor-core
+#: kernel takes, where V allows it) over more than MMA_MAX_HEADS heads run the column kernel
+#: (``kv{COLS}cc``; bench-h200-forward-lowT.json: at T = 3 and 4, 194-199 us against 205-239 us for
+#: the token loop and 248 us for the tensor-core kernel at B*H = 8192; at T = 2 the token loop is 7 %
+#: faster).
 COLUMN_MIN_T = 3
 
 
@@ -77,21 +77,20 @@ def choose(layout, K, V, separate_p, multi=False, T=1, heads=None):
 
     kv: 64-column slabs whenever V allows (256 contiguous bytes per row per warp-load), else
     32-column slabs.  The decode step takes 8 row groups at K = 128 (16 float4 of state per
-    thread, 128 threads) and 4 at K = 64.  T-token passes (``multi``) of 3 to 8 tokens
+    thread, 128 threads) and 4 at K = 64.  T-token passes (``multi``) of 3 or 4 tokens
     (:data:`CHUNKED_T`) at K = 128 run the chunked kernel (4 tokens per pass over the state), the
     others the token loop with 4 row groups (64 threads holding 32 float4 each).
     vk: two warps of 16 rows per lane (8 at K = 64 when V is not a multiple of 64).  The same
     tilings led at B*H = 128 and 1024 within a few percent, so the batch size does not enter.
     Either layout: T-token passes of at least :data:`MMA_MIN_T` tokens over at most
     :data:`MMA_MAX_HEADS` heads (``heads`` = B*H; None means many) run the tensor-core kernel, and
-    over more heads those of T in :data:`MMA_MANY_HEADS_T` or T >= :data:`MMA_MANY_HEADS_MIN_T`
-    when V is a multiple of 64.
+    over more heads those of T >= :data:`MMA_MANY_HEADS_MIN_T` when V is a multiple of 64.
     kv at K = 64: the other passes of at least :data:`COLUMN_MIN_T` tokens over more heads run the
     column kernel, 128-column slabs when V allows.
     """
     wide = V % 64 == 0
     few = heads is not None and heads <= MMA_MAX_HEADS
-    if multi and (T >= MMA_MIN_T if few else wide and (T in MMA_MANY_HEADS_T or T >= MMA_MANY_HEADS_MIN_T)):
+    if multi and (T >= MMA_MIN_T if few else wide and T >= MMA_MANY_HEADS_MIN_T):
         return f"{layout}{64 if wide else 32}tc"
     if layout == "kv":
         if multi and wide and K == KV_COLUMN_K and T >= COLUMN_MIN_T and (heads is None or heads > MMA_MAX_HEADS):

@@ -191,9 +191,10 @@ def test_tensor_core_path(layout, K, V, comba, gate, l2norm, T, initial):
 @pytest.mark.parametrize("K", [128, 64])
 @pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
 @pytest.mark.parametrize("gate,l2norm", [("log", False), ("linear", True)], ids=["log", "linear-l2norm"])
-@pytest.mark.parametrize("T,initial", [(7, True), (16, True), (13, False)], ids=["T7", "T16", "T13-zero-state"])
+@pytest.mark.parametrize("T,initial", [(5, True), (9, True), (16, True), (13, False)],
+                         ids=["T5", "T9", "T16", "T13-zero-state"])
 def test_tensor_core_path_many_heads(layout, K, comba, gate, l2norm, T, initial):
-    """More than 128 heads and nearly full 8-token chunks: the ops choose the tensor-core kernel."""
+    """More than 128 heads and T >= 5: the ops choose the tensor-core kernel."""
     B, H, Hk, V = 33, 4, 2, 128
     assert tiling.choose(layout, K, V, comba, multi=True, T=T, heads=B * H) == f"{layout}64tc"
     _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed=K + T + 1)
@@ -202,22 +203,30 @@ def test_tensor_core_path_many_heads(layout, K, comba, gate, l2norm, T, initial)
 @pytest.mark.parametrize("V", [128, 64])
 @pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
 @pytest.mark.parametrize("gate,l2norm", [("log", False), ("linear", True)], ids=["log", "linear-l2norm"])
-@pytest.mark.parametrize("T,initial", [(4, True), (5, True), (11, False)], ids=["T4", "T5", "T11-zero-state"])
+@pytest.mark.parametrize("T,initial", [(3, True), (4, False), (11, True)], ids=["T3", "T4-zero-state", "T11"])
 def test_column_kernel_path(V, comba, gate, l2norm, T, initial):
-    """K = 64 over many heads: the ops choose the column kernel; GVA, fp32 o, full and partial chunks."""
+    """K = 64 over many heads: the ops choose the column kernel for T = 3, 4 (a partial and a full
+    4-token chunk); T = 11 (two chunks and a partial one) runs it forced.  GVA, fp32 o."""
     B, H, Hk, K = 70, 4, 2, 64
-    assert tiling.choose("kv", K, V, comba, multi=True, T=T, heads=B * H).endswith("cc")
-    _check_forward_fp32(B, H, Hk, K, V, T, "kv", comba, gate, l2norm, initial, seed=V + T)
+    chosen = tiling.choose("kv", K, V, comba, multi=True, T=T, heads=B * H)
+    variant = None if T <= 4 else f"kv{V}cc"
+    assert chosen.endswith("cc") == (variant is None)
+    _check_forward_fp32(B, H, Hk, K, V, T, "kv", comba, gate, l2norm, initial, seed=V + T, variant=variant)
 
 
-def _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed):
-    """The op's forward pass (fp32 activations and o, NaN-poisoned outputs) against the reference."""
+def _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed, variant=None):
+    """The op's forward pass (fp32 activations and o, NaN-poisoned outputs) against the reference;
+    ``variant`` forces a tiling instead."""
     q, k, v, p, beta, g, S = forward_inputs(B, T, H, K, V, Hk=Hk, state_layout=layout, gate=gate, seed=seed,
                                             dtype=F32, normalize_keys=not l2norm, xp=cupy)
     opts = dict(state_layout=layout, gate=gate, use_qk_l2norm=l2norm)
     S0 = S if initial else None
     out, state_out = _poisoned((B, T, H, V), F32), _poisoned(S.shape, F32)
-    if comba:
+    if variant is not None:
+        _family_run(q, k, v, p if comba else None, beta, g, None, S0, True, out, state_out, None, layout, gate, l2norm,
+                    step=False, variant=variant)
+        o, S_new = out, state_out
+    elif comba:
         o, S_new = comba_forward(q, k, v, p, beta, g, initial_state=S0, out=out, state_out=state_out, **opts)
     else:
         o, S_new = gated_delta_forward(q, k, v, beta, g, initial_state=S0, out=out, state_out=state_out, **opts)
