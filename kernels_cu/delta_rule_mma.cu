@@ -15,8 +15,9 @@
 //   S^T = G_7 S0^T + (U^T diag(w)) [k_0 .. k_7]^T,   w_j = r(j, 7) fk_j
 //
 // -- the token recurrence of delta_rule.cu unrolled over the chunk (u_t is column t of U^T),
-// exact algebra.  The 8 x 8 system M and the dot products come from CUDA cores (fp32); the four
-// products with a V dimension run on tensor cores.
+// exact algebra.  Every product with a K or V dimension runs on the tensor cores: the four above
+// and the chunk's dot products, which are Gram products of the staged fragments ([p; q] k^T, and
+// for use_qk_l2norm the norms); only the 8 x 8 solve for M and the factors run on CUDA cores (fp32).
 //
 // Precision.  TF32 keeps 10 mantissa bits.  Every fp32 operand x is split as hi = x rounded to TF32,
 // lo = x - hi (split() below), and a product is hi*hi + hi*lo + lo*hi ("3xTF32"): about 2^-21
@@ -40,22 +41,26 @@
 // key parts of a value group add their partial [Rp | Rq] through shared memory.  Per chunk, four
 // CTA barriers:
 //   1. every thread stages 4 consecutive keys of one token of q, k, p (one 8- or 16-byte load
-//      where the rows allow it; a bf16 fast path with no dtype branch) as fp32 rows for the dot
-//      products and as whole hi / lo B fragments, plus its v values and the gates;
-//   2. the 88 dot products in 6 groups of 16, on warps 2 .. 7 when there are 8 warps (warps 0
-//      and 1 run their read meanwhile), else spread over all warps;
+//      where the rows allow it; a bf16 fast path with no dtype branch) as B fragments -- only the
+//      hi halves for 16-bit inputs -- plus its v values and the gates, and issues the next
+//      chunk's loads;
+//   2. every warp reads [Rp | Rq] over its keys; the warps of value group 0 also form the Gram
+//      products over theirs, the one against k inside the read loop from the fragments it loads;
 //   3. warps 0 and 1 solve the chunk's 8 x 8 coefficients once for the CTA (M; Bq and the
-//      per-token factors) while the others run their read;
+//      per-token factors);
 //   4. U, O and the write.
 // A warp runs 72 mma.sync a chunk with an fp32 among q, k, p (48 for the read, 3 + 3 for U and O, 24
-// for the write), 54 otherwise (32, 3 + 3, 16).
+// for the write), 54 otherwise (32, 3 + 3, 16); the warps of value group 0 add the Gram product
+// with k, and with use_qk_l2norm one more (Gated DeltaNet) or three (Comba), 8 mma.sync each (24
+// with an fp32 among q, k, p).
 //
 // Where it stands (docs/benchmarks.md, "Multi-token" and "Tilings"): with few heads (B*H <= 128)
 // the GPU waits on each token's latency and this kernel, 8 tokens a step, is the fastest from T = 6
-// on; with many heads one chunk costs about the same whatever its fill, so cupy_comba.tiling.choose
-// takes it there for T = 7, 8 and T >= 13 (B*H = 8192, K = V = 128, T = 16: 827-845 us against
-// 1006-1019 us for the token loop).  Nsight Compute at that shape: about 1230 instructions a warp a
-// chunk, half the issue rate, a fifth of the stall samples at the barriers.
+// on; with many heads one chunk costs about the same whatever its fill, and cupy_comba.tiling.choose
+// takes it there from T = 5 (B*H = 8192, K = V = 128, T = 16: 643.5-645.8 us, x2.46 of the decode
+// step, against 977 us for the token loop).  In-kernel clocks at that shape put a chunk at about
+// 6500 cycles a CTA, two CTAs an SM: staging 1100, the read 1700, the solve 1150 (two warps busy),
+// U, O and the write 900-1800.
 #include "common.cuh"
 #include "params.cuh"
 
@@ -290,7 +295,8 @@ __device__ __forceinline__ void issue_chunk(ChunkBits<K, MmaShape<K, SLAB>::NT, 
 }
 
 template <int K, int SLAB, bool SEPARATE_P, int PASS, bool FAST, bool EXACT>
-__device__ __forceinline__ void stage_chunk(MmaStage<K, SLAB, SEPARATE_P>& st, const ChunkBits<K, MmaShape<K, SLAB>::NT, SLAB>& x,
+__device__ __forceinline__ void stage_chunk(MmaStage<K, SLAB, SEPARATE_P>& st,
+                                            const ChunkBits<K, MmaShape<K, SLAB>::NT, SLAB>& x,
                                             const Params& prm, bool vec, int tid, int c) {
     constexpr int NT = MmaShape<K, SLAB>::NT;
     using Bits = ChunkBits<K, NT, SLAB>;
@@ -331,23 +337,24 @@ __device__ __forceinline__ void stage_chunk(MmaStage<K, SLAB, SEPARATE_P>& st, c
 // A 16 x 8 product of fragments whose lo halves are zero when EXACT (bf16 / fp16 inputs): one
 // mma.sync then, else three (3xTF32).
 template <bool EXACT>
-__device__ __forceinline__ void mma_fragments(float (&d)[4], const unsigned (&ah)[4], const unsigned (&al)[4], uint4 b) {
+__device__ __forceinline__ void mma_fragments(float (&d)[4], const unsigned (&ah)[4], const unsigned (&al)[4],
+                                              uint4 b) {
     if (EXACT) mma_tf32(d[0], d[1], d[2], d[3], ah, b.x, b.y);
     else mma3(d, ah, al, b);
 }
 
-// This warp's part (k-steps n0 .. n0 + 7) of the Gram products that give the norms for
-// use_qk_l2norm, into st.gram[n0 / 8]: A = [p_0 .. p_7 | q_0 .. q_7] as rows -- lane (g, j) holds p_g
-// and q_g at k-columns j, j + 4 in its staged B fragments of p and q, exactly an A fragment's four
-// values -- against B = q (|q_t|^2), and for Comba B = p (|p_t|^2) and A = [k | q] against k
-// (|k_t|^2).  (The read computes the third product, against k: k_j . p_t and k_j . q_t, and for
-// Gated DeltaNet |k_t|^2 = k_t . p_t.)
+// This warp's part (k-steps n0 .. n0 + 7) of the chunk's Gram products, into st.gram[n0 / 8]:
+// A = [p_0 .. p_7 | q_0 .. q_7] as rows -- lane (g, j) holds p_g and q_g at k-columns j, j + 4 in its
+// staged B fragments of p and q, exactly an A fragment's four values -- against B = k (k_j . p_t,
+// k_j . q_t; with 16-bit inputs the read loop forms this one from the fragments it loads, so it is
+// skipped here), and with use_qk_l2norm against B = q (|q_t|^2), for Comba also B = p (|p_t|^2)
+// and A = [k | q] against k (|k_t|^2).  For Gated DeltaNet |k_t|^2 = |p_t|^2 is k_t . p_t.
 template <int K, int SLAB, bool SEPARATE_P, bool EXACT>
 __device__ __forceinline__ void gram_products(MmaStage<K, SLAB, SEPARATE_P>& st, bool l2norm, int n0, int lane) {
     // Planes of MmaStage::x: p (k for Gated DeltaNet), q, k.
     constexpr int P = 0, Q = 1, KP = SEPARATE_P ? 2 : 0;
 #pragma unroll
-    for (int pr = EXACT ? kGramP : kGramK; pr <= kGramKK; ++pr) {  // one product at a time: few registers live
+    for (int pr = EXACT ? kGramP : kGramK; pr <= kGramKK; ++pr) {  // one product at a time
         if (pr != kGramK && !(l2norm && (SEPARATE_P || pr == kGramQ))) continue;
         const int rows = pr == kGramKK ? KP : P, cols = pr == kGramK || pr == kGramKK ? KP : pr == kGramQ ? Q : P;
         float d[4] = {0.f, 0.f, 0.f, 0.f};
@@ -491,8 +498,8 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
         if (decltype(exact_tag)::value && fast)
             stage_chunk<K, SLAB, SEPARATE_P, decltype(pass)::value, true, true>(st, bits, prm, vec, tid, count);
         else
-            stage_chunk<K, SLAB, SEPARATE_P, decltype(pass)::value, false, decltype(exact_tag)::value>(st, bits, prm, vec,
-                                                                                                     tid, count);
+            stage_chunk<K, SLAB, SEPARATE_P, decltype(pass)::value, false, decltype(exact_tag)::value>(
+                st, bits, prm, vec, tid, count);
     };
     if (T > 0) issue(Pass<0>{}, 0, min(C, T), Flag<true>{});
 
