@@ -90,23 +90,6 @@ __device__ __forceinline__ uint4 split_pair(float b0, float b1) {
     return f;
 }
 
-// A staged B fragment.  EXACT (bf16 / fp16 inputs, lo = 0): only the hi pair is stored and
-// loaded, 8 bytes; otherwise the whole {hi, hi, lo, lo}.
-template <bool EXACT>
-__device__ __forceinline__ void store_fragment(uint4& dst, float b0, float b1) {
-    if (EXACT) *reinterpret_cast<uint2*>(&dst) = make_uint2(__float_as_uint(b0), __float_as_uint(b1));
-    else dst = split_pair(b0, b1);
-}
-
-template <bool EXACT>
-__device__ __forceinline__ uint4 load_fragment(const uint4& src) {
-    if (EXACT) {
-        const uint2 h = *reinterpret_cast<const uint2*>(&src);
-        return make_uint4(h.x, h.y, 0u, 0u);
-    }
-    return src;
-}
-
 // An accumulator tile (c0 .. c3) as an A operand, split: a = (c0, c2, c1, c3) (the header's
 // permutation of the k index).
 __device__ __forceinline__ void a_operand(const float (&c)[4], unsigned (&hi)[4], unsigned (&lo)[4]) {
@@ -183,32 +166,6 @@ struct ChunkCoefficients {
     float g_last;                      // G_7
 };
 
-// The chunk's Gram products, each a 16 x 8 mma.sync accumulator, one per key part (summed when
-// read): rows [p_0 .. p_7 | q_0 .. q_7] (or [k | q] for kGramKK) against columns k, p or q.
-enum GramProduct { kGramK = 0, kGramP = 1, kGramQ = 2, kGramKK = 3 };
-
-template <int K, int SLAB, bool SEPARATE_P>
-struct MmaStage {
-    static constexpr int KS = MmaShape<K, SLAB>::KS, PLANES = SEPARATE_P ? 3 : 2;
-    uint4 x[K / 8][PLANES][32];        // B fragments of p, q (and k) over the keys, per k-step
-    uint4 kw[K / 8][32];               // write B fragments of [k_0 .. k_7]^T, per state column tile
-    float4 part[SLAB / 16][KS][2][32]; // per key part: the read's Rp, Rq
-    float4 gram[KS][4][32];            // per key part: the Gram products (GramProduct)
-    float v[kMmaChunk][SLAB];          // v of the slab
-    float e[kMmaChunk], beta[kMmaChunk];
-    ChunkCoefficients coef;
-
-    // Entry (r, c) of Gram product pr, summed over the key parts: lane 4 (r % 8) + c / 2 holds it,
-    // element 2 (r / 8) + c % 2 of its accumulator tile.
-    __device__ __forceinline__ float dot(int pr, int r, int c) const {
-        float s = 0.f;
-#pragma unroll
-        for (int kp = 0; kp < KS; ++kp)
-            s += reinterpret_cast<const float*>(&gram[kp][pr][4 * (r & 7) + (c >> 1)])[2 * (r >> 3) + (c & 1)];
-        return s;
-    }
-};
-
 // Four consecutive keys of one token: one 8- or 16-byte load where the keys are contiguous and
 // the rows aligned (`vec`), else four scalar loads (any strides).  Raw bits, converted at first
 // use (common.cuh, load_bits): 4 floats, or 4 16-bit values -- packed in .x, .y after a vector
@@ -251,6 +208,89 @@ struct ChunkBits {
     static_assert(E % 4 == 0 && PASSES <= 2 && SLAB % EV == 0, "bad staging split");
     uint4 q, k, p;
     unsigned v[EV], gate;
+};
+
+// The chunk's Gram products, each a 16 x 8 mma.sync accumulator, one per key part (summed when
+// read): rows [p_0 .. p_7 | q_0 .. q_7] (or [k | q] for kGramKK) against columns k, p or q.
+enum GramProduct { kGramK = 0, kGramP = 1, kGramQ = 2, kGramKK = 3 };
+
+// The bf16 fast path's loads go out two chunks ahead, as cp.async copies of the raw bits into a
+// ring of two chunk slots: the copies hold no registers while they fly (at many heads a load takes
+// about a chunk's time to arrive), and each thread reads back only the bytes it copied itself, so
+// no barrier guards the ring.  Entry tid + PASS NT of a plane holds the thread's 4 keys of pass
+// PASS (issue_chunk's split); v holds the thread's EV values, two a word.
+template <int K, int SLAB, bool SEPARATE_P>
+struct MmaRing {
+    static constexpr int NT = MmaShape<K, SLAB>::NT, PASSES = ChunkBits<K, NT, SLAB>::PASSES;
+    static constexpr int EV = ChunkBits<K, NT, SLAB>::EV;
+    uint2 qkp[2][SEPARATE_P ? 3 : 2][PASSES * NT];  // q, k, p
+    unsigned v[2][NT * EV / 2];
+};
+
+template <int K, int SLAB, bool SEPARATE_P>
+struct MmaStage {
+    static constexpr int KS = MmaShape<K, SLAB>::KS, PLANES = SEPARATE_P ? 3 : 2;
+    // B fragments over the keys, per k-step: p (k for Gated DeltaNet), q, and k for Comba (read and
+    // Gram operands); kw: the write's fragments of [k_0 .. k_7]^T, per state column tile.  With an fp32
+    // among q, k, p the whole {hi, hi, lo, lo}; with 16-bit inputs only the hi pair (lo = 0), which
+    // leaves room for the fast path's ring in the same bytes.
+    struct Full {
+        uint4 x[K / 8][PLANES][32];
+        uint4 kw[K / 8][32];
+    };
+    struct Hi {
+        uint2 x[K / 8][PLANES][32];
+        uint2 kw[K / 8][32];
+        MmaRing<K, SLAB, SEPARATE_P> ring;
+    };
+    static_assert(sizeof(Hi) <= sizeof(Full), "the ring must fit beside the hi fragments");
+    union {
+        Full full;
+        Hi hi;
+    } frag;
+    float4 part[SLAB / 16][KS][2][32]; // per key part: the read's Rp, Rq
+    float4 gram[KS][4][32];            // per key part: the Gram products (GramProduct)
+    float v[kMmaChunk][SLAB];          // v of the slab
+    float e[kMmaChunk], beta[kMmaChunk];
+    ChunkCoefficients coef;
+
+    template <bool EXACT>
+    __device__ __forceinline__ uint4 x(int n, int plane, int slot) const {
+        if (!EXACT) return frag.full.x[n][plane][slot];
+        const uint2 f = frag.hi.x[n][plane][slot];
+        return make_uint4(f.x, f.y, 0u, 0u);
+    }
+    template <bool EXACT>
+    __device__ __forceinline__ void set_x(int n, int plane, int slot, float b0, float b1) {
+        if (EXACT) frag.hi.x[n][plane][slot] = make_uint2(__float_as_uint(b0), __float_as_uint(b1));
+        else frag.full.x[n][plane][slot] = split_pair(b0, b1);
+    }
+    template <bool EXACT>
+    __device__ __forceinline__ uint4 kw(int n, int slot) const {
+        if (!EXACT) return frag.full.kw[n][slot];
+        const uint2 f = frag.hi.kw[n][slot];
+        return make_uint4(f.x, f.y, 0u, 0u);
+    }
+    // Value x of B fragment register i (0 or 1) of kw[n][slot].
+    template <bool EXACT>
+    __device__ __forceinline__ void set_kw(int n, int slot, int i, float x) {
+        if (EXACT) {
+            reinterpret_cast<unsigned*>(&frag.hi.kw[n][slot])[i] = __float_as_uint(x);
+        } else {
+            unsigned* f = reinterpret_cast<unsigned*>(&frag.full.kw[n][slot]);
+            split(x, f[i], f[2 + i]);
+        }
+    }
+
+    // Entry (r, c) of Gram product pr, summed over the key parts: lane 4 (r % 8) + c / 2 holds it,
+    // element 2 (r / 8) + c % 2 of its accumulator tile.
+    __device__ __forceinline__ float dot(int pr, int r, int c) const {
+        float s = 0.f;
+#pragma unroll
+        for (int kp = 0; kp < KS; ++kp)
+            s += reinterpret_cast<const float*>(&gram[kp][pr][4 * (r & 7) + (c >> 1)])[2 * (r >> 3) + (c & 1)];
+        return s;
+    }
 };
 
 // FAST: every one of q, k, p, v bf16 with vector rows (the kernel's `fast`), so no dtype or stride
@@ -306,22 +346,18 @@ __device__ __forceinline__ void stage_chunk(MmaStage<K, SLAB, SEPARATE_P>& st,
     const float4 xp = SEPARATE_P ? bits4_to_float4(x.p, FAST ? BF16 : prm.p_t, FAST || vec) : xk;
     // Read operand: keys 8n + 2j, 8n + 2j + 1 are k-columns j, j + 4 (b0, b1) of lane 4t + j.
     const int n = kk >> 3, j0 = (kk & 7) >> 1, sw = x_swizzle(n);
-    store_fragment<EXACT>(st.x[n][0][(4 * t + j0) ^ sw], xp.x, xp.y);
-    store_fragment<EXACT>(st.x[n][0][(4 * t + j0 + 1) ^ sw], xp.z, xp.w);
-    store_fragment<EXACT>(st.x[n][1][(4 * t + j0) ^ sw], xq.x, xq.y);
-    store_fragment<EXACT>(st.x[n][1][(4 * t + j0 + 1) ^ sw], xq.z, xq.w);
+    st.template set_x<EXACT>(n, 0, (4 * t + j0) ^ sw, xp.x, xp.y);
+    st.template set_x<EXACT>(n, 0, (4 * t + j0 + 1) ^ sw, xp.z, xp.w);
+    st.template set_x<EXACT>(n, 1, (4 * t + j0) ^ sw, xq.x, xq.y);
+    st.template set_x<EXACT>(n, 1, (4 * t + j0 + 1) ^ sw, xq.z, xq.w);
     if constexpr (SEPARATE_P) {  // k in the same layout, for the Gram products
-        store_fragment<EXACT>(st.x[n][2][(4 * t + j0) ^ sw], xk.x, xk.y);
-        store_fragment<EXACT>(st.x[n][2][(4 * t + j0 + 1) ^ sw], xk.z, xk.w);
+        st.template set_x<EXACT>(n, 2, (4 * t + j0) ^ sw, xk.x, xk.y);
+        st.template set_x<EXACT>(n, 2, (4 * t + j0 + 1) ^ sw, xk.z, xk.w);
     }
     // Write operand: token t is k-row t / 2 (b0, even t) or t / 2 + 4 (b1, odd t) of lane (key % 8, t / 2).
     const float xs[4] = {xk.x, xk.y, xk.z, xk.w};
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        unsigned* f = reinterpret_cast<unsigned*>(&st.kw[n][kw_lane((kk & 7) + e, t >> 1)]);
-        if (EXACT) f[t & 1] = __float_as_uint(xs[e]);
-        else split(xs[e], f[t & 1], f[2 + (t & 1)]);
-    }
+    for (int e = 0; e < 4; ++e) st.template set_kw<EXACT>(n, kw_lane((kk & 7) + e, t >> 1), t & 1, xs[e]);
     if (PASS == 0) {
         const int iv = Bits::EV * tid;
 #pragma unroll
@@ -361,10 +397,10 @@ __device__ __forceinline__ void gram_products(MmaStage<K, SLAB, SEPARATE_P>& st,
 #pragma unroll 2
         for (int n = 0; n < MmaShape<K, SLAB>::NKW; ++n) {
             const int slot = lane ^ x_swizzle(n0 + n);
-            const uint4 xr = load_fragment<EXACT>(st.x[n0 + n][rows][slot]);
-            const uint4 xq = load_fragment<EXACT>(st.x[n0 + n][Q][slot]);
+            const uint4 xr = st.template x<EXACT>(n0 + n, rows, slot);
+            const uint4 xq = st.template x<EXACT>(n0 + n, Q, slot);
             const unsigned ah[4] = {xr.x, xq.x, xr.y, xq.y}, al[4] = {xr.z, xq.z, xr.w, xq.w};
-            mma_fragments<EXACT>(d, ah, al, load_fragment<EXACT>(st.x[n0 + n][cols][slot]));
+            mma_fragments<EXACT>(d, ah, al, st.template x<EXACT>(n0 + n, cols, slot));
         }
         st.gram[n0 / MmaShape<K, SLAB>::NKW][pr][lane] = make_float4(d[0], d[1], d[2], d[3]);
     }
@@ -433,6 +469,72 @@ __device__ __forceinline__ void chunk_coefficients(ChunkCoefficients& cf, const 
     }
 }
 
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// cp.async of BYTES (4 or 8) from global to shared memory; zero-filled when !valid (src not read).
+template <int BYTES>
+__device__ __forceinline__ void copy_async(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(shared_address(dst)), "l"(src), "n"(BYTES),
+                 "r"(valid ? BYTES : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Waits until at most N of this thread's most recent cp.async groups are still in flight.
+template <int N>
+__device__ __forceinline__ void copy_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// The fast path's copies of one chunk (tokens t0 .. t0 + c - 1; zeros past them) into ring slot
+// `slot`: the same split over the threads as issue_chunk, every pass at once.  The gates stay
+// register loads (issue_chunk_gates): 2-byte values, on 16 threads.
+template <int K, int SLAB, bool SEPARATE_P>
+__device__ __forceinline__ void issue_chunk_ring(MmaRing<K, SLAB, SEPARATE_P>& ring, int slot, const void* q,
+                                                 const void* k, const void* v, const void* p, const Params& prm,
+                                                 int tid, int b, int h, int hk, int slab0, int t0, int c) {
+    using Ring = MmaRing<K, SLAB, SEPARATE_P>;
+    constexpr int NT = Ring::NT, EV = Ring::EV;
+    const unsigned short *q16 = static_cast<const unsigned short*>(q), *k16 = static_cast<const unsigned short*>(k),
+                         *p16 = static_cast<const unsigned short*>(p), *v16 = static_cast<const unsigned short*>(v);
+#pragma unroll
+    for (int pass = 0; pass < Ring::PASSES; ++pass) {
+        const int e = tid + pass * NT, t = 4 * e / K, kk = 4 * e % K;
+        const bool ok = t < c;
+        const long long tt = t0 + (ok ? t : 0);  // a valid address either way
+        copy_async<8>(&ring.qkp[slot][0][e], q16 + b * prm.q_sb + tt * prm.q_st + hk * prm.q_sh + kk, ok);
+        copy_async<8>(&ring.qkp[slot][1][e], k16 + b * prm.k_sb + tt * prm.k_st + hk * prm.k_sh + kk, ok);
+        if (SEPARATE_P)
+            copy_async<8>(&ring.qkp[slot][2][e], p16 + b * prm.p_sb + tt * prm.p_st + hk * prm.p_sh + kk, ok);
+    }
+    const int iv = EV * tid, tv = iv / SLAB, vv = iv % SLAB;
+    const bool ok = tv < c;
+    const long long tt = t0 + (ok ? tv : 0);
+    copy_async<2 * EV>(&ring.v[slot][tid * EV / 2], v16 + b * prm.v_sb + tt * prm.v_st + h * prm.v_sh + slab0 + vv, ok);
+}
+
+// This thread's bits of pass PASS of the chunk in ring slot `slot`, in issue_chunk's FAST form.
+template <int K, int SLAB, bool SEPARATE_P, int PASS>
+__device__ __forceinline__ void ring_bits(ChunkBits<K, MmaShape<K, SLAB>::NT, SLAB>& x,
+                                          const MmaRing<K, SLAB, SEPARATE_P>& ring, int slot, int tid) {
+    using Ring = MmaRing<K, SLAB, SEPARATE_P>;
+    const int e = tid + PASS * Ring::NT;
+    const uint2 fq = ring.qkp[slot][0][e], fk = ring.qkp[slot][1][e];
+    x.q = make_uint4(fq.x, fq.y, 0u, 0u);
+    x.k = make_uint4(fk.x, fk.y, 0u, 0u);
+    if (SEPARATE_P) {
+        const uint2 fp = ring.qkp[slot][2][e];
+        x.p = make_uint4(fp.x, fp.y, 0u, 0u);
+    }
+    if (PASS == 0) {
+#pragma unroll
+        for (int i = 0; i < Ring::EV / 2; ++i) x.v[i] = ring.v[slot][tid * Ring::EV / 2 + i];
+    }
+}
+
 template <int P>
 struct Pass {
     static constexpr int value = P;
@@ -485,23 +587,29 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
     const bool o_pairs = prm.o_sv == 1 && prm.o_sb % 2 == 0 && prm.o_st % 2 == 0 && prm.o_sh % 2 == 0 &&
                          reinterpret_cast<unsigned long long>(o) % o_bytes == 0;
     Bits bits;
-    // `fast` implies bf16 q, k, p, so the loop built for EXACT = false (fp32 among them) has no fast path.
-    auto issue = [&](auto pass, int t_first, int count, auto exact_tag) {
-        if (decltype(exact_tag)::value && fast)
-            issue_chunk<K, SLAB, SEPARATE_P, decltype(pass)::value, true>(bits, q, k, v, p, beta, g, prm, vec, tid, b, h,
-                                                                          hk, slab0, t_first, count);
-        else
-            issue_chunk<K, SLAB, SEPARATE_P, decltype(pass)::value, false>(bits, q, k, v, p, beta, g, prm, vec, tid, b,
-                                                                           h, hk, slab0, t_first, count);
+    // Loads go out a chunk ahead into registers (any dtype and strides); the bf16 fast path copies
+    // two chunks ahead into the ring instead (MmaRing), its gates a chunk ahead of bits.gate.
+    auto issue = [&](auto pass, int t_first, int count) {
+        issue_chunk<K, SLAB, SEPARATE_P, decltype(pass)::value, false>(bits, q, k, v, p, beta, g, prm, vec, tid, b, h,
+                                                                       hk, slab0, t_first, count);
     };
-    auto stage = [&](auto pass, int count, auto exact_tag) {
-        if (decltype(exact_tag)::value && fast)
-            stage_chunk<K, SLAB, SEPARATE_P, decltype(pass)::value, true, true>(st, bits, prm, vec, tid, count);
-        else
-            stage_chunk<K, SLAB, SEPARATE_P, decltype(pass)::value, false, decltype(exact_tag)::value>(
-                st, bits, prm, vec, tid, count);
+    auto issue_ring = [&](int t_first) {  // the chunk from t_first into slot (t_first / C) % 2, as one group
+        if (t_first < T)
+            issue_chunk_ring<K, SLAB, SEPARATE_P>(st.frag.hi.ring, (t_first / C) & 1, q, k, v, p, prm, tid, b, h, hk,
+                                                  slab0, t_first, min(C, T - t_first));
+        copy_async_commit();
     };
-    if (T > 0) issue(Pass<0>{}, 0, min(C, T), Flag<true>{});
+    unsigned gate_next = 0;
+    if (T > 0) {
+        if (fast) {
+            issue_ring(0);
+            issue_ring(C);
+            bits.gate = issue_chunk_gates<C>(beta, g, prm, tid, b, h, 0, min(C, T));
+            if (C < T) gate_next = issue_chunk_gates<C>(beta, g, prm, tid, b, h, C, min(C, T - C));
+        } else {
+            issue(Pass<0>{}, 0, min(C, T));
+        }
+    }
 
     // acc[n]: tile n of the state in memory order (mma3_state), kk = 8 (n0 + n) + 2 lj.
     float acc[NKW][4];
@@ -521,17 +629,33 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
     // EXACT: q, k and p are all bf16 / fp16, whose values TF32 holds exactly, so the read and write
     // products skip their B operands' lo halves (two mma.sync each instead of three, same sums).
     const bool exact = prm.q_t != F32 && prm.k_t != F32 && (!SEPARATE_P || prm.p_t != F32);
-    auto chunks = [&](auto exact_tag) {
-        constexpr bool EXACT = decltype(exact_tag)::value;
+    auto chunks = [&](auto exact_tag, auto fast_tag) {
+        constexpr bool EXACT = decltype(exact_tag)::value, FAST = decltype(fast_tag)::value;
+        static_assert(EXACT || !FAST, "the fast path is bf16");
         for (int t0 = 0; t0 < T; t0 += C) {
             const int c = min(C, T - t0);
             __syncthreads();  // the previous chunk's readers are done with the stage
-            stage(Pass<0>{}, c, exact_tag);
-            if constexpr (Bits::PASSES > 1) {
-                issue(Pass<1>{}, t0, c, exact_tag);
-                stage(Pass<1>{}, c, exact_tag);
+            if constexpr (FAST) {
+                const int slot = (t0 / C) & 1;
+                copy_async_wait<1>();  // this chunk's copies have landed; the next chunk's may still fly
+                ring_bits<K, SLAB, SEPARATE_P, 0>(bits, st.frag.hi.ring, slot, tid);
+                stage_chunk<K, SLAB, SEPARATE_P, 0, true, true>(st, bits, prm, vec, tid, c);
+                if constexpr (Bits::PASSES > 1) {
+                    ring_bits<K, SLAB, SEPARATE_P, 1>(bits, st.frag.hi.ring, slot, tid);
+                    stage_chunk<K, SLAB, SEPARATE_P, 1, true, true>(st, bits, prm, vec, tid, c);
+                }
+                issue_ring(t0 + 2 * C);  // into the slot this thread has just read
+                bits.gate = gate_next;
+                if (t0 + 2 * C < T)
+                    gate_next = issue_chunk_gates<C>(beta, g, prm, tid, b, h, t0 + 2 * C, min(C, T - t0 - 2 * C));
+            } else {
+                stage_chunk<K, SLAB, SEPARATE_P, 0, false, EXACT>(st, bits, prm, vec, tid, c);
+                if constexpr (Bits::PASSES > 1) {
+                    issue(Pass<1>{}, t0, c);
+                    stage_chunk<K, SLAB, SEPARATE_P, 1, false, EXACT>(st, bits, prm, vec, tid, c);
+                }
+                if (t0 + C < T) issue(Pass<0>{}, t0 + C, min(C, T - t0 - C));
             }
-            if (t0 + C < T) issue(Pass<0>{}, t0 + C, min(C, T - t0 - C), exact_tag);
             __syncthreads();
 
             // Read: [Rp | Rq] = S0^T [p | q] over this warp's keys, then summed over the key parts.
@@ -548,13 +672,13 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
                     unsigned ah[4], al[4];
                     state_a_operand<VK>(acc[n], ah, al);
                     const int slot = lane ^ x_swizzle(n0 + n);
-                    const uint4 xp = load_fragment<EXACT>(st.x[n0 + n][0][slot]);
-                    const uint4 xq = load_fragment<EXACT>(st.x[n0 + n][1][slot]);
+                    const uint4 xp = st.template x<EXACT>(n0 + n, 0, slot);
+                    const uint4 xq = st.template x<EXACT>(n0 + n, 1, slot);
                     mma3<EXACT>(n % 2 ? rp2 : rp, ah, al, xp);
                     mma3<EXACT>(n % 2 ? rq2 : rq, ah, al, xq);
                     if (EXACT && gram_warp) {
                         const unsigned gh[4] = {xp.x, xq.x, xp.y, xq.y}, gl[4] = {xp.z, xq.z, xp.w, xq.w};
-                        mma_fragments<EXACT>(dk, gh, gl, SEPARATE_P ? load_fragment<EXACT>(st.x[n0 + n][2][slot]) : xp);
+                        mma_fragments<EXACT>(dk, gh, gl, SEPARATE_P ? st.template x<EXACT>(n0 + n, 2, slot) : xp);
                     }
                 }
 #pragma unroll
@@ -618,12 +742,13 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
             for (int n = 0; n < NKW; ++n) {
 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc[n][i] *= gl;
-                mma3_state<VK, EXACT>(acc[n], uh, ul, load_fragment<EXACT>(st.kw[n0 + n][kw_lane(lg, lj)]));
+                mma3_state<VK, EXACT>(acc[n], uh, ul, st.template kw<EXACT>(n0 + n, kw_lane(lg, lj)));
             }
         }
     };
-    if (exact) chunks(Flag<true>{});
-    else chunks(Flag<false>{});
+    if (fast) chunks(Flag<true>{}, Flag<true>{});
+    else if (exact) chunks(Flag<true>{}, Flag<false>{});
+    else chunks(Flag<false>{}, Flag<false>{});
 
     if (prm.write_final) {
         float* dst = state_out + head + first;

@@ -236,6 +236,28 @@ def _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial,
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
+@pytest.mark.parametrize("dtype", [bfloat16, F16], ids=lambda d: numpy.dtype(d).name)
+def test_tensor_core_kernel_16bit_inputs(layout, K, comba, dtype):
+    """bf16 (the fast path, whose loads go two chunks ahead through shared memory) and fp16 inputs with
+    use_qk_l2norm: 1 to 4 chunks, both slab widths, GVA, fp32 o against the reference."""
+    B, H, Hk, V = 3, 4, 2, 128
+    for T in (1, 9, 29):
+        q, k, v, p, beta, g, S = forward_inputs(B, T, H, K, V, Hk=Hk, state_layout=layout, seed=K + T, dtype=dtype,
+                                                normalize_keys=False, xp=cupy)
+        p = p if comba else None
+        S_ref, o_ref = reference.comba_loop(S, q, k, v, k if p is None else p, beta, g, state_layout=layout,
+                                            use_qk_l2norm=True)
+        for slab in (64, 32):
+            out, state_out = _poisoned((B, T, H, V), F32), _poisoned(S.shape, F32)
+            _family_run(q, k, v, p, beta, g, None, S, True, out, state_out, None, layout, "log", True, step=False,
+                        variant=f"{layout}{slab}tc")
+            assert reference.relative_error(state_out, S_ref) <= 1e-6, (T, slab)
+            assert reference.relative_error(out, o_ref) <= O_TOL[F32], (T, slab)
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("dtype", [bfloat16, F32], ids=lambda d: numpy.dtype(d).name)
 def test_tensor_core_kernel_keeps_nan(layout, dtype):
     """A NaN state entry (the bits CUDA's own NaN has, 0x7fffffff, which the TF32 split's rounding add
