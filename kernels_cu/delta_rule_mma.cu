@@ -41,9 +41,9 @@
 // key parts of a value group add their partial [Rp | Rq] through shared memory.  Per chunk, four
 // CTA barriers:
 //   1. every thread stages 4 consecutive keys of one token of q, k, p (one 8- or 16-byte load
-//      where the rows allow it; a bf16 fast path with no dtype branch) as B fragments -- only the
-//      hi halves for 16-bit inputs -- plus its v values and the gates, and issues the next
-//      chunk's loads;
+//      where the rows allow it) as B fragments -- only the hi halves for 16-bit inputs -- plus its
+//      v values and the gates, and issues the next chunk's loads; bf16 in contiguous rows (the fast
+//      path, no dtype branch) is copied two chunks ahead into shared memory instead (MmaRing);
 //   2. every warp reads [Rp | Rq] over its keys; the warps of value group 0 also form the Gram
 //      products over theirs, the one against k inside the read loop from the fragments it loads;
 //   3. warps 0 and 1 solve the chunk's 8 x 8 coefficients once for the CTA (M; Bq and the
@@ -57,10 +57,10 @@
 // Where it stands (docs/benchmarks.md, "Multi-token" and "Tilings"): with few heads (B*H <= 128)
 // the GPU waits on each token's latency and this kernel, 8 tokens a step, is the fastest from T = 6
 // on; with many heads one chunk costs about the same whatever its fill, and cupy_comba.tiling.choose
-// takes it there from T = 5 (B*H = 8192, K = V = 128, T = 16: 643.5-645.8 us, x2.46 of the decode
-// step, against 977 us for the token loop).  In-kernel clocks at that shape put a chunk at about
-// 6500 cycles a CTA, two CTAs an SM: staging 1100, the read 1700, the solve 1150 (two warps busy),
-// U, O and the write 900-1800.
+// takes it there from T = 5 (B*H = 8192, K = V = 128, T = 16: 624-627 us, x2.37-2.38 of the decode
+// step, against 977 us for the token loop).  In-kernel clocks at that shape (before the bf16 ring)
+// put a chunk at about 6500 cycles a CTA, two CTAs an SM: staging 600-1700, the read 1500-1900, the
+// solve 1150 (two warps busy), U, O and the write 900-2800.
 #include "common.cuh"
 #include "params.cuh"
 
