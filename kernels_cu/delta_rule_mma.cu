@@ -70,9 +70,9 @@ constexpr int kMmaChunk = 8;
 
 // hi, lo halves of x: x = hi + lo exactly, hi = x rounded to TF32 (10 mantissa bits, ties away from
 // zero; integer arithmetic, 2 instructions against 4 for cvt.rna.tf32's inf / NaN handling).  lo goes
-// to the tensor cores as it is; they read only its top 19 bits (lo to < 2^-10 of itself, so x to
-// < 2^-21).  NaN stays NaN: hi of the canonical NaN (0x7fffffff) wraps to -0, but lo is NaN.  When x
-// is already a TF32 value (every bf16 or fp16 input), hi = x and lo = 0 exactly.
+// to the tensor cores unrounded: whether they truncate it to TF32 or use more of its bits, the error
+// stays under 2^-10 of lo, 2^-21 of x.  NaN stays NaN: hi of the canonical NaN (0x7fffffff) wraps to
+// -0, but lo is NaN.  When x is already a TF32 value (every bf16 or fp16 input), hi = x and lo = 0.
 __device__ __forceinline__ void split(float x, unsigned& hi, unsigned& lo) {
     hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
     lo = __float_as_uint(x - __uint_as_float(hi));
