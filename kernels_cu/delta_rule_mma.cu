@@ -573,8 +573,6 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
     const int first = VK ? (slab0 + vl) * K + kk0 : kk0 * V + slab0 + vl;
     const int next_row = VK ? K : V, next_tile = VK ? 8 : 8 * V;
 
-    // The first pass of each chunk's loads is issued one chunk ahead: in flight while the previous
-    // chunk is computed.  The first chunk's go out before the state, which is needed later.
     static_assert(NW >= 2, "the coefficients take two warps");
     const bool vec = rows_vectorisable(q, prm.q_sb, prm.q_st, prm.q_sh, prm.q_sk, prm.q_t) &&
                      rows_vectorisable(k, prm.k_sb, prm.k_st, prm.k_sh, prm.k_sk, prm.k_t) &&
@@ -587,8 +585,10 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
     const bool o_pairs = prm.o_sv == 1 && prm.o_sb % 2 == 0 && prm.o_st % 2 == 0 && prm.o_sh % 2 == 0 &&
                          reinterpret_cast<unsigned long long>(o) % o_bytes == 0;
     Bits bits;
-    // Loads go out a chunk ahead into registers (any dtype and strides); the bf16 fast path copies
-    // two chunks ahead into the ring instead (MmaRing), its gates a chunk ahead of bits.gate.
+    // Loads go out a chunk ahead into registers (any dtype and strides; with two passes the second is
+    // loaded and staged in turn); the bf16 fast path copies two chunks ahead into the ring instead
+    // (MmaRing), its gates a chunk ahead of bits.gate.  The first chunk's loads go out before the
+    // state's, which the read needs later.
     auto issue = [&](auto pass, int t_first, int count) {
         issue_chunk<K, SLAB, SEPARATE_P, decltype(pass)::value, false>(bits, q, k, v, p, beta, g, prm, vec, tid, b, h,
                                                                        hk, slab0, t_first, count);
