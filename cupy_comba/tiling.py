@@ -58,17 +58,17 @@ MMA_MAX_HEADS = 128
 
 #: Over more heads the tensor-core kernel runs T-token passes of at least MMA_MANY_HEADS_MIN_T
 #: tokens (bench-h200-forward-manyheads*.json, B*H = 256 and 8192, both layouts, K = 64 and 128:
-#: from T = 5 it led or tied every case but one, kv at K = 128, T = 9 and 8192 heads, 5 % behind the
-#: token loop; at T = 3 and 4 the chunked, column or token-loop kernels lead).  Only its 64-column
-#: slabs: the 32-column ones were measured at this many heads only at K = 128, 1.4x slower than the
-#: 64-column ones.
+#: from T = 5 it is within 2.3 % of the best kernel in every case and the best in all but kv at K =
+#: 128, T = 9, 8192 heads and vk at K = 128, T = 5, 256 heads; at T = 3 and 4 the chunked, column or
+#: token-loop kernels lead at 8192 heads).  Only its 64-column slabs: at 8192 heads the 32-column ones
+#: ran 1.15-1.22x slower at K = 128 and within 6 % either way at K = 64 (bench-h200-forward-tilings.json).
 MMA_MANY_HEADS_MIN_T = 5
 
 #: "kv" T-token passes at K = 64 of at least COLUMN_MIN_T tokens (and fewer than the tensor-core
 #: kernel takes, where V allows it) over more than MMA_MAX_HEADS heads run the column kernel
-#: (``kv{COLS}cc``; bench-h200-forward-lowT.json: at T = 3 and 4, 194-199 us against 205-239 us for
-#: the token loop and 248 us for the tensor-core kernel at B*H = 8192; at T = 2 the token loop is 7 %
-#: faster).
+#: (``kv{COLS}cc``; bench-h200-forward-lowT.json: at T = 3 and 4, 194-198 us against 205-238 us for
+#: the token loop and 250-251 us for the tensor-core kernel at B*H = 8192; at T = 2 the token loop is
+#: 8 % faster).
 COLUMN_MIN_T = 3
 
 
