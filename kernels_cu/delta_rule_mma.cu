@@ -155,7 +155,9 @@ struct MmaShape {
 __device__ __forceinline__ int kw_lane(int g, int j) { return 4 * g + (j ^ ((g >> 1) & 3)); }
 
 // Read fragments of k-step n are kept at lane ^ x_swizzle(n) of their row of MmaStage::x: the 8
-// threads of one 16-byte store phase (4 k-steps x 2 lanes) then hit 8 different bank groups.
+// threads of one 16-byte store phase of the whole fragments (4 k-steps x 2 lanes) then hit 8
+// different bank groups.  (Chosen for those; the 8-byte hi-only stores of 16-bit inputs were not
+// tuned separately.)
 __device__ __forceinline__ int x_swizzle(int n) { return (n & 1) | ((n & 2) << 1); }
 
 // The 8 x 8 coefficients of a chunk (the header's M, Bq, ...), one copy a CTA.
@@ -200,8 +202,9 @@ __device__ __forceinline__ bool rows_vectorisable(const void* base, long long sb
 
 // Raw bits of one chunk that thread `tid` stages: in pass P keys 4 (tid + P NT) .. + 3 of the C x K
 // token-major q, k, p (one token), EV consecutive values of the v slab, and beta / g on threads
-// 0 .. 2C - 1.  One pass is issued a chunk ahead; with two passes the second is loaded and staged
-// in turn, so that the bits in flight and the state fit the registers together.
+// 0 .. 2C - 1.  On the register path one pass is issued a chunk ahead; with two passes the second
+// is loaded and staged in turn, so that the bits in flight and the state fit the registers
+// together.  The bf16 fast path fills it from the ring (ring_bits), both passes two chunks ahead.
 template <int K, int NT, int SLAB>
 struct ChunkBits {
     static constexpr int E = kMmaChunk * K / NT, PASSES = E / 4, EV = kMmaChunk * SLAB / NT;
