@@ -492,10 +492,13 @@ struct ChunkStage {
     float e[kChunk], beta[kChunk];
 };
 
-// At most ~170 registers a thread (three 128-thread CTAs per SM): the state, the 32 column sums and
-// the staging of the chunked tilings fit without spilling; left free, ptxas takes 220-250.
+// CTAs an SM, as many as the registers allow without spilling (left free, ptxas takes 220-250 a
+// thread): four 128-thread CTAs (128 registers) for Gated DeltaNet over 64-column slabs, which sum
+// each token's column sums where they are used (LAZY below); three for Comba, whose p adds to the
+// staging; six 64-thread CTAs (168 registers) for 32-column slabs.  (Summed lazily, the 32-column
+// slabs spill at 168 registers and ran 1.15-1.2x slower at 255, four CTAs an SM.)
 template <int K, int COLS, int RG, bool SEPARATE_P>
-__global__ void __launch_bounds__(COLS / 4 * RG, 3 * 128 / (COLS / 4 * RG))
+__global__ void __launch_bounds__(COLS / 4 * RG, COLS == 64 && !SEPARATE_P ? 4 : 384 / (COLS / 4 * RG))
 delta_rule_kv_chunked(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
                       const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
                       const void* __restrict__ g, void* __restrict__ o, const Params prm, const float scale) {
@@ -585,17 +588,24 @@ delta_rule_kv_chunked(const float* state, float* state_out, const void* __restri
         __syncthreads();
 
         // 4. Every thread: the chunk's u_t and o_t for its four columns (same order everywhere).
-        float4 Pt[C], Qt[C];
-#pragma unroll
-        for (int t = 0; t < C; ++t) {
-            Pt[t] = red[0][t][lc];
-            Qt[t] = red[0][C + t][lc];
+        //    Token t's column sums, summed over the warps where the solve uses them (LAZY), so that
+        //    the chunk's eight float4 are never live at once; the 32-column slabs sum them all first,
+        //    which their register budget holds without spilling (the launch bounds above).
+        constexpr bool LAZY = COLS == 64;
+        auto column_sums = [&](int t, float4& Pt, float4& Qt) {
+            Pt = red[0][t][lc];
+            Qt = red[0][C + t][lc];
 #pragma unroll
             for (int w = 1; w < NW; ++w) {
                 const float4 a = red[w][t][lc], z = red[w][C + t][lc];
-                Pt[t].x += a.x; Pt[t].y += a.y; Pt[t].z += a.z; Pt[t].w += a.w;
-                Qt[t].x += z.x; Qt[t].y += z.y; Qt[t].z += z.z; Qt[t].w += z.w;
+                Pt.x += a.x; Pt.y += a.y; Pt.z += a.z; Pt.w += a.w;
+                Qt.x += z.x; Qt.y += z.y; Qt.z += z.z; Qt.w += z.w;
             }
+        };
+        float4 Ps[LAZY ? 1 : C], Qs[LAZY ? 1 : C];
+        if constexpr (!LAZY) {
+#pragma unroll
+            for (int t = 0; t < C; ++t) column_sums(t, Ps[t], Qs[t]);
         }
         const ChunkFactors<SEPARATE_P> f(st.dsum, st.e, prm);
         const float (&fq)[C] = f.fq, (&fk)[C] = f.fk, (&fp)[C] = f.fp, (&e)[C] = f.e;
@@ -608,10 +618,17 @@ delta_rule_kv_chunked(const float* state, float* state_out, const void* __restri
             for (int cc = 0; cc < 4; ++cc) u[t][cc] = 0.f;
             if (t < c) {
                 G *= e[t];
+                float4 Pt, Qt;
+                if constexpr (LAZY) {
+                    column_sums(t, Pt, Qt);
+                } else {
+                    Pt = Ps[t];
+                    Qt = Qs[t];
+                }
                 const float4 vt = st.v[t][lc];
                 const float bt = st.beta[t];
-                float a[4] = {G * fp[t] * Pt[t].x, G * fp[t] * Pt[t].y, G * fp[t] * Pt[t].z, G * fp[t] * Pt[t].w};
-                float y[4] = {G * fq[t] * Qt[t].x, G * fq[t] * Qt[t].y, G * fq[t] * Qt[t].z, G * fq[t] * Qt[t].w};
+                float a[4] = {G * fp[t] * Pt.x, G * fp[t] * Pt.y, G * fp[t] * Pt.z, G * fp[t] * Pt.w};
+                float y[4] = {G * fq[t] * Qt.x, G * fq[t] * Qt.y, G * fq[t] * Qt.z, G * fq[t] * Qt.w};
                 float rr = 1.f;  // r(j, t)
 #pragma unroll
                 for (int j = t - 1; j >= 0; --j) {
