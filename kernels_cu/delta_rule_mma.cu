@@ -296,9 +296,8 @@ struct MmaStage {
     }
 };
 
-// FAST: every one of q, k, p, v bf16 with vector rows (the kernel's `fast`), so no dtype or stride
-// branch is taken per element.
-template <int K, int SLAB, bool SEPARATE_P, int PASS, bool FAST>
+// The register path's loads of one chunk (any dtype and strides): ChunkBits' split, pass PASS.
+template <int K, int SLAB, bool SEPARATE_P, int PASS>
 __device__ __forceinline__ void issue_chunk(ChunkBits<K, MmaShape<K, SLAB>::NT, SLAB>& x, const void* q, const void* k,
                                             const void* v, const void* p, const void* beta, const void* g,
                                             const Params& prm, bool vec, int tid, int b, int h, int hk, int slab0,
@@ -312,31 +311,22 @@ __device__ __forceinline__ void issue_chunk(ChunkBits<K, MmaShape<K, SLAB>::NT, 
         const long long iq = b * prm.q_sb + tt * prm.q_st + hk * prm.q_sh + kk * prm.q_sk;
         const long long ik = b * prm.k_sb + tt * prm.k_st + hk * prm.k_sh + kk * prm.k_sk;
         const long long ip = b * prm.p_sb + tt * prm.p_st + hk * prm.p_sh + kk * prm.p_sk;
-        x.q = load4_bits(q, iq, prm.q_sk, FAST ? BF16 : prm.q_t, FAST || vec);
-        x.k = load4_bits(k, ik, prm.k_sk, FAST ? BF16 : prm.k_t, FAST || vec);
-        if (SEPARATE_P) x.p = load4_bits(p, ip, prm.p_sk, FAST ? BF16 : prm.p_t, FAST || vec);
+        x.q = load4_bits(q, iq, prm.q_sk, prm.q_t, vec);
+        x.k = load4_bits(k, ik, prm.k_sk, prm.k_t, vec);
+        if (SEPARATE_P) x.p = load4_bits(p, ip, prm.p_sk, prm.p_t, vec);
     }
     if (PASS == 0) {
         const int iv = Bits::EV * tid, tv = iv / SLAB, vv = iv % SLAB;
         const long long vi = b * prm.v_sb + (t0 + tv) * prm.v_st + h * prm.v_sh + (slab0 + vv) * prm.v_sv;
-        if (FAST) {  // EV consecutive bf16 values, two a word in v[0 .. EV / 2)
-            const unsigned short* vp = static_cast<const unsigned short*>(v) + vi;
-            if constexpr (Bits::EV == 4) {
-                const uint2 w = tv < c ? *reinterpret_cast<const uint2*>(vp) : make_uint2(0u, 0u);
-                x.v[0] = w.x;
-                x.v[1] = w.y;
-            } else {
-                static_assert(Bits::EV == 2, "v staging: 2 or 4 values a thread");
-                x.v[0] = tv < c ? *reinterpret_cast<const unsigned*>(vp) : 0u;
-            }
-        } else {
 #pragma unroll
-            for (int e = 0; e < Bits::EV; ++e) x.v[e] = tv < c ? load_bits(v, vi + e * prm.v_sv, prm.v_t) : 0u;
-        }
+        for (int e = 0; e < Bits::EV; ++e) x.v[e] = tv < c ? load_bits(v, vi + e * prm.v_sv, prm.v_t) : 0u;
         x.gate = issue_chunk_gates<kMmaChunk>(beta, g, prm, tid, b, h, t0, c);
     }
 }
 
+// Stage one pass of a chunk from its raw bits.  FAST: the bits came from the ring (ring_bits), every
+// one of q, k, p, v bf16 with vector rows (the kernel's `fast`), v packed two values a word, so no
+// dtype or stride branch is taken per element.
 template <int K, int SLAB, bool SEPARATE_P, int PASS, bool FAST, bool EXACT>
 __device__ __forceinline__ void stage_chunk(MmaStage<K, SLAB, SEPARATE_P>& st,
                                             const ChunkBits<K, MmaShape<K, SLAB>::NT, SLAB>& x,
@@ -519,7 +509,8 @@ __device__ __forceinline__ void issue_chunk_ring(MmaRing<K, SLAB, SEPARATE_P>& r
     copy_async<2 * EV>(&ring.v[slot][tid * EV / 2], v16 + b * prm.v_sb + tt * prm.v_st + h * prm.v_sh + slab0 + vv, ok);
 }
 
-// This thread's bits of pass PASS of the chunk in ring slot `slot`, in issue_chunk's FAST form.
+// This thread's bits of pass PASS of the chunk in ring slot `slot`, as stage_chunk's FAST form takes
+// them: q, k, p as vector-loaded bf16 (packed in .x, .y), v two values a word.
 template <int K, int SLAB, bool SEPARATE_P, int PASS>
 __device__ __forceinline__ void ring_bits(ChunkBits<K, MmaShape<K, SLAB>::NT, SLAB>& x,
                                           const MmaRing<K, SLAB, SEPARATE_P>& ring, int slot, int tid) {
@@ -593,8 +584,8 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
     // (MmaRing), its gates a chunk ahead of bits.gate.  The first chunk's loads go out before the
     // state's, which the read needs later.
     auto issue = [&](auto pass, int t_first, int count) {
-        issue_chunk<K, SLAB, SEPARATE_P, decltype(pass)::value, false>(bits, q, k, v, p, beta, g, prm, vec, tid, b, h,
-                                                                       hk, slab0, t_first, count);
+        issue_chunk<K, SLAB, SEPARATE_P, decltype(pass)::value>(bits, q, k, v, p, beta, g, prm, vec, tid, b, h, hk,
+                                                                slab0, t_first, count);
     };
     auto issue_ring = [&](int t_first) {  // the chunk from t_first into slot (t_first / C) % 2, as one group
         if (t_first < T)
