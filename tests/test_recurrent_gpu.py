@@ -200,6 +200,17 @@ def test_tensor_core_path_many_heads(layout, K, comba, gate, l2norm, T, initial)
     _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed=K + T + 1)
 
 
+@pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
+@pytest.mark.parametrize("gate,l2norm", [("log", False), ("linear", True)], ids=["log", "linear-l2norm"])
+@pytest.mark.parametrize("T,initial", [(2, True), (3, False), (4, True)], ids=["T2", "T3-zero-state", "T4"])
+def test_chunked_kernel_path(comba, gate, l2norm, T, initial):
+    """K = 128 over many heads: the ops choose the chunked kernel for T = 2 to 4 (two partial
+    4-token chunks and a full one).  GVA, fp32 o."""
+    B, H, Hk, K, V = 35, 4, 2, 128, 128
+    assert tiling.choose("kv", K, V, comba, multi=True, T=T, heads=B * H) == "kv64x8c4"
+    _check_forward_fp32(B, H, Hk, K, V, T, "kv", comba, gate, l2norm, initial, seed=K + T + 2)
+
+
 @pytest.mark.parametrize("V", [128, 64])
 @pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
 @pytest.mark.parametrize("gate,l2norm", [("log", False), ("linear", True)], ids=["log", "linear-l2norm"])
