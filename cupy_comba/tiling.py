@@ -72,8 +72,8 @@ MMA_MANY_HEADS_MIN_T = 5
 
 #: "kv" T-token passes at K = 64 of at least COLUMN_MIN_T tokens (and fewer than the tensor-core
 #: kernel takes, where V allows it) over more than MMA_MAX_HEADS heads run the column kernel
-#: (``kv{COLS}cc``; bench-h200-forward-lowT.json: at T = 3 and 4, 194-198 us against 205-238 us for
-#: the token loop and 250-251 us for the tensor-core kernel at B*H = 8192; at T = 2 the token loop is
+#: (``kv{COLS}cc``; bench-h200-forward-lowT.json: at T = 3 and 4, 198-199 us against 205-238 us for
+#: the token loop and 248-249 us for the tensor-core kernel at B*H = 8192; at T = 2 the token loop is
 #: 8 % faster).
 COLUMN_MIN_T = 3
 
