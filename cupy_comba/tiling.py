@@ -49,11 +49,11 @@ def _vk_rows(K, r, w):
 #: T = 5 the tensor-core kernel or the token loop, bench-h200-forward-manyheads.json).
 CHUNKED_T = range(3, 5)
 
-#: Over more than MMA_MAX_HEADS heads, 64-column slabs at K = 128 also run 2-token passes chunked
-#: (bench-h200-forward-lowT.json: 292.4 against 299.5 us for the token loop at B*H = 8192, 12.9
+#: The same over more than MMA_MAX_HEADS heads with 64-column slabs, where 2-token passes run chunked
+#: too (bench-h200-forward-lowT.json: 292.4 against 299.5 us for the token loop at B*H = 8192, 12.9
 #: against 14.1 us at 256; bench-h200-forward-threshold.json: over 16 heads the token loop leads,
 #: 4.7 against 5.4 us, and bench-h200-forward-smallT.json, 7.7 against 8.7 us over 128).
-CHUNKED_MANY_HEADS_MIN_T = 2
+CHUNKED_MANY_HEADS_T = range(2, 5)
 
 #: T-token passes of at least MMA_MIN_T tokens over at most MMA_MAX_HEADS heads (B*H) run the
 #: tensor-core kernel, in either layout: with few heads the GPU waits on each token's latency,
@@ -85,9 +85,9 @@ def choose(layout, K, V, separate_p, multi=False, T=1, heads=None):
     32-column slabs.  The decode step takes 8 row groups at K = 128 (16 float4 of state per
     thread, 128 threads) and 4 at K = 64.  T-token passes (``multi``) of 3 or 4 tokens
     (:data:`CHUNKED_T`) at K = 128 run the chunked kernel (4 tokens per pass over the state), and
-    over more than :data:`MMA_MAX_HEADS` heads with 64-column slabs those from
-    :data:`CHUNKED_MANY_HEADS_MIN_T` tokens too; the others the token loop with 4 row groups (64
-    threads holding 32 float4 each).
+    over more than :data:`MMA_MAX_HEADS` heads with 64-column slabs those of
+    :data:`CHUNKED_MANY_HEADS_T` (2 to 4); the others the token loop with 4 row groups (64 threads
+    holding 32 float4 each).
     vk: two warps of 16 rows per lane (8 at K = 64 when V is not a multiple of 64).  The same
     tilings led at B*H = 128 and 1024 within a few percent, so the batch size does not enter.
     Either layout: T-token passes of at least :data:`MMA_MIN_T` tokens over at most
@@ -103,7 +103,7 @@ def choose(layout, K, V, separate_p, multi=False, T=1, heads=None):
     if layout == "kv":
         if multi and wide and K == KV_COLUMN_K and T >= COLUMN_MIN_T and (heads is None or heads > MMA_MAX_HEADS):
             return "kv128cc" if V % 128 == 0 else "kv64cc"
-        if multi and K == 128 and (T in CHUNKED_T or wide and not few and CHUNKED_MANY_HEADS_MIN_T <= T):
+        if multi and K == 128 and T in (CHUNKED_MANY_HEADS_T if wide and not few else CHUNKED_T):
             return "kv64x8c4" if wide else "kv32x8c4"
         if not wide:
             return "kv32x8"

@@ -413,7 +413,7 @@ __device__ __forceinline__ float component(const float4& a, int t) {
 
 // Raw bits of one chunk's q, k and p that thread `tid` of NT stages: elements tid, tid + NT, ...
 // of each of the kChunk tokens (0 for tokens past the end, `c` = tokens present, and for rows
-// past K).  `issue` puts every load in flight and waits for none; `convert` is the first use.
+// past K).  `issue` puts every load in flight and waits for none; `stage` is the first use.
 template <int K, int NT, bool SEPARATE_P>
 struct ChunkBits {
     static constexpr int E = (K + NT - 1) / NT, C = kChunk;
