@@ -748,8 +748,8 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
         float* dst = state_out + head + first;
 #pragma unroll
         for (int n = 0; n < NKW; ++n, dst += next_tile) {
-            *reinterpret_cast<float2*>(dst) = make_float2(acc[n][0], acc[n][1]);
-            *reinterpret_cast<float2*>(dst + next_row) = make_float2(acc[n][2], acc[n][3]);
+            store_state(dst, make_float2(acc[n][0], acc[n][1]));
+            store_state(dst + next_row, make_float2(acc[n][2], acc[n][3]));
         }
     }
 }
