@@ -15,6 +15,7 @@ cache key (a hash of the source text) changes whenever a header does.
 import functools
 import re
 from importlib import resources
+from typing import NamedTuple
 
 from ._backend import cupy
 
@@ -116,11 +117,18 @@ def get_kernel(module, expression, device_id):
     return fn
 
 
+class Build(NamedTuple):
+    """One kernel as NVRTC built it: its ptxas resource report and its PTX entry."""
+
+    report: str  #: the ``--ptxas-options=-v`` lines of the kernel (registers, spills, stack)
+    ptx: str     #: the kernel's ``.entry`` in the module's PTX (up to the next entry)
+
+
 def compile_for_arch(module, arch="sm_90"):
     """Compile every specialisation of ``module`` with NVRTC for ``arch``; no GPU needed.
 
-    Returns ``{expression: ptxas resource report}`` (the ``--ptxas-options=-v``
-    lines of that kernel), so tests can check registers and spills.
+    Returns ``{expression: Build}``, so tests can check registers, spills and the
+    instructions a kernel's accesses became.
     """
     from cupy_backends.cuda.libs import nvrtc
 
@@ -135,10 +143,20 @@ def compile_for_arch(module, arch="sm_90"):
         except nvrtc.NVRTCError as err:
             raise RuntimeError(f"NVRTC failed on {filename}:\n{nvrtc.getProgramLog(prog)}") from err
         log = nvrtc.getProgramLog(prog)
+        ptx = nvrtc.getPTX(prog)
+        ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
         lowered = {e: nvrtc.getLoweredName(prog, e) for e in expressions}
     finally:
         nvrtc.destroyProgram(prog)
-    return {e: _report_for(log, mangled) for e, mangled in lowered.items()}
+    return {e: Build(_report_for(log, mangled), _entry_of(ptx, mangled)) for e, mangled in lowered.items()}
+
+
+def _entry_of(ptx, mangled):
+    """The PTX of one kernel: its ``.entry`` up to the next one."""
+    for block in ptx.split(".entry ")[1:]:
+        if block.startswith(mangled + "("):
+            return block
+    raise RuntimeError(f"no PTX entry for {mangled}")
 
 
 def _report_for(log, mangled):
