@@ -27,11 +27,11 @@ KV_TILINGS = ((64, 8), (64, 4), (32, 8), (32, 16))
 #: those whose state, 2 x kChunk column sums and staging fit the registers without spilling.
 KV_CHUNKED_TILINGS = ((64, 8), (32, 8))
 VK_TILINGS = {64: ((8, 2), (16, 2)), 128: ((16, 2), (16, 4))}
-#: Slabs of ``delta_rule_kv_columns`` (T-token passes at K = 64, a thread per state column,
-#: kChunk tokens per pass): a CTA is a slab of COLS columns of one head, COLS threads.
-KV_COLUMN_SLABS = (128, 64)
-#: The head size ``delta_rule_kv_columns`` is built for (K state registers a thread).
-KV_COLUMN_K = 64
+#: Slabs of ``delta_rule_vk_chunked`` (T-token passes over a "vk" state, kChunk tokens per pass): a CTA
+#: is a slab of ROWS rows of V of one head, ROWS / 16 warps; built for K = VK_CHUNKED_K.
+VK_CHUNKED_ROWS = (64, 32)
+#: The head size ``delta_rule_vk_chunked`` is built for (8 lanes of 16 keys a row).
+VK_CHUNKED_K = 128
 #: Slabs of ``delta_rule_mma`` (kernels_cu/delta_rule_mma.cu, either layout): a CTA is a slab of
 #: SLAB value columns of one head, (SLAB / 16) x (K / 64) warps.
 MMA_SLABS = (64, 32)
@@ -58,9 +58,9 @@ SPECIALISATIONS = {
         tuple(f"comba::delta_rule_kv_chunked<{K}, {c}, {r}, {_flag(sep)}>"
               for K in (64, 128) for c, r in KV_CHUNKED_TILINGS for sep in (True, False)),
     ),
-    "delta_rule_kv_columns": (
+    "delta_rule_vk_chunked": (
         "delta_rule.cu",
-        tuple(f"comba::delta_rule_kv_columns<{KV_COLUMN_K}, {c}, {_flag(sep)}>" for c in KV_COLUMN_SLABS
+        tuple(f"comba::delta_rule_vk_chunked<{VK_CHUNKED_K}, {r}, {_flag(sep)}>" for r in VK_CHUNKED_ROWS
               for sep in (True, False)),
     ),
     "delta_rule_mma": (

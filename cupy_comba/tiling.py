@@ -5,106 +5,135 @@ Variant names: ``kv{COLS}x{RG}`` -- ``delta_rule_kv``, a CTA per COLS-column sla
 head with RG row groups; ``vk{R}x{NW}`` -- ``delta_rule_vk``, NW warps whose lanes hold
 R state rows each.  The same kernels run one decode step and T-token forward passes.
 Three families exist only for T-token passes: ``kv{COLS}x{RG}c4`` (``delta_rule_kv_chunked``,
-4 tokens a pass over the state), ``kv{COLS}cc`` (``delta_rule_kv_columns``, K = 64 only: the
-same 4-token chunks with a thread per state column) and ``{layout}{SLAB}tc``
+4 tokens a pass over the state), ``vk{ROWS}c4`` (``delta_rule_vk_chunked``, K = 128 only: the
+same chunks over a "vk" state, a CTA per ROWS rows of V) and ``{layout}{SLAB}tc``
 (``delta_rule_mma``, a CTA per SLAB value columns, 8-token chunks on tensor cores).
 """
 
 from ._build import (
-    KV_CHUNKED_TILINGS, KV_COLUMN_K, KV_COLUMN_SLABS, KV_TILINGS, MMA_SLABS, VK_TILINGS, get_kernel, _flag,
+    KV_CHUNKED_TILINGS, KV_TILINGS, MMA_SLABS, VK_CHUNKED_K, VK_CHUNKED_ROWS, VK_TILINGS, get_kernel, _flag,
 )
 
 KV_VARIANTS = tuple(f"kv{c}x{r}" for c, r in KV_TILINGS)
 KV_CHUNKED_VARIANTS = tuple(f"kv{c}x{r}c4" for c, r in KV_CHUNKED_TILINGS)
 VK_VARIANTS = {K: tuple(f"vk{r}x{w}" for r, w in VK_TILINGS[K]) for K in VK_TILINGS}
-KV_COLUMN_VARIANTS = tuple(f"kv{c}cc" for c in KV_COLUMN_SLABS)
+VK_CHUNKED_VARIANTS = tuple(f"vk{r}c4" for r in VK_CHUNKED_ROWS)
 MMA_VARIANTS = {layout: tuple(f"{layout}{slab}tc" for slab in MMA_SLABS) for layout in ("kv", "vk")}
 
 
 def token_passes_only(variant):
     """Whether ``variant`` exists only as a T-token build (no decode build): the chunked kernels,
-    ``...c4``, ``...cc`` and ``...tc``."""
-    return variant.endswith(("c4", "tc", "cc"))
+    ``...c4``, and the tensor-core kernels, ``...tc``."""
+    return variant.endswith(("c4", "tc"))
 
 
 def variants(layout, K, V, multi=False):
     """The variants that can run a ``layout`` state with head sizes K, V (``multi``: T-token passes,
-    which also have the chunked kv kernels, ``kv{COLS}x{RG}c4`` and at K = 64 ``kv{COLS}cc``, and
-    the tensor-core kernels, ``{layout}{SLAB}tc``)."""
+    which also have the chunked kernels, ``kv{COLS}x{RG}c4`` and at K = 128 ``vk{ROWS}c4``, and the
+    tensor-core kernels, ``{layout}{SLAB}tc``)."""
     mma = tuple(n for n, slab in zip(MMA_VARIANTS[layout], MMA_SLABS) if V % slab == 0) if multi else ()
     if layout == "kv":
         chunked = zip(KV_CHUNKED_VARIANTS, KV_CHUNKED_TILINGS) if multi else ()
-        columns = zip(KV_COLUMN_VARIANTS, KV_COLUMN_SLABS) if multi and K == KV_COLUMN_K else ()
-        columns = tuple(n for n, c in columns if V % c == 0)
-        return tuple(n for n, (c, _) in (*zip(KV_VARIANTS, KV_TILINGS), *chunked) if V % c == 0) + mma + columns
-    return tuple(n for n, (r, w) in zip(VK_VARIANTS[K], VK_TILINGS[K]) if V % _vk_rows(K, r, w) == 0) + mma
+        return tuple(n for n, (c, _) in (*zip(KV_VARIANTS, KV_TILINGS), *chunked) if V % c == 0) + mma
+    chunked = zip(VK_CHUNKED_VARIANTS, VK_CHUNKED_ROWS) if multi and K == VK_CHUNKED_K else ()
+    chunked = tuple(n for n, rows in chunked if V % rows == 0)
+    return tuple(n for n, (r, w) in zip(VK_VARIANTS[K], VK_TILINGS[K]) if V % _vk_rows(K, r, w) == 0) + chunked + mma
 
 
 def _vk_rows(K, r, w):
     return r * w * (128 // K)
 
 
-#: "kv" T-token passes of this many tokens run the chunked kernel at K = 128 (benchmarks.md,
-#: "Tilings"; at K = 64 the column kernel takes them over many heads, the token loop over few; from
-#: T = 5 the tensor-core kernel or the token loop, bench-h200-forward-manyheads.json).
-CHUNKED_T = range(3, 5)
+# The T-token rules below come from the sweeps of 2026-11-30 (third session; benchmarks.md, "Tilings"):
+# Gated DeltaNet from a state, bf16, graph replay, H = 16, V = 128, one H200.
 
-#: The same over more than MMA_MAX_HEADS heads with 64-column slabs, where 2-token passes run chunked
-#: too (bench-h200-forward-lowT.json: 292.4 against 299.5 us for the token loop at B*H = 8192, 12.9
-#: against 14.1 us at 256; bench-h200-forward-threshold.json: over 16 heads the token loop leads,
-#: 4.7 against 5.4 us, and bench-h200-forward-smallT.json, 7.7 against 8.7 us over 128).
-CHUNKED_MANY_HEADS_T = range(2, 5)
+#: T-token passes of this many tokens run the chunked kernels (4 tokens a pass over the state): "kv"
+#: with 64-column slabs at K = 64 over any number of heads and at K = 128 over more than
+#: MMA_MAX_HEADS heads, "vk" with 64-row slabs at K = 128 over at most MMA_MAX_HEADS heads.  kv at K
+#: = 64 (bench-h200-forward-lowT.json, -smallT.json): T = 2 / 3 / 4 in 169.1 / 187.6 / 203.9 us at
+#: B*H = 8192 against 173.2 / 204.4 / 236.4 us for the token loop, 6.8 / 7.2 / 7.6 against 7.4 / 8.8
+#: / 10.4 us at 256, and T = 2 / 4 in 4.0 / 4.7 against 4.5 / 7.2 us over 16 heads; at K = 128, T =
+#: 2 in 268.8 against 294.3 us over 8192 heads.  vk over 128 heads (-vkchunked.json): T = 2 / 3 / 4
+#: in 7.1 / 7.1 / 7.2 against 7.3 / 8.7 / 10.0 us for the token loop (over 16 heads T = 3 / 4 in 5.1 /
+#: 5.2 against 5.6 / 6.7 us, T = 2 in 5.0 against 4.4).
+CHUNKED_T = range(2, 5)
 
-#: T-token passes of at least MMA_MIN_T tokens over at most MMA_MAX_HEADS heads (B*H) run the
-#: tensor-core kernel, in either layout: with few heads the GPU waits on each token's latency,
-#: and the tensor-core kernel takes 8 tokens a step (benchmarks.md, "Tilings": it led every case
-#: of T = 6-512 at B*H = 16-128).
-MMA_MIN_T = 6
+#: The same for kv at K = 128 over at most MMA_MAX_HEADS heads, where the token loop leads at T = 2
+#: (4.6 against 5.3 us over 16 heads, 6.8 against 7.3 over 128; -threshold.json, -smallT.json), and
+#: for the 32-column (32-row) slabs.
+CHUNKED_FEW_HEADS_T = range(3, 5)
+
+#: "vk" T-token passes at K = 128 over more than MMA_MAX_HEADS heads run the chunked kernel for
+#: this many tokens, ahead of the tensor-core kernel (bench-h200-forward-vkchunked.json, B*H = 8192:
+#: T = 2 / 4 / 8 / 12 in 270.7 / 276.6 / 419.8 / 588.8 us against 335.7 / 414.4 us for the token loop
+#: at T = 2 / 4 and 433.4 / 620.7 us for the tensor-core kernel at T = 8 / 12; from T = 13, a fourth
+#: chunk, the tensor-core kernel leads, 622.5 against 733.0 us; over 256 heads likewise, T = 12 in
+#: 21.2 against 22.8 us, T = 13 in 26.2 against 22.9).
+VK_CHUNKED_MANY_HEADS_T = range(2, 13)
+
+#: T-token passes of at least MMA_MIN_T tokens run the tensor-core kernel, in either layout, over at
+#: most MMA_MAX_HEADS heads (B*H) and, when V is a multiple of 64, over more.  With few heads the GPU
+#: waits on each token's latency, and the tensor-core kernel takes 8 tokens a step: at T = 5 it led
+#: every case over 16-128 heads, 4.5-8.9 against 7.9-11.4 us for the token loop
+#: (bench-h200-forward-fewheadsT5.json), and every longer one measured (-small.json, -smallT.json,
+#: -threshold.json).  Over more heads (-manyheads.json, -manyheads-256.json) it is within 6.4 % of the
+#: best kernel from T = 5 where the chunked vk kernel does not run (kv, K = 128, T = 9, 256 heads: 21.6
+#: against 20.3 us for the token loop).  Only its 64-column slabs there: at 8192 heads the 32-column
+#: ones ran 1.15-1.22x slower at K = 128 (-tilings.json).
+MMA_MIN_T = 5
 MMA_MAX_HEADS = 128
 
-#: Over more heads the tensor-core kernel runs T-token passes of at least MMA_MANY_HEADS_MIN_T
-#: tokens (bench-h200-forward-manyheads*.json, B*H = 256 and 8192, both layouts, K = 64 and 128:
-#: from T = 5 it is within 2.3 % of the best kernel in every case and the best in all but kv at K =
-#: 128, T = 9, 8192 heads and vk at K = 128, T = 5, 256 heads; at T = 3 and 4 the chunked, column or
-#: token-loop kernels lead at 8192 heads).  Only its 64-column slabs: at 8192 heads the 32-column ones
-#: ran 1.15-1.22x slower at K = 128 and within 6 % either way at K = 64 (bench-h200-forward-tilings.json).
-MMA_MANY_HEADS_MIN_T = 5
+#: The vk layout at K = 64 (no chunked vk kernel) runs the tensor-core kernel from this many tokens:
+#: T = 4 in 225.6 against 246.7 us for the token loop at B*H = 8192, 6.3 against 8.6 us over 128
+#: heads, 11.0 against 10.9 us over 256; at T = 3 the token loop leads, 214.1 against 225.6 us
+#: (-lowT.json, -smallT.json).
+VK64_MMA_MIN_T = 4
 
-#: "kv" T-token passes at K = 64 of at least COLUMN_MIN_T tokens (and fewer than the tensor-core
-#: kernel takes, where V allows it) over more than MMA_MAX_HEADS heads run the column kernel
-#: (``kv{COLS}cc``; bench-h200-forward-lowT.json: at T = 3 and 4, 198-199 us against 205-238 us for
-#: the token loop and 248-249 us for the tensor-core kernel at B*H = 8192; at T = 2 the token loop is
-#: 8 % faster).
-COLUMN_MIN_T = 3
+#: Over at most MMA_NARROW_MAX_HEADS heads the tensor-core kernel takes 32-column slabs, twice the CTAs
+#: on a GPU those heads leave mostly idle (bench-h200-forward-small.json, K = 128, T = 512: 136.1 against
+#: 178.4 us over 16 heads and 136.3 against 174.4 us over 32 (kv), 136.2 / 136.7 against 181.3 / 175.9
+#: us (vk); over 64 heads the two are within 5 % either way, over 128 the 64-column slabs lead, 230.6
+#: against 377.7 us).
+MMA_NARROW_MAX_HEADS = 32
 
 
 def choose(layout, K, V, separate_p, multi=False, T=1, heads=None):
     """The variant for a shape, from the H200 sweeps (docs/benchmarks.md, "Tilings").
 
-    kv: 64-column slabs whenever V allows (256 contiguous bytes per row per warp-load), else
-    32-column slabs.  The decode step takes 8 row groups at K = 128 (16 float4 of state per
-    thread, 128 threads) and 4 at K = 64.  T-token passes (``multi``) of 3 or 4 tokens
-    (:data:`CHUNKED_T`) at K = 128 run the chunked kernel (4 tokens per pass over the state), and
-    over more than :data:`MMA_MAX_HEADS` heads with 64-column slabs those of
-    :data:`CHUNKED_MANY_HEADS_T` (2 to 4); the others the token loop with 4 row groups (64 threads
-    holding 32 float4 each).
-    vk: two warps of 16 rows per lane (8 at K = 64 when V is not a multiple of 64).  The same
-    tilings led at B*H = 128 and 1024 within a few percent, so the batch size does not enter.
-    Either layout: T-token passes of at least :data:`MMA_MIN_T` tokens over at most
-    :data:`MMA_MAX_HEADS` heads (``heads`` = B*H; None means many) run the tensor-core kernel, and
-    over more heads those of T >= :data:`MMA_MANY_HEADS_MIN_T` when V is a multiple of 64.
-    kv at K = 64: the other passes of at least :data:`COLUMN_MIN_T` tokens over more heads run the
-    column kernel, 128-column slabs when V allows.
+    Decode steps (and T-token passes no rule below takes): kv with 64-column slabs whenever V allows
+    (256 contiguous bytes per row per warp-load), else 32-column slabs; 8 row groups for the decode
+    step at K = 128 (16 float4 of state per thread, 128 threads), else 4 (the token loop: 64 threads
+    holding 32 float4 each).  vk with two warps of 16 rows per lane (8 at K = 64 when V is not a
+    multiple of 64).  The same tilings led at B*H = 128 and 1024 within a few percent, so the batch
+    size does not enter.
+
+    T-token passes (``multi``; ``heads`` = B*H, None means many), first rule that applies:
+
+    * vk at K = 128: the chunked kernel, 64-row slabs, for :data:`CHUNKED_T` tokens (2 to 4) over
+      at most :data:`MMA_MAX_HEADS` heads and :data:`VK_CHUNKED_MANY_HEADS_T` (2 to 12) over more;
+      32-row slabs for :data:`CHUNKED_FEW_HEADS_T` (3, 4) when V is not a multiple of 64.
+    * Either layout: the tensor-core kernel from :data:`MMA_MIN_T` tokens (vk at K = 64 from
+      :data:`VK64_MMA_MIN_T`) over at most :data:`MMA_MAX_HEADS` heads, and over more when V is a
+      multiple of 64; 32-column slabs over at most :data:`MMA_NARROW_MAX_HEADS` heads or when V
+      is not a multiple of 64.
+    * kv: the chunked kernel, 64-column slabs, for :data:`CHUNKED_T` tokens, at K = 128 over at
+      most :data:`MMA_MAX_HEADS` heads :data:`CHUNKED_FEW_HEADS_T`; 32-column slabs at K = 128 for
+      :data:`CHUNKED_FEW_HEADS_T` when V is not a multiple of 64.
     """
     wide = V % 64 == 0
     few = heads is not None and heads <= MMA_MAX_HEADS
-    if multi and (T >= MMA_MIN_T if few else wide and T >= MMA_MANY_HEADS_MIN_T):
-        return f"{layout}{64 if wide else 32}tc"
+    if multi and layout == "vk" and K == VK_CHUNKED_K:
+        if T in ((CHUNKED_T if few else VK_CHUNKED_MANY_HEADS_T) if wide else CHUNKED_FEW_HEADS_T):
+            return "vk64c4" if wide else "vk32c4"
+    mma_min_t = VK64_MMA_MIN_T if layout == "vk" and K == 64 else MMA_MIN_T
+    if multi and T >= mma_min_t and (few or wide):
+        narrow = not wide or (few and heads <= MMA_NARROW_MAX_HEADS)
+        return f"{layout}{32 if narrow else 64}tc"
     if layout == "kv":
-        if multi and wide and K == KV_COLUMN_K and T >= COLUMN_MIN_T and (heads is None or heads > MMA_MAX_HEADS):
-            return "kv128cc" if V % 128 == 0 else "kv64cc"
-        if multi and K == 128 and T in (CHUNKED_MANY_HEADS_T if wide and not few else CHUNKED_T):
-            return "kv64x8c4" if wide else "kv32x8c4"
+        if multi and wide and T in (CHUNKED_FEW_HEADS_T if K == 128 and few else CHUNKED_T):
+            return "kv64x8c4"
+        if multi and not wide and K == 128 and T in CHUNKED_FEW_HEADS_T:
+            return "kv32x8c4"
         if not wide:
             return "kv32x8"
         return "kv64x8" if K == 128 and not multi else "kv64x4"
@@ -126,10 +155,10 @@ def launch(layout, variant, heads, K, V, separate_p, multi, device):
         slab = int(variant[2:-2])
         name = f"comba::delta_rule_mma<{K}, {slab}, {_flag(separate_p)}, {_flag(layout == 'vk')}>"
         return get_kernel("delta_rule_mma", name, device), (heads * (V // slab),), (2 * slab * K // 64,)
-    if variant.endswith("cc"):
-        cols = int(variant[2:-2])
-        name = f"comba::delta_rule_kv_columns<{K}, {cols}, {_flag(separate_p)}>"
-        return get_kernel("delta_rule_kv_columns", name, device), (heads * (V // cols),), (cols,)
+    if layout == "vk" and variant.endswith("c4"):
+        rows = int(variant[2:-2])
+        name = f"comba::delta_rule_vk_chunked<{K}, {rows}, {_flag(separate_p)}>"
+        return get_kernel("delta_rule_vk_chunked", name, device), (heads * (V // rows),), (2 * rows,)
     a, b = (int(x) for x in variant[2:].removesuffix("c4").split("x"))
     if layout == "kv":
         name = f"comba::delta_rule_kv<{K}, {a}, {b}, {_flag(separate_p)}, {_flag(multi)}>"

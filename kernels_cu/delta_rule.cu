@@ -32,8 +32,8 @@
 //   in the same order (so every row of a column applies the same u).
 // delta_rule_kv_chunked<K, COLS, RG, SEPARATE_P> -- the kv tiling, T-token passes with 4 tokens per
 //   pass over the state (its section below has the math).
-// delta_rule_kv_columns<K, COLS, SEPARATE_P> -- the same 4-token chunks with one CTA per (b, h,
-//   slab of COLS columns), COLS threads, thread c holding all K rows of column c (built for K = 64).
+// delta_rule_vk_chunked<K, ROWS, SEPARATE_P> -- the same 4-token chunks over a vk state, a CTA per
+//   (b, h, slab of ROWS rows of V), 8 lanes a row (built for K = 128; its section has the layout).
 // delta_rule_vk<K, R, NW, SEPARATE_P, MULTI> -- one CTA per (b, h, slab of ROWS = R*NW*(128/K) rows
 //   of V), NW warps.  LK = K/4 lanes hold one float4 each along a K-row (a warp-wide load
 //   covers 128/K whole rows, 512 contiguous bytes); every lane owns R rows.  The per-row
@@ -410,6 +410,9 @@ __host__ __device__ constexpr int np_slot(int t) { return 24 + t; }
 __device__ __forceinline__ float component(const float4& a, int t) {
     return t == 0 ? a.x : t == 1 ? a.y : t == 2 ? a.z : a.w;
 }
+__device__ __forceinline__ void set_component(float4& a, int t, float x) {
+    if (t == 0) a.x = x; else if (t == 1) a.y = x; else if (t == 2) a.z = x; else a.w = x;
+}
 
 // Raw bits of one chunk's q, k and p that thread `tid` of NT stages: elements tid, tid + NT, ...
 // of each of the kChunk tokens (0 for tokens past the end, `c` = tokens present, and for rows
@@ -439,10 +442,15 @@ struct ChunkBits {
     }
 
     // This thread's rows j = tid, tid + NT, ... of the chunk's q, k and p (p = k for Gated
-    // DeltaNet), converted and staged as q4[j], k4[j], p4[j] (component t: token t); then
-    // on_row(xq, xk, xp) with the row's values, for the caller's per-row work.
+    // DeltaNet), converted and staged as q4[at(j)], k4[at(j)], p4[at(j)] (component t: token t);
+    // then on_row(xq, xk, xp) with the row's values, for the caller's per-row work.
     template <class F>
     __device__ __forceinline__ void stage(int tid, const Params& prm, float4* q4, float4* k4, float4* p4,
+                                          F&& on_row) const {
+        stage(tid, prm, q4, k4, p4, [](int j) { return j; }, on_row);
+    }
+    template <class At, class F>
+    __device__ __forceinline__ void stage(int tid, const Params& prm, float4* q4, float4* k4, float4* p4, At&& at,
                                           F&& on_row) const {
 #pragma unroll
         for (int e = 0; e < E; ++e) {
@@ -455,9 +463,9 @@ struct ChunkBits {
                     xk[t] = bits_to_float(k[e][t], prm.k_t);
                     xp[t] = SEPARATE_P ? bits_to_float(p[e][t], prm.p_t) : xk[t];
                 }
-                q4[j] = make_float4(xq[0], xq[1], xq[2], xq[3]);
-                k4[j] = make_float4(xk[0], xk[1], xk[2], xk[3]);
-                p4[j] = make_float4(xp[0], xp[1], xp[2], xp[3]);
+                q4[at(j)] = make_float4(xq[0], xq[1], xq[2], xq[3]);
+                k4[at(j)] = make_float4(xk[0], xk[1], xk[2], xk[3]);
+                p4[at(j)] = make_float4(xp[0], xp[1], xp[2], xp[3]);
                 on_row(xq, xk, xp);
             }
         }
@@ -482,6 +490,71 @@ struct ChunkFactors {
         }
     }
 };
+
+// The chunk's triangular substitution for NC state columns (kv: a thread's four; vk: a lane's
+// one row of V): from token t's raw K-reductions P = S0^T p_t, Q = S0^T q_t (`sums(t, P, Q)`,
+// asked for once per token, in order, so a caller can add them up where they are used), its v
+// (`values(t, v)`), beta_t and the dot products, u_t and o_t / scale, handed to `out(t, o)`;
+// then the write's coefficients w[j] = r(j, c-1) fk_j u_j.  Returns G_{c-1}, the decay of S0
+// over the chunk.  Every caller adds in the same order, so all rows of a column apply the
+// identical u.
+template <int NC, bool SEPARATE_P, class Sums, class Values, class Out>
+__device__ __forceinline__ float chunk_solve(const ChunkFactors<SEPARATE_P>& f, const float* dsum,
+                                             const float* beta, int c, float (&w)[kChunk][NC], Sums&& sums,
+                                             Values&& values, Out&& out) {
+    constexpr int C = kChunk;
+    const float (&fq)[C] = f.fq, (&fk)[C] = f.fk, (&fp)[C] = f.fp, (&e)[C] = f.e;
+    float u[C][NC];
+    float G = 1.f;  // G_t
+#pragma unroll
+    for (int t = 0; t < C; ++t) {
+#pragma unroll
+        for (int cc = 0; cc < NC; ++cc) u[t][cc] = 0.f;
+        if (t < c) {
+            G *= e[t];
+            float P[NC], Q[NC], vv[NC];
+            sums(t, P, Q);
+            values(t, vv);
+            const float bt = beta[t];
+            float a[NC], y[NC];
+#pragma unroll
+            for (int cc = 0; cc < NC; ++cc) {
+                a[cc] = G * fp[t] * P[cc];
+                y[cc] = G * fq[t] * Q[cc];
+            }
+            float rr = 1.f;  // r(j, t)
+#pragma unroll
+            for (int j = t - 1; j >= 0; --j) {
+                rr *= e[j + 1];
+                const float cp = rr * fk[j] * fp[t] * dsum[kp_slot(j, t)];
+                const float cq = rr * fk[j] * fq[t] * dsum[kq_slot(j, t)];
+#pragma unroll
+                for (int cc = 0; cc < NC; ++cc) {
+                    a[cc] = fmaf(cp, u[j][cc], a[cc]);
+                    y[cc] = fmaf(cq, u[j][cc], y[cc]);
+                }
+            }
+#pragma unroll
+            for (int cc = 0; cc < NC; ++cc) u[t][cc] = bt * (vv[cc] - a[cc]);
+            const float cqt = fk[t] * fq[t] * dsum[kq_slot(t, t)];  // r(t, t) = 1
+#pragma unroll
+            for (int cc = 0; cc < NC; ++cc) y[cc] = fmaf(cqt, u[t][cc], y[cc]);
+            out(t, y);
+        }
+    }
+    float rr = 1.f;  // r(j, c-1), built from the last token down
+#pragma unroll
+    for (int j = C - 1; j >= 0; --j) {
+#pragma unroll
+        for (int cc = 0; cc < NC; ++cc) w[j][cc] = 0.f;
+        if (j < c) {
+#pragma unroll
+            for (int cc = 0; cc < NC; ++cc) w[j][cc] = rr * fk[j] * u[j][cc];
+            rr *= e[j];
+        }
+    }
+    return rr;
+}
 
 template <int K, int COLS, int NW>
 struct ChunkStage {
@@ -587,7 +660,7 @@ delta_rule_kv_chunked(const float* state, float* state_out, const void* __restri
         }
         __syncthreads();
 
-        // 4. Every thread: the chunk's u_t and o_t for its four columns (same order everywhere).
+        // 4. Every thread: the chunk's u_t and o_t for its four columns (chunk_solve).
         //    Token t's column sums, summed over the warps where the solve uses them (LAZY), so that
         //    the chunk's eight float4 are never live at once; the 32-column slabs sum them all first,
         //    which their register budget holds without spilling (the launch bounds above).
@@ -608,16 +681,11 @@ delta_rule_kv_chunked(const float* state, float* state_out, const void* __restri
             for (int t = 0; t < C; ++t) column_sums(t, Ps[t], Qs[t]);
         }
         const ChunkFactors<SEPARATE_P> f(st.dsum, st.e, prm);
-        const float (&fq)[C] = f.fq, (&fk)[C] = f.fk, (&fp)[C] = f.fp, (&e)[C] = f.e;
-        float u[C][4];
-        float G = 1.f;  // G_t
         const long long ob = b * prm.o_sb + h * prm.o_sh;
-#pragma unroll
-        for (int t = 0; t < C; ++t) {
-#pragma unroll
-            for (int cc = 0; cc < 4; ++cc) u[t][cc] = 0.f;
-            if (t < c) {
-                G *= e[t];
+        float w[C][4];
+        const float rr = chunk_solve<4, SEPARATE_P>(
+            f, st.dsum, st.beta, c, w,
+            [&](int t, float (&P)[4], float (&Q)[4]) {
                 float4 Pt, Qt;
                 if constexpr (LAZY) {
                     column_sums(t, Pt, Qt);
@@ -625,49 +693,22 @@ delta_rule_kv_chunked(const float* state, float* state_out, const void* __restri
                     Pt = Ps[t];
                     Qt = Qs[t];
                 }
+                P[0] = Pt.x; P[1] = Pt.y; P[2] = Pt.z; P[3] = Pt.w;
+                Q[0] = Qt.x; Q[1] = Qt.y; Q[2] = Qt.z; Q[3] = Qt.w;
+            },
+            [&](int t, float (&vv)[4]) {
                 const float4 vt = st.v[t][lc];
-                const float bt = st.beta[t];
-                float a[4] = {G * fp[t] * Pt.x, G * fp[t] * Pt.y, G * fp[t] * Pt.z, G * fp[t] * Pt.w};
-                float y[4] = {G * fq[t] * Qt.x, G * fq[t] * Qt.y, G * fq[t] * Qt.z, G * fq[t] * Qt.w};
-                float rr = 1.f;  // r(j, t)
-#pragma unroll
-                for (int j = t - 1; j >= 0; --j) {
-                    rr *= e[j + 1];
-                    const float cp = rr * fk[j] * fp[t] * st.dsum[kp_slot(j, t)];
-                    const float cq = rr * fk[j] * fq[t] * st.dsum[kq_slot(j, t)];
-#pragma unroll
-                    for (int cc = 0; cc < 4; ++cc) {
-                        a[cc] = fmaf(cp, u[j][cc], a[cc]);
-                        y[cc] = fmaf(cq, u[j][cc], y[cc]);
-                    }
-                }
-                const float vv[4] = {vt.x, vt.y, vt.z, vt.w};
-#pragma unroll
-                for (int cc = 0; cc < 4; ++cc) u[t][cc] = bt * (vv[cc] - a[cc]);
-                const float cqt = fk[t] * fq[t] * st.dsum[kq_slot(t, t)];  // r(t, t) = 1
+                vv[0] = vt.x; vv[1] = vt.y; vv[2] = vt.z; vv[3] = vt.w;
+            },
+            [&](int t, const float (&ot)[4]) {
                 if (rg == 0) {
 #pragma unroll
                     for (int cc = 0; cc < 4; ++cc)
-                        store_act(o, ob + (t0 + t) * prm.o_st + (col + cc) * prm.o_sv, prm.o_t,
-                                  scale * fmaf(cqt, u[t][cc], y[cc]));
+                        store_act(o, ob + (t0 + t) * prm.o_st + (col + cc) * prm.o_sv, prm.o_t, scale * ot[cc]);
                 }
-            }
-        }
+            });
 
         // 5. The write: S = G_{c-1} S0 + sum_j r(j, c-1) k^_j u_j^T, in registers.
-        float w[C][4];
-        float rr = 1.f;  // r(j, c-1), built from the last token down
-#pragma unroll
-        for (int j = C - 1; j >= 0; --j) {
-#pragma unroll
-            for (int cc = 0; cc < 4; ++cc) w[j][cc] = 0.f;
-            if (j < c) {
-#pragma unroll
-                for (int cc = 0; cc < 4; ++cc) w[j][cc] = rr * fk[j] * u[j][cc];
-                rr *= e[j];
-            }
-        }
-        // rr is now G_{c-1}.
 #pragma unroll
         for (int i = 0; i < R; ++i) {
             const float4 kk = st.k[rg + i * RG];
@@ -689,194 +730,198 @@ delta_rule_kv_chunked(const float* state, float* state_out, const void* __restri
 
 
 // ---------------------------------------------------------------------------------------------
-// delta_rule_kv_columns<K, COLS, SEPARATE_P>: the chunk algebra above with one thread per state
-// column.  A CTA is a slab of COLS columns of one head and has COLS threads; thread c holds all K
-// rows of column col0 + c in K registers.  Every K-reduction of the pass is then the thread's own
-// FMA chain (2 kChunk independent chains: no shuffle, no shared-memory reduction, no barrier
-// between the pass and the solve), each row of the chunk's p, q and k is one broadcast 16-byte
-// shared load that serves 4 tokens, and v, u and o of the column never leave the thread.  A
-// warp's state load or store of one row is 128 contiguous bytes.  The chunk's 28 dot products
-// are split over the warps (slot s to warp s % NW, each a K-long dot over the staged vectors,
-// summed by one transposing butterfly) between the staging and the pass, so the second barrier
-// of a chunk, which publishes them, comes after the pass.
+// delta_rule_vk_chunked<K, ROWS, SEPARATE_P>: the chunk algebra above over a "vk" state ([V, K],
+// K contiguous), built for K = 128.  A CTA is a slab of ROWS rows of V of one head, NW = ROWS / 16
+// warps.  The 8 lanes kl of a row group (rgp = lane / 8, four a warp) hold, in each of their
+// RL = 4 rows, the float4 of keys 32 m + 4 kl (m < 4): 64 state registers, and a warp-wide load
+// covers the 128 contiguous bytes of one key quarter of four rows.  The pass sums 16 keys in the
+// thread; each row's 2 kChunk sums then meet over its 8 lanes in a transposing butterfly (7
+// shuffles), after which lane kl holds sum kl of every row of its group (S0^T p_kl for kl < 4, else
+// S0^T q_{kl-4}).  Through the warp's scratch in shared memory lane kl < RL solves row kl of its
+// group (chunk_solve, one column) and publishes the row's write coefficients, which the other lanes
+// read back for the write.  A row never needs another warp: besides __syncwarp, one barrier per
+// chunk (publishing the staged activations, double-buffered) is all the CTA waits for.
+//
+// Staging: the chunk's q, k and p as in delta_rule_kv_chunked (a float4 of the 4 tokens per key),
+// key 32 m + 4 kl + i stored at 32 m + 8 i + kl, so that the 8 lanes of a row group read 8
+// consecutive float4 (one wavefront; four row groups read the same ones).
 template <int K>
-struct ColumnStage {
-    float4 p[K], q[K], k[K];  // row i: component t is token t's p[i], q[i], k[i]
-    float dsum[32];           // the chunk's dot products by slot (kq_slot, kp_slot, ...)
-    float e[kChunk], beta[kChunk];
+struct VkChunkScratch {
+    static constexpr int RL = 4;
+    float sums[4][RL * 8 + 8];  // [rgp][row * 8 + sum], padded: the four row groups write distinct banks
+    float4 w[4][RL];            // the write's coefficients w_0 .. w_3 of each row
+    float dsum[32];             // the chunk's dot products, summed over the warps
 };
 
-// The two vectors and components of dot-product slot `slot` (a compile-time constant after
-// unrolling): k_j.q_t, k_j.p_t, |q_t|^2, |k_t|^2, |p_t|^2.
-__device__ __forceinline__ float slot_product(int slot, const float4& q, const float4& k, const float4& p) {
-    if (slot < 16) {
-        const bool with_q = slot < 10;
-        const int base = with_q ? slot : slot - 10;
-        int t = with_q ? 0 : 1;
-        while ((with_q ? t * (t + 1) / 2 + t : t * (t - 1) / 2 + t - 1) < base) ++t;  // last slot of token t >= base
-        const int j = base - (with_q ? t * (t + 1) / 2 : t * (t - 1) / 2);
-        return component(k, j) * component(with_q ? q : p, t);
-    }
-    const int t = (slot - 16) & 3;
-    const float4& x = slot < 20 ? q : slot < 24 ? k : p;
-    return component(x, t) * component(x, t);
-}
+__device__ __forceinline__ int vk_chunk_slot(int key) { return (key & ~31) | ((key & 3) << 3) | ((key >> 2) & 7); }
 
-// Warp W's share of the chunk's dot products: slots W, W + NW, ... (NS of them, padded to a power
-// of two NP), each summed over the K rows: lane l takes rows l, l + 32, ...; one butterfly ends
-// with lane a holding slot W + a * NW.
-template <int W, int NW, int K>
-__device__ __forceinline__ void chunk_dots(ColumnStage<K>& st, int lane) {
-    constexpr int NS = (28 - W + NW - 1) / NW, NP = NS <= 8 ? 8 : NS <= 16 ? 16 : 32;
-    float x[NP];
-#pragma unroll
-    for (int a = 0; a < NP; ++a) x[a] = 0.f;
-#pragma unroll
-    for (int r = 0; r < K / 32; ++r) {
-        const int i = lane + 32 * r;
-        const float4 qq = st.q[i], kk = st.k[i], pp = st.p[i];
-#pragma unroll
-        for (int a = 0; a < NS; ++a) x[a] += slot_product(W + a * NW, qq, kk, pp);
-    }
-    butterfly<NP / 2>(x, lane);  // lane l: the sum over its group of NP lanes of value l % NP
-    const float sum = lane_sum(x[0], NP, 16);
-    if (lane < NS) st.dsum[W + lane * NW] = sum;
-}
-
-template <int NW, int K>
-__device__ __forceinline__ void chunk_dots_of_warp(ColumnStage<K>& st, int warp, int lane) {
-    if constexpr (NW == 1) {
-        chunk_dots<0, 1, K>(st, lane);
-    } else if constexpr (NW == 2) {
-        if (warp == 0) chunk_dots<0, 2, K>(st, lane); else chunk_dots<1, 2, K>(st, lane);
-    } else {
-        static_assert(NW == 4, "one, two or four warps");
-        switch (warp) {
-            case 0: chunk_dots<0, 4, K>(st, lane); break;
-            case 1: chunk_dots<1, 4, K>(st, lane); break;
-            case 2: chunk_dots<2, 4, K>(st, lane); break;
-            default: chunk_dots<3, 4, K>(st, lane); break;
-        }
-    }
-}
-
-// At most ~170 registers a thread (three 128-thread CTAs per SM): the K = 64 state registers, the
-// 2 kChunk chains and one chunk's raw loads fit without spilling.  K = 128 needs 128 state
-// registers and leaves two 128-thread CTAs an SM; that measured slower than delta_rule_kv_chunked
-// at every shape that mattered (docs/design.md), so _build.py compiles this kernel for K = 64.
-template <int K, int COLS, bool SEPARATE_P>
-__global__ void __launch_bounds__(COLS, 3 * 128 / COLS)
-delta_rule_kv_columns(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
+template <int K, int ROWS, bool SEPARATE_P>
+__global__ void __launch_bounds__(ROWS * 2, ROWS == 64 && !SEPARATE_P ? 4 : 384 / (ROWS * 2))
+delta_rule_vk_chunked(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
                       const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
                       const void* __restrict__ g, void* __restrict__ o, const Params prm, const float scale) {
-    constexpr int NT = COLS, NW = NT / 32, C = kChunk;
-    static_assert(NT % 32 == 0 && NW <= 4 && 2 * C <= NT, "bad column tiling");
-    __shared__ ColumnStage<K> stage[2];
+    constexpr int NW = ROWS / 16, NT = NW * 32, RL = 4, KF = 4, C = kChunk;
+    static_assert(K == 128 && ROWS % 16 == 0 && 2 * C <= NT && ROWS <= NT, "bad vk chunked tiling");
+    __shared__ ChunkStage<K, ROWS, NW> stage[2];
+    __shared__ VkChunkScratch<K> scratch[NW];
 
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, T = static_cast<int>(prm.T);
-    const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H), slabs = V / COLS;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, kl = lane & 7, rgp = lane >> 3;
+    const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H), T = static_cast<int>(prm.T);
+    const int slabs = V / ROWS;
     const int bh = static_cast<int>(blockIdx.x) / slabs;
-    const int col = (static_cast<int>(blockIdx.x) - bh * slabs) * COLS + tid;
+    const int slab0 = (static_cast<int>(blockIdx.x) - bh * slabs) * ROWS;
     const int b = bh / H, h = bh - b * H, hk = h / static_cast<int>(prm.group);
-    const long long head = static_cast<long long>(bh) * K * V + col;  // this thread's column
+    VkChunkScratch<K>& sc = scratch[warp];
+    // Row i of this lane within the slab; float4 m of it holds keys 32 m + 4 kl .. + 3.
+    auto row = [&](int i) { return warp * 16 + i * 4 + rgp; };
+    const long long head = static_cast<long long>(bh) * V * K + static_cast<long long>(slab0) * K + 4 * kl;
 
-    float s[K];
+    float4 s[RL][KF];
     if (prm.has_initial) {
 #pragma unroll
-        for (int i = 0; i < K; ++i) s[i] = state[head + i * V];
+        for (int i = 0; i < RL; ++i)
+#pragma unroll
+            for (int m = 0; m < KF; ++m) s[i][m] = load_state(state + head + row(i) * K + 32 * m);
     } else {
 #pragma unroll
-        for (int i = 0; i < K; ++i) s[i] = 0.f;
+        for (int i = 0; i < RL; ++i)
+#pragma unroll
+            for (int m = 0; m < KF; ++m) s[i][m] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
 
-    const long long vb = b * prm.v_sb + h * prm.v_sh + col * prm.v_sv;
-    const long long ob = b * prm.o_sb + h * prm.o_sh + col * prm.o_sv;
     for (int t0 = 0, n = 0; t0 < T; t0 += C, ++n) {
-        ColumnStage<K>& st = stage[n & 1];
+        ChunkStage<K, ROWS, NW>& st = stage[n & 1];
         const int c = min(C, T - t0);
         // 1. Every load of the chunk in flight before any is used (raw bits; 0 for absent tokens).
         ChunkBits<K, NT, SEPARATE_P> bits;
         bits.issue(q, k, p, prm, tid, b, hk, t0, c);
         unsigned bv[C];
 #pragma unroll
-        for (int t = 0; t < C; ++t) bv[t] = t < c ? load_bits(v, vb + (t0 + t) * prm.v_st, prm.v_t) : 0u;
+        for (int t = 0; t < C; ++t) {
+            bv[t] = 0;
+            if (tid < ROWS && t < c)
+                bv[t] = load_bits(v, b * prm.v_sb + (t0 + t) * prm.v_st + h * prm.v_sh + (slab0 + tid) * prm.v_sv,
+                                  prm.v_t);
+        }
         const unsigned bg = issue_chunk_gates<kChunk>(beta, g, prm, tid, b, h, t0, c);
 
-        // 2. Stage the chunk's p, q, k (and gates); this column's v stays in registers.
-        bits.stage(tid, prm, st.q, st.k, st.p, [](const float (&)[C], const float (&)[C], const float (&)[C]) {});
-        stage_chunk_gates<kChunk>(st.e, st.beta, bg, prm, tid, c);
-        float vt[C];
+        // 2. Stage the chunk (keys at vk_chunk_slot); this thread's share of the dot products on the way.
+        float x[32];
 #pragma unroll
-        for (int t = 0; t < C; ++t) vt[t] = bits_to_float(bv[t], prm.v_t);
-        __syncthreads();
-
-        // 3. This warp's share of the dot products (read by every thread after the pass).
-        chunk_dots_of_warp<NW, K>(st, warp, lane);
-
-        // 4. One pass: S0^T p_t and S0^T q_t of this column for the whole chunk.
-        float P[C], Q[C];
-#pragma unroll
-        for (int t = 0; t < C; ++t) P[t] = Q[t] = 0.f;
-#pragma unroll
-        for (int i = 0; i < K; ++i) {
-            const float4 pp = st.p[i], qq = st.q[i];
+        for (int i = 0; i < 32; ++i) x[i] = 0.f;
+        bits.stage(tid, prm, st.q, st.k, st.p, vk_chunk_slot,
+                   [&](const float (&xq)[C], const float (&xk)[C], const float (&xp)[C]) {
 #pragma unroll
             for (int t = 0; t < C; ++t) {
-                P[t] = fmaf(component(pp, t), s[i], P[t]);
-                Q[t] = fmaf(component(qq, t), s[i], Q[t]);
+#pragma unroll
+                for (int i = 0; i <= t; ++i) x[kq_slot(i, t)] = fmaf(xk[i], xq[t], x[kq_slot(i, t)]);
+#pragma unroll
+                for (int i = 0; i < t; ++i) x[kp_slot(i, t)] = fmaf(xk[i], xp[t], x[kp_slot(i, t)]);
+                x[nq_slot(t)] = fmaf(xq[t], xq[t], x[nq_slot(t)]);
+                x[nk_slot(t)] = fmaf(xk[t], xk[t], x[nk_slot(t)]);
+                x[np_slot(t)] = fmaf(xp[t], xp[t], x[np_slot(t)]);
             }
-        }
+        });
+#pragma unroll
+        for (int t = 0; t < C; ++t)
+            if (tid < ROWS) reinterpret_cast<float*>(st.v[t])[tid] = bits_to_float(bv[t], prm.v_t);
+        stage_chunk_gates<kChunk>(st.e, st.beta, bg, prm, tid, c);
+        butterfly<16>(x, lane);  // lane i ends with this warp's sum of slot i
+        st.dots[warp][lane] = x[0];
         __syncthreads();
+        {
+            float sum = st.dots[0][lane];
+#pragma unroll
+            for (int w = 1; w < NW; ++w) sum += st.dots[w][lane];
+            sc.dsum[lane] = sum;  // every warp its own copy: no second barrier
+        }
 
-        // 5. The chunk's u_t and o_t of this column.
-        const ChunkFactors<SEPARATE_P> f(st.dsum, st.e, prm);
-        const float (&fq)[C] = f.fq, (&fk)[C] = f.fk, (&fp)[C] = f.fp, (&e)[C] = f.e;
-        float u[C];
-        float G = 1.f;  // G_t
+        // 3. One pass: this thread's 16 keys of S0^T p_t and S0^T q_t for each of its rows, then the
+        //    row group's butterflies.
+        float P[RL][C], Q[RL][C];
 #pragma unroll
-        for (int t = 0; t < C; ++t) {
-            u[t] = 0.f;
-            if (t < c) {
-                G *= e[t];
-                float a = G * fp[t] * P[t], y = G * fq[t] * Q[t];
-                float rr = 1.f;  // r(j, t)
+        for (int i = 0; i < RL; ++i)
 #pragma unroll
-                for (int j = t - 1; j >= 0; --j) {
-                    rr *= e[j + 1];
-                    a = fmaf(rr * fk[j] * fp[t] * st.dsum[kp_slot(j, t)], u[j], a);
-                    y = fmaf(rr * fk[j] * fq[t] * st.dsum[kq_slot(j, t)], u[j], y);
+            for (int t = 0; t < C; ++t) P[i][t] = Q[i][t] = 0.f;
+#pragma unroll
+        for (int m = 0; m < KF; ++m) {
+#pragma unroll
+            for (int cc = 0; cc < 4; ++cc) {
+                const int at = 32 * m + 8 * cc + kl;  // vk_chunk_slot(32 m + 4 kl + cc)
+                const float4 pp = st.p[at], qq = st.q[at];
+#pragma unroll
+                for (int i = 0; i < RL; ++i) {
+                    const float x1 = component(s[i][m], cc);
+#pragma unroll
+                    for (int t = 0; t < C; ++t) {
+                        P[i][t] = fmaf(x1, component(pp, t), P[i][t]);
+                        Q[i][t] = fmaf(x1, component(qq, t), Q[i][t]);
+                    }
                 }
-                u[t] = st.beta[t] * (vt[t] - a);
-                store_act(o, ob + (t0 + t) * prm.o_st, prm.o_t,
-                          scale * fmaf(fk[t] * fq[t] * st.dsum[kq_slot(t, t)], u[t], y));
             }
         }
+#pragma unroll
+        for (int i = 0; i < RL; ++i) {
+            float y[2 * C];
+#pragma unroll
+            for (int t = 0; t < C; ++t) {
+                y[t] = P[i][t];
+                y[C + t] = Q[i][t];
+            }
+            butterfly<4>(y, kl);  // lane kl: sum kl of row i
+            sc.sums[rgp][i * 8 + kl] = y[0];
+        }
+        __syncwarp();
 
-        // 6. The write: S = G_{c-1} S0 + sum_j r(j, c-1) k^_j u_j^T, in registers.
-        float w[C];
-        float rr = 1.f;  // r(j, c-1), built from the last token down
-#pragma unroll
-        for (int j = C - 1; j >= 0; --j) {
-            w[j] = 0.f;
-            if (j < c) {
-                w[j] = rr * fk[j] * u[j];
-                rr *= e[j];
-            }
+        // 4. Lane kl < RL of a row group: u_t and o_t of row kl of the group (chunk_solve).
+        if (kl < RL) {
+            const int r = row(kl);
+            const ChunkFactors<SEPARATE_P> f(sc.dsum, st.e, prm);
+            const long long ob = b * prm.o_sb + h * prm.o_sh + (slab0 + r) * prm.o_sv;
+            float w[C][1];
+            chunk_solve<1, SEPARATE_P>(
+                f, sc.dsum, st.beta, c, w,
+                [&](int t, float (&Pt)[1], float (&Qt)[1]) {
+                    Pt[0] = sc.sums[rgp][kl * 8 + t];
+                    Qt[0] = sc.sums[rgp][kl * 8 + C + t];
+                },
+                [&](int t, float (&vv)[1]) { vv[0] = reinterpret_cast<const float*>(st.v[t])[r]; },
+                [&](int t, const float (&ot)[1]) { store_act(o, ob + (t0 + t) * prm.o_st, prm.o_t, scale * ot[0]); });
+            sc.w[rgp][kl] = make_float4(w[0][0], w[1][0], w[2][0], w[3][0]);
         }
-        // rr is now G_{c-1}.
+        __syncwarp();
+
+        // 5. The write: S = G_{c-1} S0 + sum_j r(j, c-1) k^_j u_j^T, in registers.
+        float G = 1.f;  // G_{c-1}, multiplied in chunk_solve's order
 #pragma unroll
-        for (int i = 0; i < K; ++i) {
-            const float4 kk = st.k[i];
-            float x = rr * s[i];
+        for (int j = C - 1; j >= 0; --j)
+            if (j < c) G *= st.e[j];
+        float4 wr[RL];
 #pragma unroll
-            for (int j = 0; j < C; ++j) x = fmaf(component(kk, j), w[j], x);
-            s[i] = x;
+        for (int i = 0; i < RL; ++i) wr[i] = sc.w[rgp][i];
+#pragma unroll
+        for (int m = 0; m < KF; ++m) {
+#pragma unroll
+            for (int cc = 0; cc < 4; ++cc) {
+                const float4 kk = st.k[32 * m + 8 * cc + kl];
+#pragma unroll
+                for (int i = 0; i < RL; ++i) {
+                    float x1 = G * component(s[i][m], cc);
+                    x1 = fmaf(kk.x, wr[i].x, x1);
+                    x1 = fmaf(kk.y, wr[i].y, x1);
+                    x1 = fmaf(kk.z, wr[i].z, x1);
+                    x1 = fmaf(kk.w, wr[i].w, x1);
+                    set_component(s[i][m], cc, x1);
+                }
+            }
         }
     }
 
     if (prm.write_final) {
 #pragma unroll
-        for (int i = 0; i < K; ++i) state_out[head + i * V] = s[i];
+        for (int i = 0; i < RL; ++i)
+#pragma unroll
+            for (int m = 0; m < KF; ++m) store_state(state_out + head + row(i) * K + 32 * m, s[i][m]);
     }
 }
 

@@ -143,10 +143,11 @@ def test_odd_shapes_and_dtypes(shape, layout, dtype):
     assert reference.relative_error(o, o_ref) <= O_TOL[numpy.dtype(dtype)]
 
 
-@pytest.mark.parametrize("T", [1, 6])
+@pytest.mark.parametrize("T", [1, 3, 6])
 @pytest.mark.parametrize("Hk,H", [(2, 2), (2, 8), (1, 3)])
 def test_seed_parity(T, Hk, H):
-    """vk layout, linear gate, scale 1: the metaltile seed's step (T = 1) and chunk (T > 1) kernels."""
+    """vk layout, linear gate, scale 1: the metaltile seed's step (T = 1) and chunk (T > 1) kernels
+    (T = 3 runs the chunked vk kernel, T = 6 the tensor-core one)."""
     q, k, v, _, beta, g, S = forward_inputs(2, T, H, 128, 64, Hk=Hk, state_layout="vk", gate="linear", seed=T,
                                             dtype=F32, xp=numpy)
     y, S_seed = mt_gated_delta_chunk(q, k, v, g, beta, S)
@@ -162,7 +163,7 @@ def test_seed_parity(T, Hk, H):
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
-@pytest.mark.parametrize("T", [6, 19])  # 19 over B*H = 16: the tensor-core kernel, chunks of 8, 8, 3
+@pytest.mark.parametrize("T", [4, 6, 19])  # 4: the chunked kernels; 19 over B*H = 16: the tensor-core kernel, 8, 8, 3
 def test_forward_equals_repeated_steps(layout, T):
     q, k, v, p, beta, g, S = forward_inputs(4, T, 4, 128, 64, state_layout=layout, dtype=F32, xp=cupy)
     o, S_fwd = comba_forward(q, k, v, p, beta, g, initial_state=S, state_layout=layout)
@@ -194,35 +195,33 @@ def test_tensor_core_path(layout, K, V, comba, gate, l2norm, T, initial):
 @pytest.mark.parametrize("T,initial", [(5, True), (9, True), (16, True), (13, False)],
                          ids=["T5", "T9", "T16", "T13-zero-state"])
 def test_tensor_core_path_many_heads(layout, K, comba, gate, l2norm, T, initial):
-    """More than 128 heads and T >= 5: the ops choose the tensor-core kernel."""
+    """More than 128 heads and T >= 5: the ops choose the tensor-core kernel, except the vk layout's
+    chunked kernel at K = 128 up to T = 12 (then both run: the op, and the tensor-core kernel forced)."""
     B, H, Hk, V = 33, 4, 2, 128
-    assert tiling.choose(layout, K, V, comba, multi=True, T=T, heads=B * H) == f"{layout}64tc"
+    chunked = layout == "vk" and K == 128 and T in tiling.VK_CHUNKED_MANY_HEADS_T
+    expected = "vk64c4" if chunked else f"{layout}64tc"
+    assert tiling.choose(layout, K, V, comba, multi=True, T=T, heads=B * H) == expected
     _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed=K + T + 1)
+    if chunked:
+        _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed=K + T + 1,
+                            variant=f"{layout}64tc")
 
 
 @pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
 @pytest.mark.parametrize("gate,l2norm", [("log", False), ("linear", True)], ids=["log", "linear-l2norm"])
-@pytest.mark.parametrize("T,initial", [(2, True), (3, False), (4, True)], ids=["T2", "T3-zero-state", "T4"])
-def test_chunked_kernel_path(comba, gate, l2norm, T, initial):
-    """K = 128 over many heads: the ops choose the chunked kernel for T = 2 to 4 (two partial
-    4-token chunks and a full one).  GVA, fp32 o."""
-    B, H, Hk, K, V = 35, 4, 2, 128, 128
-    assert tiling.choose("kv", K, V, comba, multi=True, T=T, heads=B * H) == "kv64x8c4"
-    _check_forward_fp32(B, H, Hk, K, V, T, "kv", comba, gate, l2norm, initial, seed=K + T + 2)
-
-
-@pytest.mark.parametrize("V", [128, 64])
-@pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
-@pytest.mark.parametrize("gate,l2norm", [("log", False), ("linear", True)], ids=["log", "linear-l2norm"])
-@pytest.mark.parametrize("T,initial", [(3, True), (4, False), (11, True)], ids=["T3", "T4-zero-state", "T11"])
-def test_column_kernel_path(V, comba, gate, l2norm, T, initial):
-    """K = 64 over many heads: the ops choose the column kernel for T = 3, 4 (a partial and a full
-    4-token chunk); T = 11 (two chunks and a partial one) runs it forced.  GVA, fp32 o."""
-    B, H, Hk, K = 70, 4, 2, 64
-    chosen = tiling.choose("kv", K, V, comba, multi=True, T=T, heads=B * H)
-    variant = None if T <= 4 else f"kv{V}cc"
-    assert chosen.endswith("cc") == (variant is None)
-    _check_forward_fp32(B, H, Hk, K, V, T, "kv", comba, gate, l2norm, initial, seed=V + T, variant=variant)
+@pytest.mark.parametrize("layout,K,T,initial", [("kv", 128, 2, True), ("kv", 128, 3, False), ("kv", 128, 4, True),
+                                                ("kv", 64, 2, True), ("kv", 64, 4, False), ("vk", 128, 2, True),
+                                                ("vk", 128, 3, False), ("vk", 128, 4, True), ("vk", 128, 11, True)],
+                         ids=["kv-K128-T2", "kv-K128-T3-zero-state", "kv-K128-T4", "kv-K64-T2", "kv-K64-T4-zero-state",
+                              "vk-T2", "vk-T3-zero-state", "vk-T4", "vk-T11"])
+def test_chunked_kernel_path(layout, K, comba, gate, l2norm, T, initial):
+    """Over many heads the ops choose the chunked kernels for T = 2 to 4 (two partial 4-token chunks
+    and a full one), and in the vk layout for T = 11 too (two full chunks and a partial one).  GVA,
+    fp32 o."""
+    B, H, Hk, V = 35, 4, 2, 128
+    chunked = {"kv": "kv64x8c4", "vk": "vk64c4"}[layout]
+    assert tiling.choose(layout, K, V, comba, multi=True, T=T, heads=B * H) == chunked
+    _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed=K + T + 2)
 
 
 def _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed, variant=None):
