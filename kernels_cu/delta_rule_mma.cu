@@ -206,7 +206,7 @@ __device__ __forceinline__ bool rows_vectorisable(const void* base, long long sb
 // is loaded and staged in turn, so that the bits in flight and the state fit the registers
 // together.  The bf16 fast path fills it from the ring (ring_bits), both passes two chunks ahead.
 template <int K, int NT, int SLAB>
-struct ChunkBits {
+struct MmaChunkBits {
     static constexpr int E = kMmaChunk * K / NT, PASSES = E / 4, EV = kMmaChunk * SLAB / NT;
     static_assert(E % 4 == 0 && PASSES <= 2 && SLAB % EV == 0, "bad staging split");
     uint4 q, k, p;
@@ -224,8 +224,8 @@ enum GramProduct { kGramK = 0, kGramP = 1, kGramQ = 2, kGramKK = 3 };
 // PASS (issue_chunk's split); v holds the thread's EV values, two a word.
 template <int K, int SLAB, bool SEPARATE_P>
 struct MmaRing {
-    static constexpr int NT = MmaShape<K, SLAB>::NT, PASSES = ChunkBits<K, NT, SLAB>::PASSES;
-    static constexpr int EV = ChunkBits<K, NT, SLAB>::EV;
+    static constexpr int NT = MmaShape<K, SLAB>::NT, PASSES = MmaChunkBits<K, NT, SLAB>::PASSES;
+    static constexpr int EV = MmaChunkBits<K, NT, SLAB>::EV;
     uint2 qkp[2][SEPARATE_P ? 3 : 2][PASSES * NT];  // q, k, p
     unsigned v[2][NT * EV / 2];
 };
@@ -296,14 +296,14 @@ struct MmaStage {
     }
 };
 
-// The register path's loads of one chunk (any dtype and strides): ChunkBits' split, pass PASS.
+// The register path's loads of one chunk (any dtype and strides): MmaChunkBits' split, pass PASS.
 template <int K, int SLAB, bool SEPARATE_P, int PASS>
-__device__ __forceinline__ void issue_chunk(ChunkBits<K, MmaShape<K, SLAB>::NT, SLAB>& x, const void* q, const void* k,
+__device__ __forceinline__ void issue_chunk(MmaChunkBits<K, MmaShape<K, SLAB>::NT, SLAB>& x, const void* q, const void* k,
                                             const void* v, const void* p, const void* beta, const void* g,
                                             const Params& prm, bool vec, int tid, int b, int h, int hk, int slab0,
                                             int t0, int c) {
     constexpr int NT = MmaShape<K, SLAB>::NT;
-    using Bits = ChunkBits<K, NT, SLAB>;
+    using Bits = MmaChunkBits<K, NT, SLAB>;
     const int i0 = 4 * (tid + PASS * NT), t = i0 / K, kk = i0 % K;
     x.q = x.k = x.p = make_uint4(0u, 0u, 0u, 0u);
     if (t < c) {
@@ -329,10 +329,10 @@ __device__ __forceinline__ void issue_chunk(ChunkBits<K, MmaShape<K, SLAB>::NT, 
 // dtype or stride branch is taken per element.
 template <int K, int SLAB, bool SEPARATE_P, int PASS, bool FAST, bool EXACT>
 __device__ __forceinline__ void stage_chunk(MmaStage<K, SLAB, SEPARATE_P>& st,
-                                            const ChunkBits<K, MmaShape<K, SLAB>::NT, SLAB>& x,
+                                            const MmaChunkBits<K, MmaShape<K, SLAB>::NT, SLAB>& x,
                                             const Params& prm, bool vec, int tid, int c) {
     constexpr int NT = MmaShape<K, SLAB>::NT;
-    using Bits = ChunkBits<K, NT, SLAB>;
+    using Bits = MmaChunkBits<K, NT, SLAB>;
     const int i0 = 4 * (tid + PASS * NT), t = i0 / K, kk = i0 % K;
     const float4 xq = bits4_to_float4(x.q, FAST ? BF16 : prm.q_t, FAST || vec);
     const float4 xk = bits4_to_float4(x.k, FAST ? BF16 : prm.k_t, FAST || vec);
@@ -512,7 +512,7 @@ __device__ __forceinline__ void issue_chunk_ring(MmaRing<K, SLAB, SEPARATE_P>& r
 // This thread's bits of pass PASS of the chunk in ring slot `slot`, as stage_chunk's FAST form takes
 // them: q, k, p as vector-loaded bf16 (packed in .x, .y), v two values a word.
 template <int K, int SLAB, bool SEPARATE_P, int PASS>
-__device__ __forceinline__ void ring_bits(ChunkBits<K, MmaShape<K, SLAB>::NT, SLAB>& x,
+__device__ __forceinline__ void ring_bits(MmaChunkBits<K, MmaShape<K, SLAB>::NT, SLAB>& x,
                                           const MmaRing<K, SLAB, SEPARATE_P>& ring, int slot, int tid) {
     using Ring = MmaRing<K, SLAB, SEPARATE_P>;
     const int e = tid + PASS * Ring::NT;
@@ -545,7 +545,7 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
                const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
                const void* __restrict__ g, void* __restrict__ o, const Params prm, const float scale) {
     using Shape = MmaShape<K, SLAB>;
-    using Bits = ChunkBits<K, Shape::NT, SLAB>;
+    using Bits = MmaChunkBits<K, Shape::NT, SLAB>;
     constexpr int C = kMmaChunk, NT = Shape::NT, KS = Shape::KS, NKW = Shape::NKW, NW = Shape::NW;
     static_assert(K % 64 == 0 && SLAB % 16 == 0 && (C * K) % NT == 0 && (C * SLAB) % NT == 0, "bad mma tiling");
     __shared__ MmaStage<K, SLAB, SEPARATE_P> st;
