@@ -414,6 +414,22 @@ __device__ __forceinline__ void set_component(float4& a, int t, float x) {
     if (t == 0) a.x = x; else if (t == 1) a.y = x; else if (t == 2) a.z = x; else a.w = x;
 }
 
+// One staged row's share of the chunk's dot products: x[slot] += the row's term of slot's product
+// (kq_slot, kp_slot, nq_slot, ... above), for a butterfly to sum over the rows afterwards.
+__device__ __forceinline__ void add_chunk_dots(float (&x)[32], const float (&xq)[kChunk], const float (&xk)[kChunk],
+                                               const float (&xp)[kChunk]) {
+#pragma unroll
+    for (int t = 0; t < kChunk; ++t) {
+#pragma unroll
+        for (int i = 0; i <= t; ++i) x[kq_slot(i, t)] = fmaf(xk[i], xq[t], x[kq_slot(i, t)]);
+#pragma unroll
+        for (int i = 0; i < t; ++i) x[kp_slot(i, t)] = fmaf(xk[i], xp[t], x[kp_slot(i, t)]);
+        x[nq_slot(t)] = fmaf(xq[t], xq[t], x[nq_slot(t)]);
+        x[nk_slot(t)] = fmaf(xk[t], xk[t], x[nk_slot(t)]);
+        x[np_slot(t)] = fmaf(xp[t], xp[t], x[np_slot(t)]);
+    }
+}
+
 // Raw bits of one chunk's q, k and p that thread `tid` of NT stages: elements tid, tid + NT, ...
 // of each of the kChunk tokens (0 for tokens past the end, `c` = tokens present, and for rows
 // past K).  `issue` puts every load in flight and waits for none; `stage` is the first use.
@@ -608,16 +624,7 @@ delta_rule_kv_chunked(const float* state, float* state_out, const void* __restri
 #pragma unroll
         for (int i = 0; i < 32; ++i) x[i] = 0.f;
         bits.stage(tid, prm, st.q, st.k, st.p, [&](const float (&xq)[C], const float (&xk)[C], const float (&xp)[C]) {
-#pragma unroll
-            for (int t = 0; t < C; ++t) {
-#pragma unroll
-                for (int i = 0; i <= t; ++i) x[kq_slot(i, t)] = fmaf(xk[i], xq[t], x[kq_slot(i, t)]);
-#pragma unroll
-                for (int i = 0; i < t; ++i) x[kp_slot(i, t)] = fmaf(xk[i], xp[t], x[kp_slot(i, t)]);
-                x[nq_slot(t)] = fmaf(xq[t], xq[t], x[nq_slot(t)]);
-                x[nk_slot(t)] = fmaf(xk[t], xk[t], x[nk_slot(t)]);
-                x[np_slot(t)] = fmaf(xp[t], xp[t], x[np_slot(t)]);
-            }
+            add_chunk_dots(x, xq, xk, xp);
         });
 #pragma unroll
         for (int t = 0; t < C; ++t)
@@ -811,16 +818,7 @@ delta_rule_vk_chunked(const float* state, float* state_out, const void* __restri
         for (int i = 0; i < 32; ++i) x[i] = 0.f;
         bits.stage(tid, prm, st.q, st.k, st.p, vk_chunk_slot,
                    [&](const float (&xq)[C], const float (&xk)[C], const float (&xp)[C]) {
-#pragma unroll
-            for (int t = 0; t < C; ++t) {
-#pragma unroll
-                for (int i = 0; i <= t; ++i) x[kq_slot(i, t)] = fmaf(xk[i], xq[t], x[kq_slot(i, t)]);
-#pragma unroll
-                for (int i = 0; i < t; ++i) x[kp_slot(i, t)] = fmaf(xk[i], xp[t], x[kp_slot(i, t)]);
-                x[nq_slot(t)] = fmaf(xq[t], xq[t], x[nq_slot(t)]);
-                x[nk_slot(t)] = fmaf(xk[t], xk[t], x[nk_slot(t)]);
-                x[np_slot(t)] = fmaf(xp[t], xp[t], x[np_slot(t)]);
-            }
+            add_chunk_dots(x, xq, xk, xp);
         });
 #pragma unroll
         for (int t = 0; t < C; ++t)
