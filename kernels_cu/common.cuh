@@ -91,11 +91,11 @@ __device__ __forceinline__ float4 load_state(const float* p) {
     return *reinterpret_cast<const float4*>(p);
 }
 
-// The stores are written in PTX: NVRTC split the C++ float4 and float2 stores into 4-byte ones in
-// every kernel but the kv decode build (the value arrives through a loop or a permutation), and
-// 4-byte stores of 16-byte strided lanes send four times the requests to L2 (Nsight Compute on the
-// chunked kernel: 59 % of its L2 sectors excessive, L2 86 % busy).  Each thread stores only
-// elements it loaded itself, so in place (state_out == state) stays ordered by the data.
+// The stores are written in PTX: NVRTC compiled the C++ float4 and float2 state stores into 4-byte
+// ones in every kernel but the kv decode build, and 4-byte stores of 16-byte strided lanes send four
+// times the requests to L2 (Nsight Compute on the chunked kernel: 59 % of its L2 sectors excessive,
+// L2 86 % busy).  Each thread stores only elements it loaded itself, and the stored values are
+// computed from the loaded ones, so in place (state_out == state) stays ordered by the data.
 __device__ __forceinline__ void store_state(float* p, float4 x) {
     asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(x.x), "f"(x.y), "f"(x.z), "f"(x.w));
 }

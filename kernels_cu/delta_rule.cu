@@ -752,7 +752,6 @@ delta_rule_kv_chunked(const float* state, float* state_out, const void* __restri
 // Staging: the chunk's q, k and p as in delta_rule_kv_chunked (a float4 of the 4 tokens per key),
 // key 32 m + 4 kl + i stored at 32 m + 8 i + kl, so that the 8 lanes of a row group read 8
 // consecutive float4 (one wavefront; four row groups read the same ones).
-template <int K>
 struct VkChunkScratch {
     static constexpr int RL = 4;
     float sums[4][RL * 8 + 8];  // [rgp][row * 8 + sum], padded: the four row groups write distinct banks
@@ -770,7 +769,7 @@ delta_rule_vk_chunked(const float* state, float* state_out, const void* __restri
     constexpr int NW = ROWS / 16, NT = NW * 32, RL = 4, KF = 4, C = kChunk;
     static_assert(K == 128 && ROWS % 16 == 0 && 2 * C <= NT && ROWS <= NT, "bad vk chunked tiling");
     __shared__ ChunkStage<K, ROWS, NW> stage[2];
-    __shared__ VkChunkScratch<K> scratch[NW];
+    __shared__ VkChunkScratch scratch[NW];
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, kl = lane & 7, rgp = lane >> 3;
     const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H), T = static_cast<int>(prm.T);
@@ -778,7 +777,7 @@ delta_rule_vk_chunked(const float* state, float* state_out, const void* __restri
     const int bh = static_cast<int>(blockIdx.x) / slabs;
     const int slab0 = (static_cast<int>(blockIdx.x) - bh * slabs) * ROWS;
     const int b = bh / H, h = bh - b * H, hk = h / static_cast<int>(prm.group);
-    VkChunkScratch<K>& sc = scratch[warp];
+    VkChunkScratch& sc = scratch[warp];
     // Row i of this lane within the slab; float4 m of it holds keys 32 m + 4 kl .. + 3.
     auto row = [&](int i) { return warp * 16 + i * 4 + rgp; };
     const long long head = static_cast<long long>(bh) * V * K + static_cast<long long>(slab0) * K + 4 * kl;
