@@ -581,6 +581,48 @@ struct ChunkStage {
     float e[kChunk], beta[kChunk];
 };
 
+// Every load of one chunk of a CTA's slab, as raw bits (0 for absent tokens): q, k, p (ChunkBits),
+// the NV values of v from v0 on (threads below NV) and beta, g.  `stage` converts them into the
+// double-buffered ChunkStage -- key j of q, k, p at at(j) -- and leaves this warp's sum of each
+// dot-product slot in st.dots[warp]; a barrier publishes all of it.
+template <int K, int NT, int NV, bool SEPARATE_P>
+struct ChunkLoads {
+    ChunkBits<K, NT, SEPARATE_P> bits;
+    unsigned v[kChunk], gates;
+
+    __device__ __forceinline__ void issue(const void* qa, const void* ka, const void* va, const void* pa,
+                                          const void* beta, const void* g, const Params& prm, int tid, int b, int h,
+                                          int hk, int v0, int t0, int c) {
+        bits.issue(qa, ka, pa, prm, tid, b, hk, t0, c);
+#pragma unroll
+        for (int t = 0; t < kChunk; ++t) {
+            v[t] = 0;
+            if (tid < NV && t < c)
+                v[t] = load_bits(va, b * prm.v_sb + (t0 + t) * prm.v_st + h * prm.v_sh + (v0 + tid) * prm.v_sv,
+                                 prm.v_t);
+        }
+        gates = issue_chunk_gates<kChunk>(beta, g, prm, tid, b, h, t0, c);
+    }
+
+    template <class Stage, class At>
+    __device__ __forceinline__ void stage(Stage& st, const Params& prm, int tid, int warp, int lane, int c,
+                                          At&& at) const {
+        float x[32];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) x[i] = 0.f;
+        bits.stage(tid, prm, st.q, st.k, st.p, at,
+                   [&](const float (&xq)[kChunk], const float (&xk)[kChunk], const float (&xp)[kChunk]) {
+                       add_chunk_dots(x, xq, xk, xp);
+                   });
+#pragma unroll
+        for (int t = 0; t < kChunk; ++t)
+            if (tid < NV) reinterpret_cast<float*>(st.v[t])[tid] = bits_to_float(v[t], prm.v_t);
+        stage_chunk_gates<kChunk>(st.e, st.beta, gates, prm, tid, c);
+        butterfly<16>(x, lane);  // lane i ends with this warp's sum of slot i
+        st.dots[warp][lane] = x[0];
+    }
+};
+
 // CTAs an SM, as many as the registers allow without spilling (left free, ptxas takes 220-250 a
 // thread): four 128-thread CTAs (128 registers) for Gated DeltaNet over 64-column slabs, which sum
 // each token's column sums where they are used (LAZY below); three for Comba, whose p adds to the
@@ -606,32 +648,11 @@ delta_rule_kv_chunked(const float* state, float* state_out, const void* __restri
     for (int t0 = 0, n = 0; t0 < T; t0 += C, ++n) {
         ChunkStage<K, COLS, NW>& st = stage[n & 1];
         const int c = min(C, T - t0);
-        // 1. Every load of the chunk in flight before any is used (raw bits; 0 for absent tokens).
-        ChunkBits<K, NT, SEPARATE_P> bits;
-        bits.issue(q, k, p, prm, tid, b, hk, t0, c);
-        unsigned bv[C];
-#pragma unroll
-        for (int t = 0; t < C; ++t) {
-            bv[t] = 0;
-            if (tid < COLS && t < c)
-                bv[t] = load_bits(v, b * prm.v_sb + (t0 + t) * prm.v_st + h * prm.v_sh + (col0 + tid) * prm.v_sv,
-                                  prm.v_t);
-        }
-        const unsigned bg = issue_chunk_gates<kChunk>(beta, g, prm, tid, b, h, t0, c);
-
+        // 1. Every load of the chunk in flight before any is used.
+        ChunkLoads<K, NT, COLS, SEPARATE_P> loads;
+        loads.issue(q, k, v, p, beta, g, prm, tid, b, h, hk, col0, t0, c);
         // 2. Stage the chunk; this thread's share of the 28 dot products on the way.
-        float x[32];
-#pragma unroll
-        for (int i = 0; i < 32; ++i) x[i] = 0.f;
-        bits.stage(tid, prm, st.q, st.k, st.p, [&](const float (&xq)[C], const float (&xk)[C], const float (&xp)[C]) {
-            add_chunk_dots(x, xq, xk, xp);
-        });
-#pragma unroll
-        for (int t = 0; t < C; ++t)
-            if (tid < COLS) reinterpret_cast<float*>(st.v[t])[tid] = bits_to_float(bv[t], prm.v_t);
-        stage_chunk_gates<kChunk>(st.e, st.beta, bg, prm, tid, c);
-        butterfly<16>(x, lane);  // lane i ends with this warp's sum of slot i
-        st.dots[warp][lane] = x[0];
+        loads.stage(st, prm, tid, warp, lane, c, [](int j) { return j; });
         __syncthreads();
         if (warp == 0) {
             float sum = st.dots[0][lane];
@@ -798,33 +819,11 @@ delta_rule_vk_chunked(const float* state, float* state_out, const void* __restri
     for (int t0 = 0, n = 0; t0 < T; t0 += C, ++n) {
         ChunkStage<K, ROWS, NW>& st = stage[n & 1];
         const int c = min(C, T - t0);
-        // 1. Every load of the chunk in flight before any is used (raw bits; 0 for absent tokens).
-        ChunkBits<K, NT, SEPARATE_P> bits;
-        bits.issue(q, k, p, prm, tid, b, hk, t0, c);
-        unsigned bv[C];
-#pragma unroll
-        for (int t = 0; t < C; ++t) {
-            bv[t] = 0;
-            if (tid < ROWS && t < c)
-                bv[t] = load_bits(v, b * prm.v_sb + (t0 + t) * prm.v_st + h * prm.v_sh + (slab0 + tid) * prm.v_sv,
-                                  prm.v_t);
-        }
-        const unsigned bg = issue_chunk_gates<kChunk>(beta, g, prm, tid, b, h, t0, c);
-
+        // 1. Every load of the chunk in flight before any is used.
+        ChunkLoads<K, NT, ROWS, SEPARATE_P> loads;
+        loads.issue(q, k, v, p, beta, g, prm, tid, b, h, hk, slab0, t0, c);
         // 2. Stage the chunk (keys at vk_chunk_slot); this thread's share of the dot products on the way.
-        float x[32];
-#pragma unroll
-        for (int i = 0; i < 32; ++i) x[i] = 0.f;
-        bits.stage(tid, prm, st.q, st.k, st.p, vk_chunk_slot,
-                   [&](const float (&xq)[C], const float (&xk)[C], const float (&xp)[C]) {
-            add_chunk_dots(x, xq, xk, xp);
-        });
-#pragma unroll
-        for (int t = 0; t < C; ++t)
-            if (tid < ROWS) reinterpret_cast<float*>(st.v[t])[tid] = bits_to_float(bv[t], prm.v_t);
-        stage_chunk_gates<kChunk>(st.e, st.beta, bg, prm, tid, c);
-        butterfly<16>(x, lane);  // lane i ends with this warp's sum of slot i
-        st.dots[warp][lane] = x[0];
+        loads.stage(st, prm, tid, warp, lane, c, vk_chunk_slot);
         __syncthreads();
         {
             float sum = st.dots[0][lane];
