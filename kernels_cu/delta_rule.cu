@@ -460,11 +460,6 @@ struct ChunkBits {
     // This thread's rows j = tid, tid + NT, ... of the chunk's q, k and p (p = k for Gated
     // DeltaNet), converted and staged as q4[at(j)], k4[at(j)], p4[at(j)] (component t: token t);
     // then on_row(xq, xk, xp) with the row's values, for the caller's per-row work.
-    template <class F>
-    __device__ __forceinline__ void stage(int tid, const Params& prm, float4* q4, float4* k4, float4* p4,
-                                          F&& on_row) const {
-        stage(tid, prm, q4, k4, p4, [](int j) { return j; }, on_row);
-    }
     template <class At, class F>
     __device__ __forceinline__ void stage(int tid, const Params& prm, float4* q4, float4* k4, float4* p4, At&& at,
                                           F&& on_row) const {
