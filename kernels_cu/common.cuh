@@ -84,9 +84,10 @@ __device__ __forceinline__ void store_act_pair(void* base, long long i, long lon
     }
 }
 
-// State accesses: plain 16-byte loads and stores.  Not `.nc` (the state may be updated in
-// place, state_out == state) and deliberately no streaming hint: on the H200, `.cs` loads and
-// stores cost 4-7 % of copy bandwidth in every tiling we measured (docs/design.md).
+// State accesses: plain loads and stores, 16 bytes (8 for the tensor-core kernel's pairs).  Not
+// `.nc` (the state may be updated in place, state_out == state) and deliberately no streaming hint:
+// on the H200, `.cs` loads and stores cost 4-7 % of copy bandwidth in every tiling we measured
+// (docs/design.md).
 __device__ __forceinline__ float4 load_state(const float* p) {
     return *reinterpret_cast<const float4*>(p);
 }
