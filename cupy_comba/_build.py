@@ -35,6 +35,8 @@ VK_CHUNKED_K = 128
 #: Slabs of ``delta_rule_mma`` (kernels_cu/delta_rule_mma.cu, either layout): a CTA is a slab of
 #: SLAB value columns of one head, (SLAB / 16) x (K / 64) warps.
 MMA_SLABS = (64, 32)
+#: Tokens a pass of ``delta_rule_mma`` takes over the state: one or two sub-chunks of 8.
+MMA_CHUNKS = (8, 16)
 
 
 def _flag(x):
@@ -65,8 +67,8 @@ SPECIALISATIONS = {
     ),
     "delta_rule_mma": (
         "delta_rule_mma.cu",
-        tuple(f"comba::delta_rule_mma<{K}, {slab}, {_flag(sep)}, {_flag(vk)}>"
-              for K in (64, 128) for slab in MMA_SLABS for sep in (True, False) for vk in (False, True)),
+        tuple(f"comba::delta_rule_mma<{K}, {slab}, {_flag(sep)}, {_flag(vk)}, {chunk // 8}>" for K in (64, 128)
+              for slab in MMA_SLABS for sep in (True, False) for vk in (False, True) for chunk in MMA_CHUNKS),
     ),
     "copy": ("copy.cu", ("comba::copy_float4",)),
 }

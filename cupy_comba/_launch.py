@@ -83,13 +83,16 @@ class Launch:
     params : numpy.void
         The packed ``struct Params`` (:mod:`cupy_comba._params`).
     scale : numpy.float32
+    shared_bytes : int
+        Dynamic shared memory of each CTA (the kernel's attribute already allows it).
     """
 
-    __slots__ = ("kernel", "grid", "block", "params", "scale", "_fn", "_slots", "_written", "_keep", "_argv",
-                 "_lock", "_graphs", "_node_params")
+    __slots__ = ("kernel", "grid", "block", "params", "scale", "shared_bytes", "_fn", "_slots", "_written", "_keep",
+                 "_argv", "_lock", "_graphs", "_node_params")
 
-    def __init__(self, kernel, grid, block, params, scale):
+    def __init__(self, kernel, grid, block, params, scale, shared_bytes=0):
         self.kernel, self.grid, self.block, self.params, self.scale = kernel, grid, block, params, scale
+        self.shared_bytes = shared_bytes
         self._fn = kernel.kernel.ptr  # the CUfunction of the current device
         self._slots = (ctypes.c_uint64 * N_POINTERS)()
         self._written = None  # the pointers in the slots
@@ -100,7 +103,8 @@ class Launch:
         argv = (ctypes.c_void_p * (N_POINTERS + 2))(*(base + 8 * i for i in range(N_POINTERS)),
                                                     ctypes.addressof(params_buf), ctypes.addressof(scale_buf))
         self._argv = ctypes.addressof(argv)
-        node = _KernelNodeParams(self._fn, (grid[0], 1, 1), (block[0], 1, 1), 0, self._argv, None, None, None)
+        node = _KernelNodeParams(self._fn, (grid[0], 1, 1), (block[0], 1, 1), shared_bytes, self._argv, None, None,
+                                 None)
         self._node_params = ctypes.addressof(node)
         self._keep = (params_buf, scale_buf, argv, node)  # the driver reads these at every launch
         self._lock = threading.Lock()  # one thread at a time writes the pointer slots and launches
@@ -135,7 +139,8 @@ class Launch:
 
     def _launch_kernel(self, stream):
         # cuLaunchKernel copies the arguments before it returns: the slots are free again.
-        cupy.cuda.driver.launchKernel(self._fn, self.grid[0], 1, 1, self.block[0], 1, 1, 0, stream, self._argv, 0)
+        cupy.cuda.driver.launchKernel(self._fn, self.grid[0], 1, 1, self.block[0], 1, 1, self.shared_bytes, stream,
+                                      self._argv, 0)
 
     def _capture(self, pointers):
         """A graph of this kernel with the slots' arguments, captured on a private stream."""

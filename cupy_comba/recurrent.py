@@ -345,9 +345,11 @@ def _make_plan(q, k, v, p, beta, g, state, out, state_out, o_dtype, scale, write
     multi = not (T == 1 and state is not None and write_final)
     variant = variant or tiling.choose(state_layout, K, V, p is not None, multi, T, B * H)
     with cupy.cuda.Device(device):
-        kernel, grid, block = tiling.launch(state_layout, variant, B * H, K, V, p is not None, multi, device)
+        f32_keys = any(values[f"{name}_t"] == ACTIVATION_CODES[float32] for name in ("q", "k", "p"))
+        kernel, grid, block, smem = tiling.launch(state_layout, variant, B * H, K, V, p is not None, multi, device,
+                                                  f32_keys)
         if B * H:  # else nothing to launch: plan.launch stays None
-            plan.launch = Launch(kernel, grid, block, pack(values), numpy.float32(plan.scale))
+            plan.launch = Launch(kernel, grid, block, pack(values), numpy.float32(plan.scale), smem)
     return plan
 
 

@@ -6,32 +6,35 @@ head with RG row groups; ``vk{R}x{NW}`` -- ``delta_rule_vk``, NW warps whose lan
 R state rows each.  The same kernels run one decode step and T-token forward passes.
 Three families exist only for T-token passes: ``kv{COLS}x{RG}c4`` (``delta_rule_kv_chunked``,
 4 tokens a pass over the state), ``vk{ROWS}c4`` (``delta_rule_vk_chunked``, K = 128 only: the
-same chunks over a "vk" state, a CTA per ROWS rows of V) and ``{layout}{SLAB}tc``
-(``delta_rule_mma``, a CTA per SLAB value columns, 8-token chunks on tensor cores).
+same chunks over a "vk" state, a CTA per ROWS rows of V), ``{layout}{SLAB}tc`` (``delta_rule_mma``,
+a CTA per SLAB value columns, 8-token chunks on tensor cores) and ``{layout}{SLAB}tc16`` (the same
+kernel taking 16 tokens, two chunks of 8, a pass over the state).
 """
 
 from ._build import (
-    KV_CHUNKED_TILINGS, KV_TILINGS, MMA_SLABS, VK_CHUNKED_K, VK_CHUNKED_ROWS, VK_TILINGS, get_kernel, _flag,
+    KV_CHUNKED_TILINGS, KV_TILINGS, MMA_CHUNKS, MMA_SLABS, VK_CHUNKED_K, VK_CHUNKED_ROWS, VK_TILINGS, get_kernel,
+    _flag,
 )
 
 KV_VARIANTS = tuple(f"kv{c}x{r}" for c, r in KV_TILINGS)
 KV_CHUNKED_VARIANTS = tuple(f"kv{c}x{r}c4" for c, r in KV_CHUNKED_TILINGS)
 VK_VARIANTS = {K: tuple(f"vk{r}x{w}" for r, w in VK_TILINGS[K]) for K in VK_TILINGS}
 VK_CHUNKED_VARIANTS = tuple(f"vk{r}c4" for r in VK_CHUNKED_ROWS)
-MMA_VARIANTS = {layout: tuple(f"{layout}{slab}tc" for slab in MMA_SLABS) for layout in ("kv", "vk")}
+MMA_VARIANTS = {layout: tuple(f"{layout}{slab}tc{'' if chunk == 8 else chunk}" for slab in MMA_SLABS
+                              for chunk in MMA_CHUNKS) for layout in ("kv", "vk")}
 
 
 def token_passes_only(variant):
     """Whether ``variant`` exists only as a T-token build (no decode build): the chunked kernels,
-    ``...c4``, and the tensor-core kernels, ``...tc``."""
-    return variant.endswith(("c4", "tc"))
+    ``...c4``, and the tensor-core kernels, ``...tc`` and ``...tc16``."""
+    return variant.endswith(("c4", "tc", "tc16"))
 
 
 def variants(layout, K, V, multi=False):
     """The variants that can run a ``layout`` state with head sizes K, V (``multi``: T-token passes,
     which also have the chunked kernels, ``kv{COLS}x{RG}c4`` and at K = 128 ``vk{ROWS}c4``, and the
-    tensor-core kernels, ``{layout}{SLAB}tc``)."""
-    mma = tuple(n for n, slab in zip(MMA_VARIANTS[layout], MMA_SLABS) if V % slab == 0) if multi else ()
+    tensor-core kernels, ``{layout}{SLAB}tc`` and ``{layout}{SLAB}tc16``)."""
+    mma = tuple(n for n in MMA_VARIANTS[layout] if V % _mma_geometry(n)[0] == 0) if multi else ()
     if layout == "kv":
         chunked = zip(KV_CHUNKED_VARIANTS, KV_CHUNKED_TILINGS) if multi else ()
         return tuple(n for n, (c, _) in (*zip(KV_VARIANTS, KV_TILINGS), *chunked) if V % c == 0) + mma
@@ -42,6 +45,28 @@ def variants(layout, K, V, multi=False):
 
 def _vk_rows(K, r, w):
     return r * w * (128 // K)
+
+
+def _mma_geometry(variant):
+    """``(SLAB, tokens a pass)`` of a tensor-core variant, ``{layout}{SLAB}tc[16]``."""
+    slab, chunk = variant[2:].split("tc")
+    return int(slab), int(chunk or 8)
+
+
+def mma_stage_bytes(K, slab, separate_p, chunk):
+    """Bytes of ``MmaStage<K, SLAB, SEPARATE_P, SUBS>`` (kernels_cu/delta_rule_mma.cu), the tensor-core
+    kernel's dynamic shared memory, from the struct's layout (test_build checks it against NVRTC's
+    ``sizeof``)."""
+    subs, planes, ks = chunk // 8, 3 if separate_p else 2, K // 64
+    nt = 32 * slab // 16 * ks
+    passes, ev = chunk * K // nt // 4, chunk * slab // nt
+    fragments = subs * (K // 8) * (planes + 1) * 32 * 8          # x and kw, two values each
+    ring = 2 * planes * passes * nt * 8 + 2 * (nt * ev // 2) * 4  # MmaRing: qkp, v
+    part = slab // 16 * ks * 2 * subs * 32 * 16
+    gram = ks * (4 if subs == 1 else 9) * 32 * 16
+    rest = chunk * slab * 4 + 2 * chunk * 4 + subs * (2 * 64 + 3 * 8 + 1) * 4  # v, e and beta, coefficients
+    total = fragments + -(-ring // 16) * 16 + part + gram + rest
+    return -(-total // 16) * 16
 
 
 # The T-token rules below come from the sweeps of 2026-11-30 (third session; benchmarks.md, "Tilings"):
@@ -65,11 +90,10 @@ CHUNKED_FEW_HEADS_T = range(3, 5)
 
 #: "vk" T-token passes at K = 128 over more than MMA_MAX_HEADS heads run the chunked kernel for
 #: this many tokens, ahead of the tensor-core kernel (bench-h200-forward-vkchunked.json, B*H = 8192:
-#: T = 2 / 4 / 8 / 12 in 270.7 / 276.6 / 419.8 / 588.8 us against 335.7 / 414.4 us for the token loop
-#: at T = 2 / 4 and 433.4 / 620.7 us for the tensor-core kernel at T = 8 / 12; from T = 13, a fourth
-#: chunk, the tensor-core kernel leads, 622.5 against 733.0 us; over 256 heads likewise, T = 12 in
-#: 21.2 against 22.8 us, T = 13 in 26.2 against 22.9).
-VK_CHUNKED_MANY_HEADS_T = range(2, 13)
+#: T = 2 / 4 / 8 in 272.2 / 276.9 / 421.6 us against 427.7 us for the tensor-core kernel at T = 8;
+#: from T = 9 its 16-token passes lead, T = 9 / 12 in 556.9 / 564.7 against 565.6 / 591.2 us; over 256
+#: heads the two are within 2 % at T = 9-12).
+VK_CHUNKED_MANY_HEADS_T = range(2, 9)
 
 #: T-token passes of at least MMA_MIN_T tokens run the tensor-core kernel, in either layout, over at
 #: most MMA_MAX_HEADS heads (B*H) and, when V is a multiple of 64, over more.  With few heads the GPU
@@ -89,12 +113,25 @@ MMA_MAX_HEADS = 128
 #: (-lowT.json, -smallT.json).
 VK64_MMA_MIN_T = 4
 
-#: Over at most MMA_NARROW_MAX_HEADS heads the tensor-core kernel takes 32-column slabs, twice the CTAs
-#: on a GPU those heads leave mostly idle (bench-h200-forward-small.json, K = 128, T = 512: 136.1 against
-#: 178.4 us over 16 heads and 136.3 against 174.4 us over 32 (kv), 136.2 / 136.7 against 181.3 / 175.9
-#: us (vk); over 64 heads the two are within 5 % either way, over 128 the 64-column slabs lead, 230.6
-#: against 377.7 us).
+#: Over at most MMA_NARROW_MAX_HEADS heads the tensor-core kernel takes 32-column slabs at K = 128, twice
+#: the CTAs on a GPU those heads leave mostly idle (bench-h200-forward-small.json, K = 128, T = 512: 136.1
+#: against 178.4 us over 16 heads and 136.3 against 174.4 us over 32 (kv), 136.2 / 136.7 against 181.3 /
+#: 175.9 us (vk); over 64 heads the two are within 5 % either way, over 128 the 64-column slabs lead,
+#: 230.6 against 377.7 us).  At K = 64 a 32-column CTA is two warps, and the 64-column slabs lead with
+#: 16-token chunks (16 heads, T = 512: 91.6 against 119.1 us, -mma16-few.json; with 8-token chunks the
+#: two are within 3 %).
 MMA_NARROW_MAX_HEADS = 32
+
+#: The tensor-core kernel takes 16 tokens a pass (``...tc16``: two chunks of 8 share one read of the
+#: state) when MMA16_COST passes of 16 cost less than MMA8_COST passes of 8: about the ratio of one
+#: pass of each over 8192 heads at K = V = 128 (bench-h200-forward-mma16.json, kv: 366 against 215 us
+#: a pass from T = 16 to 64).  So at T = 9-16 (kv 588.4-594.7 against 610.9-616.6 us), not at 17-24
+#: (T = 24: 949.7 against 835.0 us), at 25-32, even at 33-40 (T = 40: 1311.8 against 1268.1 us), and
+#: from 41 on (T = 64: 1691.5 against 1912.9 us); likewise in vk, at K = 64 and over 256 heads.
+#: Over 16-128 heads (-mma16-few.json) it leads or ties from T = 16 (16 heads, T = 512: 120.7 against
+#: 136.8 us at K = 128, 91.6 against 121.7 us at K = 64); near misses at T = 9 (16 heads, K = 64: 7.2
+#: against 6.5 us).  With an fp32 among q, k, p the ``...tc16`` variants run 8-token chunks (launch).
+MMA16_COST, MMA8_COST = 5, 3
 
 
 def choose(layout, K, V, separate_p, multi=False, T=1, heads=None):
@@ -110,12 +147,13 @@ def choose(layout, K, V, separate_p, multi=False, T=1, heads=None):
     T-token passes (``multi``; ``heads`` = B*H, None means many), first rule that applies:
 
     * vk at K = 128: the chunked kernel, 64-row slabs, for :data:`CHUNKED_T` tokens (2 to 4) over
-      at most :data:`MMA_MAX_HEADS` heads and :data:`VK_CHUNKED_MANY_HEADS_T` (2 to 12) over more;
+      at most :data:`MMA_MAX_HEADS` heads and :data:`VK_CHUNKED_MANY_HEADS_T` (2 to 8) over more;
       32-row slabs for :data:`CHUNKED_FEW_HEADS_T` (3, 4) when V is not a multiple of 64.
     * Either layout: the tensor-core kernel from :data:`MMA_MIN_T` tokens (vk at K = 64 from
       :data:`VK64_MMA_MIN_T`) over at most :data:`MMA_MAX_HEADS` heads, and over more when V is a
-      multiple of 64; 32-column slabs over at most :data:`MMA_NARROW_MAX_HEADS` heads or when V
-      is not a multiple of 64.
+      multiple of 64; 32-column slabs at K = 128 over at most :data:`MMA_NARROW_MAX_HEADS` heads,
+      and whenever V is not a multiple of 64; 16 tokens a pass (``...tc16``) where fewer passes of
+      16 cost less (:data:`MMA16_COST`): T = 9-16, 25-32 and from 41 on.
     * kv: the chunked kernel, 64-column slabs, for :data:`CHUNKED_T` tokens, at K = 128 over at
       most :data:`MMA_MAX_HEADS` heads :data:`CHUNKED_FEW_HEADS_T`; 32-column slabs at K = 128 for
       :data:`CHUNKED_FEW_HEADS_T` when V is not a multiple of 64.
@@ -127,8 +165,9 @@ def choose(layout, K, V, separate_p, multi=False, T=1, heads=None):
             return "vk64c4" if wide else "vk32c4"
     mma_min_t = VK64_MMA_MIN_T if layout == "vk" and K == 64 else MMA_MIN_T
     if multi and T >= mma_min_t and (few or wide):
-        narrow = not wide or (few and heads <= MMA_NARROW_MAX_HEADS)
-        return f"{layout}{32 if narrow else 64}tc"
+        narrow = not wide or (few and heads <= MMA_NARROW_MAX_HEADS and K == 128)
+        sixteen = -(-T // 16) * MMA16_COST < -(-T // 8) * MMA8_COST
+        return f"{layout}{32 if narrow else 64}tc{16 if sixteen else ''}"
     if layout == "kv":
         if multi and wide and T in (CHUNKED_FEW_HEADS_T if K == 128 and few else CHUNKED_T):
             return "kv64x8c4"
@@ -140,9 +179,12 @@ def choose(layout, K, V, separate_p, multi=False, T=1, heads=None):
     return "vk16x2" if V % _vk_rows(K, 16, 2) == 0 else "vk8x2"
 
 
-def launch(layout, variant, heads, K, V, separate_p, multi, device):
-    """``(kernel, grid, block)`` of one variant; ``multi`` selects the kernel built for T != 1
-    (the chunked variants have only that build, whatever ``multi`` says).
+def launch(layout, variant, heads, K, V, separate_p, multi, device, f32_keys=False):
+    """``(kernel, grid, block, shared_bytes)`` of one variant (``shared_bytes``: its dynamic shared
+    memory); ``multi`` selects the kernel built for T != 1 (the chunked variants have only that
+    build, whatever ``multi`` says).  ``f32_keys``: an fp32 among q, k, p, which the 16-token
+    tensor-core variants run with 8-token chunks (their build holds the 16-bit path only: both
+    paths in one kernel spill).
 
     ``device`` must be current (the launch plan makes it so: its ``Launch`` needs it too).
     """
@@ -151,14 +193,18 @@ def launch(layout, variant, heads, K, V, separate_p, multi, device):
         raise ValueError(f"variant {variant!r} cannot run a {layout!r} state with K={K}, V={V}"
                          f"{' over T tokens' if multi else ' for one step'}; "
                          f"expected one of {variants(layout, K, V, multi)}")
-    if variant.endswith("tc"):
-        slab = int(variant[2:-2])
-        name = f"comba::delta_rule_mma<{K}, {slab}, {_flag(separate_p)}, {_flag(layout == 'vk')}>"
-        return get_kernel("delta_rule_mma", name, device), (heads * (V // slab),), (2 * slab * K // 64,)
+    if variant.endswith(("tc", "tc16")):
+        slab, chunk = _mma_geometry(variant)
+        chunk = 8 if f32_keys else chunk
+        name = f"comba::delta_rule_mma<{K}, {slab}, {_flag(separate_p)}, {_flag(layout == 'vk')}, {chunk // 8}>"
+        kernel, smem = get_kernel("delta_rule_mma", name, device), mma_stage_bytes(K, slab, separate_p, chunk)
+        if kernel.max_dynamic_shared_size_bytes < smem:
+            kernel.max_dynamic_shared_size_bytes = smem
+        return kernel, (heads * (V // slab),), (2 * slab * K // 64,), smem
     if layout == "vk" and variant.endswith("c4"):
         rows = int(variant[2:-2])
         name = f"comba::delta_rule_vk_chunked<{K}, {rows}, {_flag(separate_p)}>"
-        return get_kernel("delta_rule_vk_chunked", name, device), (heads * (V // rows),), (2 * rows,)
+        return get_kernel("delta_rule_vk_chunked", name, device), (heads * (V // rows),), (2 * rows,), 0
     a, b = (int(x) for x in variant[2:].removesuffix("c4").split("x"))
     if layout == "kv":
         name = f"comba::delta_rule_kv<{K}, {a}, {b}, {_flag(separate_p)}, {_flag(multi)}>"
@@ -170,4 +216,4 @@ def launch(layout, variant, heads, K, V, separate_p, multi, device):
         name = f"comba::delta_rule_vk<{K}, {a}, {b}, {_flag(separate_p)}, {_flag(multi)}>"
         module = "delta_rule_vk"
         grid, block = heads * (V // _vk_rows(K, a, b)), 32 * b
-    return get_kernel(module, name, device), (grid,), (block,)
+    return get_kernel(module, name, device), (grid,), (block,), 0

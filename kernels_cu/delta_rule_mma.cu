@@ -1,7 +1,8 @@
 // delta_rule_mma.cu -- T-token passes of the gated delta rule with each chunk of 8 tokens done
 // as small matrix products on the tensor cores (mma.sync m16n8k8, TF32 operands split in three
-// for fp32 accuracy).  Either state layout; the state is read once, stays in registers across
-// the T tokens and is written once, as in delta_rule.cu.
+// for fp32 accuracy), one or two chunks a pass over the state (SUBS).  Either state layout; the
+// state is read once, stays in registers across the T tokens and is written once, as in
+// delta_rule.cu.
 //
 // Math.  A chunk of C = 8 tokens from the state S0 (K x V); G_t = e_0 ... e_t, r(j, t) = e_{j+1}
 // ... e_t (r(t, t) = 1); fq, fk, fp the L2-norm factors (1 without use_qk_l2norm).  Tokens past
@@ -19,6 +20,14 @@
 // and the chunk's dot products, which are Gram products of the staged fragments ([p; q] k^T, and
 // for use_qk_l2norm the norms); only the 8 x 8 solve for M and the factors run on CUDA cores (fp32).
 //
+// Two chunks a pass (SUBS = 2, tokens 0-7 and 8-15): both read [Rp | Rq] from the pass's first
+// state S0; the second needs the state S1^T = G_7 S0^T + (U_0^T diag(w_0)) K_0^T the first leaves, so
+//
+//   [Rp | Rq]_1 = G_7 [Rp | Rq]_1(S0) + (U_0^T diag(w_0)) [X_p | X_q],   X_p[j][t] = k_{0,j} . p_{1,t}
+//
+// (X_q with q; one more Gram product), and each chunk then runs the formulas above in turn, its
+// write included.
+//
 // Precision.  TF32 keeps 10 mantissa bits.  Every fp32 operand x is split as hi = x rounded to TF32,
 // lo = x - hi (split() below), and a product is hi*hi + hi*lo + lo*hi ("3xTF32"): about 2^-21
 // relative per product, the accuracy of an fp32 FMA chain (state error vs float64 ~1.6e-7, as the
@@ -35,15 +44,19 @@
 // value columns: row g is column 2g of the tile, row g + 8 column 2g + 1, so a lane's two values
 // are adjacent in memory (one 8-byte access per state row in "kv", per pair of K in "vk").
 //
-// Launch geometry: delta_rule_mma<K, SLAB, SEPARATE_P, VK> -- one CTA per (b, h, slab of SLAB
+// Launch geometry: delta_rule_mma<K, SLAB, SEPARATE_P, VK, SUBS> -- one CTA per (b, h, slab of SLAB
 // value columns); NW = (SLAB / 16) x (K / 64) warps, each 16 value columns x 64 keys of the state
 // (32 registers a lane).  The K-reduction of a warp stays in its mma.sync accumulators; the K / 64
-// key parts of a value group add their partial [Rp | Rq] through shared memory.  Per chunk, four
-// CTA barriers:
+// key parts of a value group add their partial [Rp | Rq] through shared memory.  The stage
+// (MmaStage) is dynamic shared memory of cupy_comba.tiling.mma_stage_bytes.  At the start each
+// thread asks L2 for a line of the state of the CTA a wave later.  Per pass (one chunk, or two with
+// SUBS = 2: their solves on warps 0-1 and 2-3 at once, their Gram products over the value groups),
+// four CTA barriers:
 //   1. every thread stages 4 consecutive keys of one token of q, k, p (one 8- or 16-byte load
-//      where the rows allow it) as B fragments -- only the hi halves for 16-bit inputs -- plus its
-//      v values and the gates, and issues the next chunk's loads; bf16 in contiguous rows (the fast
-//      path, no dtype branch) is copied two chunks ahead into shared memory instead (MmaRing);
+//      where the rows allow it) as B fragments -- two values, split by their reader when fp32 --
+//      plus its v values and the gates, and issues the next chunk's loads; bf16 in contiguous rows
+//      (the fast path, no dtype branch) is copied two chunks ahead into shared memory instead
+//      (MmaRing);
 //   2. every warp reads [Rp | Rq] over its keys; the warps of value group 0 also form the Gram
 //      products over theirs, the one against k inside the read loop from the fragments it loads;
 //   3. warps 0 and 1 solve the chunk's 8 x 8 coefficients once for the CTA (M; Bq and the
@@ -52,15 +65,17 @@
 // A warp runs 72 mma.sync a chunk with an fp32 among q, k, p (48 for the read, 3 + 3 for U and O, 24
 // for the write), 54 otherwise (32, 3 + 3, 16); the warps of value group 0 add the Gram product
 // with k, and with use_qk_l2norm one more (Gated DeltaNet) or three (Comba), 8 mma.sync each (24
-// with an fp32 among q, k, p).
+// with an fp32 among q, k, p).  A two-chunk pass holds only the 16-bit path (registers: the
+// launch runs an fp32 among q, k, p with one chunk a pass).
 //
 // Where it stands (docs/benchmarks.md, "Multi-token" and "Tilings"): with few heads (B*H <= 128)
-// the GPU waits on each token's latency and this kernel, 8 tokens a step, is the fastest from T = 6
-// on; with many heads one chunk costs about the same whatever its fill, and cupy_comba.tiling.choose
-// takes it there from T = 5 (B*H = 8192, K = V = 128, T = 16: 624-627 us, x2.37-2.38 of the decode
-// step, against 977 us for the token loop).  In-kernel clocks at that shape (before the bf16 ring)
-// put a chunk at about 6500 cycles a CTA, two CTAs an SM: staging 600-1700, the read 1500-1900, the
-// solve 1150 (two warps busy), U, O and the write 900-2800.
+// the GPU waits on each token's latency and this kernel, 8 or 16 tokens a step, is the fastest from
+// T = 5 on; with many heads a pass costs about the same whatever its fill, and
+// cupy_comba.tiling.choose takes it there from T = 5, 16 tokens a pass where fewer passes pay for
+// their cost (1.7 passes of 8).  B*H = 8192, K = V = 128, T = 16: 593.5-595.3 us "kv", 567.1-570.5
+// us "vk", x2.12-2.27 of the decode step, against 980 us for the token loop.  In-kernel clocks
+// (8-token passes, before the bf16 ring) put a chunk at about 6500 cycles a CTA, two CTAs an SM:
+// staging 600-1700, the read 1500-1900, the solve 1150 (two warps busy), U, O and the write 900-2800.
 #include "common.cuh"
 #include "params.cuh"
 
@@ -205,105 +220,102 @@ __device__ __forceinline__ bool rows_vectorisable(const void* base, long long sb
 // 0 .. 2C - 1.  On the register path one pass is issued a chunk ahead; with two passes the second
 // is loaded and staged in turn, so that the bits in flight and the state fit the registers
 // together.  The bf16 fast path fills it from the ring (ring_bits), both passes two chunks ahead.
-template <int K, int NT, int SLAB>
+template <int K, int NT, int SLAB, int C>
 struct MmaChunkBits {
-    static constexpr int E = kMmaChunk * K / NT, PASSES = E / 4, EV = kMmaChunk * SLAB / NT;
-    static_assert(E % 4 == 0 && PASSES <= 2 && SLAB % EV == 0, "bad staging split");
+    static constexpr int E = C * K / NT, PASSES = E / 4, EV = C * SLAB / NT;
+    static_assert(E % 4 == 0 && SLAB % EV == 0, "bad staging split");
     uint4 q, k, p;
     unsigned v[EV], gate;
 };
 
+// A chunk is SUBS sub-chunks of kMmaChunk tokens (SUBS = 2: one pass over the state for 16 tokens).
+template <int K, int SLAB, int SUBS>
+using MmaBits = MmaChunkBits<K, MmaShape<K, SLAB>::NT, SLAB, kMmaChunk * SUBS>;
+
 // The chunk's Gram products, each a 16 x 8 mma.sync accumulator, one per key part (summed when
-// read): rows [p_0 .. p_7 | q_0 .. q_7] (or [k | q] for kGramKK) against columns k, p or q.
-enum GramProduct { kGramK = 0, kGramP = 1, kGramQ = 2, kGramKK = 3 };
+// read): rows [p_0 .. p_7 | q_0 .. q_7] of a sub-chunk (or [k | q] for kGramKK) against its columns
+// k, p or q; kGramX (SUBS = 2): rows [p | q] of sub-chunk 1 against the columns k of sub-chunk 0.
+enum GramProduct { kGramK = 0, kGramP = 1, kGramQ = 2, kGramKK = 3, kGramX = 4 };
+
+// Where product pr of sub-chunk s is kept in MmaStage::gram.  With two sub-chunks the products
+// every chunk needs come first (k of each, the cross product), then the norms', so that the warps
+// that take slot i % (SLAB / 16) share them out evenly (gram_products).
+template <int SUBS>
+__device__ __forceinline__ constexpr int gram_slot(int pr, int s) {
+    return SUBS == 1 ? pr : pr == kGramK ? s : pr == kGramX ? 2 : pr == kGramQ ? 3 + s : pr == kGramP ? 5 + s : 7 + s;
+}
+template <int SUBS>
+constexpr int kGramSlots = SUBS == 1 ? 4 : 9;
 
 // The bf16 fast path's loads go out two chunks ahead, as cp.async copies of the raw bits into a
 // ring of two chunk slots: the copies hold no registers while they fly (at many heads a load takes
 // about a chunk's time to arrive), and each thread reads back only the bytes it copied itself, so
 // no barrier guards the ring.  Entry tid + PASS NT of a plane holds the thread's 4 keys of pass
 // PASS (issue_chunk's split); v holds the thread's EV values, two a word.
-template <int K, int SLAB, bool SEPARATE_P>
+template <int K, int SLAB, bool SEPARATE_P, int SUBS>
 struct MmaRing {
-    static constexpr int NT = MmaShape<K, SLAB>::NT, PASSES = MmaChunkBits<K, NT, SLAB>::PASSES;
-    static constexpr int EV = MmaChunkBits<K, NT, SLAB>::EV;
+    static constexpr int NT = MmaShape<K, SLAB>::NT, PASSES = MmaBits<K, SLAB, SUBS>::PASSES;
+    static constexpr int EV = MmaBits<K, SLAB, SUBS>::EV;
     uint2 qkp[2][SEPARATE_P ? 3 : 2][PASSES * NT];  // q, k, p
     unsigned v[2][NT * EV / 2];
 };
 
-template <int K, int SLAB, bool SEPARATE_P>
+template <int K, int SLAB, bool SEPARATE_P, int SUBS>
 struct MmaStage {
-    static constexpr int KS = MmaShape<K, SLAB>::KS, PLANES = SEPARATE_P ? 3 : 2;
+    static constexpr int KS = MmaShape<K, SLAB>::KS, PLANES = SEPARATE_P ? 3 : 2, C = kMmaChunk * SUBS;
     // B fragments over the keys, per k-step: p (k for Gated DeltaNet), q, and k for Comba (read and
-    // Gram operands); kw: the write's fragments of [k_0 .. k_7]^T, per state column tile.  With an fp32
-    // among q, k, p the whole {hi, hi, lo, lo}; with 16-bit inputs only the hi pair (lo = 0), which
-    // leaves room for the fast path's ring in the same bytes.
-    struct Full {
-        uint4 x[K / 8][PLANES][32];
-        uint4 kw[K / 8][32];
-    };
-    struct Hi {
-        uint2 x[K / 8][PLANES][32];
-        uint2 kw[K / 8][32];
-        MmaRing<K, SLAB, SEPARATE_P> ring;
-    };
-    static_assert(sizeof(Hi) <= sizeof(Full), "the ring must fit beside the hi fragments");
-    union {
-        Full full;
-        Hi hi;
-    } frag;
-    float4 part[SLAB / 16][KS][2][32]; // per key part: the read's Rp, Rq
-    float4 gram[KS][4][32];            // per key part: the Gram products (GramProduct)
-    float v[kMmaChunk][SLAB];          // v of the slab
-    float e[kMmaChunk], beta[kMmaChunk];
-    ChunkCoefficients coef;
+    // Gram operands); kw: the write's fragments of [k_0 .. k_7]^T, per state column tile.  Kept as
+    // the values (b0, b1); with an fp32 among q, k, p the reader splits them into {hi, hi, lo, lo}
+    // (16 bytes a fragment kept would not leave the registers room: two sub-chunks spilled), with
+    // 16-bit inputs they are the hi pair (lo = 0).
+    uint2 x_[SUBS][K / 8][PLANES][32];
+    uint2 kw_[SUBS][K / 8][32];
+    MmaRing<K, SLAB, SEPARATE_P, SUBS> ring;   // the fast path's copies
+    float4 part[SLAB / 16][KS][2 * SUBS][32];  // per key part: the read's Rp, Rq of each sub-chunk
+    float4 gram[KS][kGramSlots<SUBS>][32];     // per key part: the Gram products (gram_slot)
+    float v[C][SLAB];                          // v of the slab
+    float e[C], beta[C];
+    ChunkCoefficients coef[SUBS];
 
     template <bool EXACT>
-    __device__ __forceinline__ uint4 x(int n, int plane, int slot) const {
-        if (!EXACT) return frag.full.x[n][plane][slot];
-        const uint2 f = frag.hi.x[n][plane][slot];
-        return make_uint4(f.x, f.y, 0u, 0u);
+    __device__ __forceinline__ static uint4 fragment(uint2 f) {
+        if (EXACT) return make_uint4(f.x, f.y, 0u, 0u);
+        return split_pair(__uint_as_float(f.x), __uint_as_float(f.y));
     }
     template <bool EXACT>
-    __device__ __forceinline__ void set_x(int n, int plane, int slot, float b0, float b1) {
-        if (EXACT) frag.hi.x[n][plane][slot] = make_uint2(__float_as_uint(b0), __float_as_uint(b1));
-        else frag.full.x[n][plane][slot] = split_pair(b0, b1);
+    __device__ __forceinline__ uint4 x(int s, int n, int plane, int slot) const {
+        return fragment<EXACT>(x_[s][n][plane][slot]);
+    }
+    __device__ __forceinline__ void set_x(int s, int n, int plane, int slot, float b0, float b1) {
+        x_[s][n][plane][slot] = make_uint2(__float_as_uint(b0), __float_as_uint(b1));
     }
     template <bool EXACT>
-    __device__ __forceinline__ uint4 kw(int n, int slot) const {
-        if (!EXACT) return frag.full.kw[n][slot];
-        const uint2 f = frag.hi.kw[n][slot];
-        return make_uint4(f.x, f.y, 0u, 0u);
+    __device__ __forceinline__ uint4 kw(int s, int n, int slot) const {
+        return fragment<EXACT>(kw_[s][n][slot]);
     }
-    // Value x of B fragment register i (0 or 1) of kw[n][slot].
-    template <bool EXACT>
-    __device__ __forceinline__ void set_kw(int n, int slot, int i, float x) {
-        if (EXACT) {
-            reinterpret_cast<unsigned*>(&frag.hi.kw[n][slot])[i] = __float_as_uint(x);
-        } else {
-            unsigned* f = reinterpret_cast<unsigned*>(&frag.full.kw[n][slot]);
-            split(x, f[i], f[2 + i]);
-        }
+    // Value x of B fragment register i (0 or 1) of kw[s][n][slot].
+    __device__ __forceinline__ void set_kw(int s, int n, int slot, int i, float x) {
+        reinterpret_cast<unsigned*>(&kw_[s][n][slot])[i] = __float_as_uint(x);
     }
 
-    // Entry (r, c) of Gram product pr, summed over the key parts: lane 4 (r % 8) + c / 2 holds it,
-    // element 2 (r / 8) + c % 2 of its accumulator tile.
-    __device__ __forceinline__ float dot(int pr, int r, int c) const {
+    // Entry (r, c) of the Gram product in slot j, summed over the key parts: lane 4 (r % 8) + c / 2
+    // holds it, element 2 (r / 8) + c % 2 of its accumulator tile.
+    __device__ __forceinline__ float dot(int j, int r, int c) const {
         float s = 0.f;
 #pragma unroll
         for (int kp = 0; kp < KS; ++kp)
-            s += reinterpret_cast<const float*>(&gram[kp][pr][4 * (r & 7) + (c >> 1)])[2 * (r >> 3) + (c & 1)];
+            s += reinterpret_cast<const float*>(&gram[kp][j][4 * (r & 7) + (c >> 1)])[2 * (r >> 3) + (c & 1)];
         return s;
     }
 };
 
 // The register path's loads of one chunk (any dtype and strides): MmaChunkBits' split, pass PASS.
-template <int K, int SLAB, bool SEPARATE_P, int PASS>
-__device__ __forceinline__ void issue_chunk(MmaChunkBits<K, MmaShape<K, SLAB>::NT, SLAB>& x, const void* q, const void* k,
-                                            const void* v, const void* p, const void* beta, const void* g,
-                                            const Params& prm, bool vec, int tid, int b, int h, int hk, int slab0,
-                                            int t0, int c) {
+template <int K, int SLAB, bool SEPARATE_P, int SUBS, int PASS>
+__device__ __forceinline__ void issue_chunk(MmaBits<K, SLAB, SUBS>& x, const void* q, const void* k, const void* v,
+                                            const void* p, const void* beta, const void* g, const Params& prm,
+                                            bool vec, int tid, int b, int h, int hk, int slab0, int t0, int c) {
     constexpr int NT = MmaShape<K, SLAB>::NT;
-    using Bits = MmaChunkBits<K, NT, SLAB>;
+    using Bits = MmaBits<K, SLAB, SUBS>;
     const int i0 = 4 * (tid + PASS * NT), t = i0 / K, kk = i0 % K;
     x.q = x.k = x.p = make_uint4(0u, 0u, 0u, 0u);
     if (t < c) {
@@ -320,37 +332,37 @@ __device__ __forceinline__ void issue_chunk(MmaChunkBits<K, MmaShape<K, SLAB>::N
         const long long vi = b * prm.v_sb + (t0 + tv) * prm.v_st + h * prm.v_sh + (slab0 + vv) * prm.v_sv;
 #pragma unroll
         for (int e = 0; e < Bits::EV; ++e) x.v[e] = tv < c ? load_bits(v, vi + e * prm.v_sv, prm.v_t) : 0u;
-        x.gate = issue_chunk_gates<kMmaChunk>(beta, g, prm, tid, b, h, t0, c);
+        x.gate = issue_chunk_gates<kMmaChunk * SUBS>(beta, g, prm, tid, b, h, t0, c);
     }
 }
 
 // Stage one pass of a chunk from its raw bits.  FAST: the bits came from the ring (ring_bits), every
 // one of q, k, p, v bf16 with vector rows (the kernel's `fast`), v packed two values a word, so no
 // dtype or stride branch is taken per element.
-template <int K, int SLAB, bool SEPARATE_P, int PASS, bool FAST, bool EXACT>
-__device__ __forceinline__ void stage_chunk(MmaStage<K, SLAB, SEPARATE_P>& st,
-                                            const MmaChunkBits<K, MmaShape<K, SLAB>::NT, SLAB>& x,
+template <int K, int SLAB, bool SEPARATE_P, int SUBS, int PASS, bool FAST>
+__device__ __forceinline__ void stage_chunk(MmaStage<K, SLAB, SEPARATE_P, SUBS>& st, const MmaBits<K, SLAB, SUBS>& x,
                                             const Params& prm, bool vec, int tid, int c) {
     constexpr int NT = MmaShape<K, SLAB>::NT;
-    using Bits = MmaChunkBits<K, NT, SLAB>;
-    const int i0 = 4 * (tid + PASS * NT), t = i0 / K, kk = i0 % K;
+    using Bits = MmaBits<K, SLAB, SUBS>;
+    // Token tc of the chunk is token t of sub-chunk s.
+    const int i0 = 4 * (tid + PASS * NT), tc = i0 / K, s = tc / kMmaChunk, t = tc % kMmaChunk, kk = i0 % K;
     const float4 xq = bits4_to_float4(x.q, FAST ? BF16 : prm.q_t, FAST || vec);
     const float4 xk = bits4_to_float4(x.k, FAST ? BF16 : prm.k_t, FAST || vec);
     const float4 xp = SEPARATE_P ? bits4_to_float4(x.p, FAST ? BF16 : prm.p_t, FAST || vec) : xk;
     // Read operand: keys 8n + 2j, 8n + 2j + 1 are k-columns j, j + 4 (b0, b1) of lane 4t + j.
     const int n = kk >> 3, j0 = (kk & 7) >> 1, sw = x_swizzle(n);
-    st.template set_x<EXACT>(n, 0, (4 * t + j0) ^ sw, xp.x, xp.y);
-    st.template set_x<EXACT>(n, 0, (4 * t + j0 + 1) ^ sw, xp.z, xp.w);
-    st.template set_x<EXACT>(n, 1, (4 * t + j0) ^ sw, xq.x, xq.y);
-    st.template set_x<EXACT>(n, 1, (4 * t + j0 + 1) ^ sw, xq.z, xq.w);
+    st.set_x(s, n, 0, (4 * t + j0) ^ sw, xp.x, xp.y);
+    st.set_x(s, n, 0, (4 * t + j0 + 1) ^ sw, xp.z, xp.w);
+    st.set_x(s, n, 1, (4 * t + j0) ^ sw, xq.x, xq.y);
+    st.set_x(s, n, 1, (4 * t + j0 + 1) ^ sw, xq.z, xq.w);
     if constexpr (SEPARATE_P) {  // k in the same layout, for the Gram products
-        st.template set_x<EXACT>(n, 2, (4 * t + j0) ^ sw, xk.x, xk.y);
-        st.template set_x<EXACT>(n, 2, (4 * t + j0 + 1) ^ sw, xk.z, xk.w);
+        st.set_x(s, n, 2, (4 * t + j0) ^ sw, xk.x, xk.y);
+        st.set_x(s, n, 2, (4 * t + j0 + 1) ^ sw, xk.z, xk.w);
     }
     // Write operand: token t is k-row t / 2 (b0, even t) or t / 2 + 4 (b1, odd t) of lane (key % 8, t / 2).
     const float xs[4] = {xk.x, xk.y, xk.z, xk.w};
 #pragma unroll
-    for (int e = 0; e < 4; ++e) st.template set_kw<EXACT>(n, kw_lane((kk & 7) + e, t >> 1), t & 1, xs[e]);
+    for (int e = 0; e < 4; ++e) st.set_kw(s, n, kw_lane((kk & 7) + e, t >> 1), t & 1, xs[e]);
     if (PASS == 0) {
         const int iv = Bits::EV * tid;
 #pragma unroll
@@ -359,7 +371,7 @@ __device__ __forceinline__ void stage_chunk(MmaStage<K, SLAB, SEPARATE_P>& st,
             st.v[iv / SLAB][iv % SLAB + e] =
                 FAST ? __uint_as_float(e % 2 ? w & 0xffff0000u : w << 16) : bits_to_float(w, prm.v_t);
         }
-        stage_chunk_gates<kMmaChunk>(st.e, st.beta, x.gate, prm, tid, c);
+        stage_chunk_gates<kMmaChunk * SUBS>(st.e, st.beta, x.gate, prm, tid, c);
     }
 }
 
@@ -377,51 +389,62 @@ __device__ __forceinline__ void mma_fragments(float (&d)[4], const unsigned (&ah
 // staged B fragments of p and q, exactly an A fragment's four values -- against B = k (k_j . p_t,
 // k_j . q_t; with 16-bit inputs the read loop forms this one from the fragments it loads, so it is
 // skipped here), and with use_qk_l2norm against B = q (|q_t|^2), for Comba also B = p (|p_t|^2)
-// and A = [k | q] against k (|k_t|^2).  For Gated DeltaNet |k_t|^2 = |p_t|^2 is k_t . p_t.
-template <int K, int SLAB, bool SEPARATE_P, bool EXACT>
-__device__ __forceinline__ void gram_products(MmaStage<K, SLAB, SEPARATE_P>& st, bool l2norm, int n0, int lane) {
+// and A = [k | q] against k (|k_t|^2).  For Gated DeltaNet |k_t|^2 = |p_t|^2 is k_t . p_t.  With
+// two sub-chunks, each sub-chunk's products and kGramX (rows [p | q] of sub-chunk 1 against k of
+// sub-chunk 0), all formed here, slot j (gram_slot) by the warps of value group j % (SLAB / 16);
+// with one, every product by value group 0.
+template <int K, int SLAB, bool SEPARATE_P, int SUBS, bool EXACT, bool K_IN_READ>
+__device__ __forceinline__ void gram_products(MmaStage<K, SLAB, SEPARATE_P, SUBS>& st, bool l2norm, int n0, int lane,
+                                              int vgroup) {
     // Planes of MmaStage::x: p (k for Gated DeltaNet), q, k.
-    constexpr int P = 0, Q = 1, KP = SEPARATE_P ? 2 : 0;
+    constexpr int P = 0, Q = 1, KP = SEPARATE_P ? 2 : 0, VG = SLAB / 16;
 #pragma unroll
-    for (int pr = EXACT ? kGramP : kGramK; pr <= kGramKK; ++pr) {  // one product at a time
-        if (pr != kGramK && !(l2norm && (SEPARATE_P || pr == kGramQ))) continue;
-        const int rows = pr == kGramKK ? KP : P, cols = pr == kGramK || pr == kGramKK ? KP : pr == kGramQ ? Q : P;
-        float d[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int s = 0; s < SUBS; ++s) {
+#pragma unroll
+        for (int pr = K_IN_READ ? kGramP : kGramK; pr <= (SUBS > 1 && s == 1 ? kGramX : kGramKK); ++pr) {
+            const int j = gram_slot<SUBS>(pr, s);  // one product at a time
+            if (vgroup != (SUBS == 1 ? 0 : j % VG)) continue;
+            if (pr != kGramK && pr != kGramX && !(l2norm && (SEPARATE_P || pr == kGramQ))) continue;
+            const int rows = pr == kGramKK ? KP : P;
+            const int cols = pr == kGramP ? P : pr == kGramQ ? Q : KP, cs = pr == kGramX ? 0 : s;
+            float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 2
-        for (int n = 0; n < MmaShape<K, SLAB>::NKW; ++n) {
-            const int slot = lane ^ x_swizzle(n0 + n);
-            const uint4 xr = st.template x<EXACT>(n0 + n, rows, slot);
-            const uint4 xq = st.template x<EXACT>(n0 + n, Q, slot);
-            const unsigned ah[4] = {xr.x, xq.x, xr.y, xq.y}, al[4] = {xr.z, xq.z, xr.w, xq.w};
-            mma_fragments<EXACT>(d, ah, al, st.template x<EXACT>(n0 + n, cols, slot));
+            for (int n = 0; n < MmaShape<K, SLAB>::NKW; ++n) {
+                const int slot = lane ^ x_swizzle(n0 + n);
+                const uint4 xr = st.template x<EXACT>(s, n0 + n, rows, slot);
+                const uint4 xq = st.template x<EXACT>(s, n0 + n, Q, slot);
+                const unsigned ah[4] = {xr.x, xq.x, xr.y, xq.y}, al[4] = {xr.z, xq.z, xr.w, xq.w};
+                mma_fragments<EXACT>(d, ah, al, st.template x<EXACT>(cs, n0 + n, cols, slot));
+            }
+            st.gram[n0 / MmaShape<K, SLAB>::NKW][j][lane] = make_float4(d[0], d[1], d[2], d[3]);
         }
-        st.gram[n0 / MmaShape<K, SLAB>::NKW][pr][lane] = make_float4(d[0], d[1], d[2], d[3]);
     }
 }
 
-// The chunk's 8 x 8 coefficients from the Gram products and gates, once a CTA, by warps 0
-// (M) and 1 (Bq and the per-token factors).  Lane t % 8 of each finds token t's norm factors;
-// the others' come by shuffle.  Warp 0: lane m < 8 solves column m of M (the other lanes repeat
-// the work of lane m % 8 and store nothing).  Warp 1: lane t < 8 builds column t of scale * Bq,
-// lane 8 + j the factors w_j, cp_j, cq_j.
-template <int K, int SLAB, bool SEPARATE_P>
-__device__ __forceinline__ void chunk_coefficients(ChunkCoefficients& cf, const MmaStage<K, SLAB, SEPARATE_P>& st,
-                                                   const Params& prm, float scale, int warp, int lane) {
+// The 8 x 8 coefficients of sub-chunk `sub` from the Gram products and gates, once a CTA, by two warps:
+// role 0 (M) and role 1 (Bq and the per-token factors).  Lane t % 8 of each finds token t's norm
+// factors; the others' come by shuffle.  Role 0: lane m < 8 solves column m of M (the other lanes
+// repeat the work of lane m % 8 and store nothing).  Role 1: lane t < 8 builds column t of scale *
+// Bq, lane 8 + j the factors w_j, cp_j, cq_j.
+template <int K, int SLAB, bool SEPARATE_P, int SUBS>
+__device__ __forceinline__ void chunk_coefficients(ChunkCoefficients& cf, const MmaStage<K, SLAB, SEPARATE_P, SUBS>& st,
+                                                   int sub, const Params& prm, float scale, int role, int lane) {
     constexpr int C = kMmaChunk;
-    const int t = lane & (C - 1);
+    const int t = lane & (C - 1), gk = gram_slot<SUBS>(kGramK, sub);
     float fk = 1.f, fp = 1.f, fq = 1.f;
     if (prm.l2norm) {
-        fk = rsqrtf(st.dot(SEPARATE_P ? kGramKK : kGramK, t, t) + kL2NormEps);
-        fp = SEPARATE_P ? rsqrtf(st.dot(kGramP, t, t) + kL2NormEps) : fk;
-        fq = rsqrtf(st.dot(kGramQ, 8 + t, t) + kL2NormEps);
+        fk = rsqrtf(st.dot(SEPARATE_P ? gram_slot<SUBS>(kGramKK, sub) : gk, t, t) + kL2NormEps);
+        fp = SEPARATE_P ? rsqrtf(st.dot(gram_slot<SUBS>(kGramP, sub), t, t) + kL2NormEps) : fk;
+        fq = rsqrtf(st.dot(gram_slot<SUBS>(kGramQ, sub), 8 + t, t) + kL2NormEps);
     }
+    const float* beta = st.beta + C * sub;
     float e[C], fkj[C];
 #pragma unroll
     for (int j = 0; j < C; ++j) {
-        e[j] = st.e[j];
+        e[j] = st.e[C * sub + j];
         fkj[j] = __shfl_sync(0xffffffffu, fk, j);
     }
-    if (warp == 0) {  // column m of (I + L)^-1 diag(beta): x_t = beta_m [t == m] - sum_{j<t} L[t][j] x_j
+    if (role == 0) {  // column m of (I + L)^-1 diag(beta): x_t = beta_m [t == m] - sum_{j<t} L[t][j] x_j
         const int m = t;
         float x[C];
 #pragma unroll
@@ -430,9 +453,9 @@ __device__ __forceinline__ void chunk_coefficients(ChunkCoefficients& cf, const 
 #pragma unroll
             for (int j = tt - 1; j >= 0; --j) {
                 r *= e[j + 1];
-                s = fmaf(r * fkj[j] * st.dot(kGramK, tt, j), x[j], s);  // k_j . p_tt
+                s = fmaf(r * fkj[j] * st.dot(gk, tt, j), x[j], s);  // k_j . p_tt
             }
-            const float fpt = __shfl_sync(0xffffffffu, fp, tt), bt = st.beta[tt];
+            const float fpt = __shfl_sync(0xffffffffu, fp, tt), bt = beta[tt];
             x[tt] = tt == m ? bt : (tt < m ? 0.f : -bt * fpt * s);
             if (lane < C) cf.m[tt][m] = x[tt];
         }
@@ -445,7 +468,7 @@ __device__ __forceinline__ void chunk_coefficients(ChunkCoefficients& cf, const 
             float r = 1.f;  // r(j, t), built from j = t down
 #pragma unroll
             for (int j = C - 1; j >= 0; --j) {
-                const float dot = st.dot(kGramK, 8 + t, j);  // k_j . q_t, used for j <= t
+                const float dot = st.dot(gk, 8 + t, j);  // k_j . q_t, used for j <= t
                 cf.bq[j][t] = j <= t ? sq * r * fkj[j] * dot : 0.f;
                 if (j <= t && j > 0) r *= e[j];
             }
@@ -485,11 +508,11 @@ __device__ __forceinline__ void copy_async_wait() {
 // The fast path's copies of one chunk (tokens t0 .. t0 + c - 1; zeros past them) into ring slot
 // `slot`: the same split over the threads as issue_chunk, every pass at once.  The gates stay
 // register loads (issue_chunk_gates): 2-byte values, on 16 threads.
-template <int K, int SLAB, bool SEPARATE_P>
-__device__ __forceinline__ void issue_chunk_ring(MmaRing<K, SLAB, SEPARATE_P>& ring, int slot, const void* q,
+template <int K, int SLAB, bool SEPARATE_P, int SUBS>
+__device__ __forceinline__ void issue_chunk_ring(MmaRing<K, SLAB, SEPARATE_P, SUBS>& ring, int slot, const void* q,
                                                  const void* k, const void* v, const void* p, const Params& prm,
                                                  int tid, int b, int h, int hk, int slab0, int t0, int c) {
-    using Ring = MmaRing<K, SLAB, SEPARATE_P>;
+    using Ring = MmaRing<K, SLAB, SEPARATE_P, SUBS>;
     constexpr int NT = Ring::NT, EV = Ring::EV;
     const unsigned short *q16 = static_cast<const unsigned short*>(q), *k16 = static_cast<const unsigned short*>(k),
                          *p16 = static_cast<const unsigned short*>(p), *v16 = static_cast<const unsigned short*>(v);
@@ -511,10 +534,10 @@ __device__ __forceinline__ void issue_chunk_ring(MmaRing<K, SLAB, SEPARATE_P>& r
 
 // This thread's bits of pass PASS of the chunk in ring slot `slot`, as stage_chunk's FAST form takes
 // them: q, k, p as vector-loaded bf16 (packed in .x, .y), v two values a word.
-template <int K, int SLAB, bool SEPARATE_P, int PASS>
-__device__ __forceinline__ void ring_bits(MmaChunkBits<K, MmaShape<K, SLAB>::NT, SLAB>& x,
-                                          const MmaRing<K, SLAB, SEPARATE_P>& ring, int slot, int tid) {
-    using Ring = MmaRing<K, SLAB, SEPARATE_P>;
+template <int K, int SLAB, bool SEPARATE_P, int SUBS, int PASS>
+__device__ __forceinline__ void ring_bits(MmaBits<K, SLAB, SUBS>& x, const MmaRing<K, SLAB, SEPARATE_P, SUBS>& ring,
+                                          int slot, int tid) {
+    using Ring = MmaRing<K, SLAB, SEPARATE_P, SUBS>;
     const int e = tid + PASS * Ring::NT;
     const uint2 fq = ring.qkp[slot][0][e], fk = ring.qkp[slot][1][e];
     x.q = make_uint4(fq.x, fq.y, 0u, 0u);
@@ -534,21 +557,39 @@ struct Pass {
     static constexpr int value = P;
 };
 
+// Where a chunk loop stages its chunks from (delta_rule_mma's `chunks`).
+enum MmaStaging { kRing, kRegs, kEither };
+
 template <bool B>
 struct Flag {
     static constexpr bool value = B;
 };
 
-template <int K, int SLAB, bool SEPARATE_P, bool VK>
+// f(Pass<0>{}), ..., f(Pass<N - 1>{}): a loop whose index is a constant expression in each step.
+template <int N, int I = 0, class F>
+__device__ __forceinline__ void static_for(F&& f) {
+    if constexpr (I < N) {
+        f(Pass<I>{});
+        static_for<N, I + 1>(f);
+    }
+}
+
+template <int K, int SLAB, bool SEPARATE_P, bool VK, int SUBS>
 __global__ void __launch_bounds__(MmaShape<K, SLAB>::NT, MmaShape<K, SLAB>::MIN_CTAS)
 delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
                const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
                const void* __restrict__ g, void* __restrict__ o, const Params prm, const float scale) {
     using Shape = MmaShape<K, SLAB>;
-    using Bits = MmaChunkBits<K, Shape::NT, SLAB>;
-    constexpr int C = kMmaChunk, NT = Shape::NT, KS = Shape::KS, NKW = Shape::NKW, NW = Shape::NW;
+    using Bits = MmaBits<K, SLAB, SUBS>;
+    using Stage = MmaStage<K, SLAB, SEPARATE_P, SUBS>;
+    constexpr int C = kMmaChunk * SUBS, CS = kMmaChunk, NT = Shape::NT, KS = Shape::KS, NKW = Shape::NKW;
+    constexpr int NW = Shape::NW;
     static_assert(K % 64 == 0 && SLAB % 16 == 0 && (C * K) % NT == 0 && (C * SLAB) % NT == 0, "bad mma tiling");
-    __shared__ MmaStage<K, SLAB, SEPARATE_P> st;
+    static_assert(SUBS == 1 || SUBS == 2, "one or two sub-chunks a pass over the state");
+    // The stage is dynamic shared memory (over 48 KB with two sub-chunks): the launch passes
+    // sizeof(Stage) (cupy_comba.tiling.mma_stage_bytes, checked against this struct by test_build).
+    extern __shared__ __align__(16) unsigned char mma_smem[];
+    Stage& st = *reinterpret_cast<Stage*>(mma_smem);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, lg = lane >> 2, lj = lane & 3;
     const int kpart = warp % KS, vgroup = warp / KS, n0 = kpart * NKW;  // this warp's tiles n0 .. n0 + 7
@@ -579,18 +620,18 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
     const bool o_pairs = prm.o_sv == 1 && prm.o_sb % 2 == 0 && prm.o_st % 2 == 0 && prm.o_sh % 2 == 0 &&
                          reinterpret_cast<unsigned long long>(o) % o_bytes == 0;
     Bits bits;
-    // Loads go out a chunk ahead into registers (any dtype and strides; with two passes the second is
-    // loaded and staged in turn); the bf16 fast path copies two chunks ahead into the ring instead
+    // Loads go out a chunk ahead into registers (any dtype and strides; with more passes the others
+    // are loaded and staged in turn); the bf16 fast path copies two chunks ahead into the ring instead
     // (MmaRing), its gates a chunk ahead of bits.gate.  The first chunk's loads go out before the
     // state's, which the read needs later.
     auto issue = [&](auto pass, int t_first, int count) {
-        issue_chunk<K, SLAB, SEPARATE_P, decltype(pass)::value>(bits, q, k, v, p, beta, g, prm, vec, tid, b, h, hk,
-                                                                slab0, t_first, count);
+        issue_chunk<K, SLAB, SEPARATE_P, SUBS, decltype(pass)::value>(bits, q, k, v, p, beta, g, prm, vec, tid, b, h,
+                                                                      hk, slab0, t_first, count);
     };
     auto issue_ring = [&](int t_first) {  // the chunk from t_first into slot (t_first / C) % 2, as one group
         if (t_first < T)
-            issue_chunk_ring<K, SLAB, SEPARATE_P>(st.frag.hi.ring, (t_first / C) & 1, q, k, v, p, prm, tid, b, h, hk,
-                                                  slab0, t_first, min(C, T - t_first));
+            issue_chunk_ring<K, SLAB, SEPARATE_P, SUBS>(st.ring, (t_first / C) & 1, q, k, v, p, prm, tid, b,
+                                                        h, hk, slab0, t_first, min(C, T - t_first));
         copy_async_commit();
     };
     unsigned gate_next = 0;
@@ -601,7 +642,23 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
             bits.gate = issue_chunk_gates<C>(beta, g, prm, tid, b, h, 0, min(C, T));
             if (C < T) gate_next = issue_chunk_gates<C>(beta, g, prm, tid, b, h, C, min(C, T - C));
         } else {
-            issue(Pass<0>{}, 0, min(C, T));
+            if (SUBS == 1) issue(Pass<0>{}, 0, min(C, T));
+        }
+    }
+
+    // The CTA that takes this one's place a wave of resident CTAs later (nsmid x MIN_CTAS blocks on)
+    // finds its state in L2: each thread asks for one 128-byte line of it now (a slab is NT lines).
+    // (B*H = 8192, K = V = 128, T = 16: 2-3 % faster; two waves ahead was slower.)
+    if (prm.has_initial) {
+        unsigned nsm;
+        asm("mov.u32 %0, %%nsmid;" : "=r"(nsm));
+        const unsigned later = blockIdx.x + nsm * Shape::MIN_CTAS;
+        if (later < gridDim.x) {
+            static_assert(K * SLAB == 32 * NT, "one line a thread");
+            const int bh2 = static_cast<int>(later) / slabs, s2 = (static_cast<int>(later) - bh2 * slabs) * SLAB;
+            const float* line = state + static_cast<long long>(bh2) * K * V +
+                                (VK ? s2 * K + 32 * tid : (tid / (SLAB / 32)) * V + s2 + 32 * (tid % (SLAB / 32)));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
         }
     }
 
@@ -623,126 +680,168 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
     // EXACT: q, k and p are all bf16 / fp16, whose values TF32 holds exactly, so the read and write
     // products skip their B operands' lo halves (two mma.sync each instead of three, same sums).
     const bool exact = prm.q_t != F32 && prm.k_t != F32 && (!SEPARATE_P || prm.p_t != F32);
-    auto chunks = [&](auto exact_tag, auto fast_tag) {
-        constexpr bool EXACT = decltype(exact_tag)::value, FAST = decltype(fast_tag)::value;
-        static_assert(EXACT || !FAST, "the fast path is bf16");
+    // RING: the chunks are staged from the ring (kRing), from registers (kRegs), or either as `fast`
+    // says (kEither: with two sub-chunks the fast path and the other 16-bit inputs share one instance
+    // of the chunk loop, as three instances do not fit the registers without spills).
+    auto chunks = [&](auto exact_tag, auto ring_tag) {
+        constexpr bool EXACT = decltype(exact_tag)::value;
+        constexpr int RING = decltype(ring_tag)::value;
+        static_assert(EXACT || RING == kRegs, "the fast path is bf16");
         for (int t0 = 0; t0 < T; t0 += C) {
             const int c = min(C, T - t0);
             __syncthreads();  // the previous chunk's readers are done with the stage
-            if constexpr (FAST) {
+            if (RING == kRing || (RING == kEither && fast)) {
                 const int slot = (t0 / C) & 1;
                 copy_async_wait<1>();  // this chunk's copies have landed; the next chunk's may still fly
-                ring_bits<K, SLAB, SEPARATE_P, 0>(bits, st.frag.hi.ring, slot, tid);
-                stage_chunk<K, SLAB, SEPARATE_P, 0, true, true>(st, bits, prm, vec, tid, c);
-                if constexpr (Bits::PASSES > 1) {
-                    ring_bits<K, SLAB, SEPARATE_P, 1>(bits, st.frag.hi.ring, slot, tid);
-                    stage_chunk<K, SLAB, SEPARATE_P, 1, true, true>(st, bits, prm, vec, tid, c);
-                }
+                static_for<Bits::PASSES>([&](auto pass) {
+                    constexpr int P = decltype(pass)::value;
+                    ring_bits<K, SLAB, SEPARATE_P, SUBS, P>(bits, st.ring, slot, tid);
+                    stage_chunk<K, SLAB, SEPARATE_P, SUBS, P, true>(st, bits, prm, vec, tid, c);
+                });
                 issue_ring(t0 + 2 * C);  // into the slot this thread has just read
                 bits.gate = gate_next;
                 if (t0 + 2 * C < T)
                     gate_next = issue_chunk_gates<C>(beta, g, prm, tid, b, h, t0 + 2 * C, min(C, T - t0 - 2 * C));
             } else {
-                stage_chunk<K, SLAB, SEPARATE_P, 0, false, EXACT>(st, bits, prm, vec, tid, c);
-                if constexpr (Bits::PASSES > 1) {
-                    issue(Pass<1>{}, t0, c);
-                    stage_chunk<K, SLAB, SEPARATE_P, 1, false, EXACT>(st, bits, prm, vec, tid, c);
-                }
-                if (t0 + C < T) issue(Pass<0>{}, t0 + C, min(C, T - t0 - C));
+                static_for<Bits::PASSES>([&](auto pass) {
+                    constexpr int P = decltype(pass)::value;
+                    if constexpr (P > 0 || SUBS > 1) issue(Pass<P>{}, t0, c);
+                    stage_chunk<K, SLAB, SEPARATE_P, SUBS, P, false>(st, bits, prm, vec, tid, c);
+                });
+                if (SUBS == 1 && t0 + C < T) issue(Pass<0>{}, t0 + C, min(C, T - t0 - C));
             }
             __syncthreads();
 
-            // Read: [Rp | Rq] = S0^T [p | q] over this warp's keys, then summed over the key parts.
-            // Two accumulators per product (even and odd tiles) halve the chain of dependent mma.sync.
-            // The warps of value group 0 (one per key part) also take the Gram products over their keys
-            // (gram_products): k_j . p_t and k_j . q_t here, from the fragments the read loads; the
-            // norms for use_qk_l2norm after it.
-            const bool gram_warp = warp < KS;
-            float rp[4] = {0.f, 0.f, 0.f, 0.f}, rq[4] = {0.f, 0.f, 0.f, 0.f};
+            // Read: [Rp | Rq] = S0^T [p | q] of every sub-chunk over this warp's keys, then summed over
+            // the key parts; r[2 s] is Rp of sub-chunk s, r[2 s + 1] its Rq.  With one sub-chunk the
+            // warps of value group 0 (one per key part) also take the Gram product with k over their keys
+            // here, from the fragments the read loads (16-bit inputs); every other Gram product after it.
+            constexpr bool K_IN_READ = SUBS == 1 && EXACT;
+            constexpr int CHAINS = SUBS == 1 ? 2 : 1;  // accumulators per product (even and odd tiles)
+            const bool gram_warp = K_IN_READ && vgroup == 0;
+            float r[2 * SUBS][4];
             {
-                float rp2[4] = {0.f, 0.f, 0.f, 0.f}, rq2[4] = {0.f, 0.f, 0.f, 0.f}, dk[4] = {0.f, 0.f, 0.f, 0.f};
+                float rd[CHAINS][2 * SUBS][4], dk[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int ch = 0; ch < CHAINS; ++ch)
+#pragma unroll
+                    for (int i = 0; i < 2 * SUBS; ++i) rd[ch][i][0] = rd[ch][i][1] = rd[ch][i][2] = rd[ch][i][3] = 0.f;
 #pragma unroll
                 for (int n = 0; n < NKW; ++n) {
                     unsigned ah[4], al[4];
                     state_a_operand<VK>(acc[n], ah, al);
                     const int slot = lane ^ x_swizzle(n0 + n);
-                    const uint4 xp = st.template x<EXACT>(n0 + n, 0, slot);
-                    const uint4 xq = st.template x<EXACT>(n0 + n, 1, slot);
-                    mma3<EXACT>(n % 2 ? rp2 : rp, ah, al, xp);
-                    mma3<EXACT>(n % 2 ? rq2 : rq, ah, al, xq);
-                    if (EXACT && gram_warp) {
-                        const unsigned gh[4] = {xp.x, xq.x, xp.y, xq.y}, gl[4] = {xp.z, xq.z, xp.w, xq.w};
-                        mma_fragments<EXACT>(dk, gh, gl, SEPARATE_P ? st.template x<EXACT>(n0 + n, 2, slot) : xp);
+#pragma unroll
+                    for (int s = 0; s < SUBS; ++s) {
+                        const uint4 xp = st.template x<EXACT>(s, n0 + n, 0, slot);
+                        const uint4 xq = st.template x<EXACT>(s, n0 + n, 1, slot);
+                        mma3<EXACT>(rd[n % CHAINS][2 * s], ah, al, xp);
+                        mma3<EXACT>(rd[n % CHAINS][2 * s + 1], ah, al, xq);
+                        if (gram_warp) {
+                            const unsigned gh[4] = {xp.x, xq.x, xp.y, xq.y}, gl[4] = {xp.z, xq.z, xp.w, xq.w};
+                            mma_fragments<EXACT>(dk, gh, gl, SEPARATE_P ? st.template x<EXACT>(s, n0 + n, 2, slot) : xp);
+                        }
                     }
                 }
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    rp[i] += rp2[i];
-                    rq[i] += rq2[i];
+                for (int i = 0; i < 2 * SUBS; ++i) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) r[i][e] = rd[0][i][e] + (CHAINS == 2 ? rd[CHAINS - 1][i][e] : 0.f);
+                    if constexpr (KS > 1) st.part[vgroup][kpart][i][lane] = make_float4(r[i][0], r[i][1], r[i][2], r[i][3]);
                 }
-                if constexpr (KS > 1) {
-                    st.part[vgroup][kpart][0][lane] = make_float4(rp[0], rp[1], rp[2], rp[3]);
-                    st.part[vgroup][kpart][1][lane] = make_float4(rq[0], rq[1], rq[2], rq[3]);
-                }
-                if (EXACT && gram_warp) st.gram[kpart][kGramK][lane] = make_float4(dk[0], dk[1], dk[2], dk[3]);
+                if (gram_warp) st.gram[kpart][kGramK][lane] = make_float4(dk[0], dk[1], dk[2], dk[3]);
             }
-            if (gram_warp) gram_products<K, SLAB, SEPARATE_P, EXACT>(st, prm.l2norm != 0, n0, lane);
+            gram_products<K, SLAB, SEPARATE_P, SUBS, EXACT, K_IN_READ>(st, prm.l2norm != 0, n0, lane, vgroup);
             __syncthreads();  // Gram products and the key parts' partial sums complete
-            if (warp < 2) chunk_coefficients<K, SLAB, SEPARATE_P>(st.coef, st, prm, scale, warp, lane);
+            for (int s = warp >> 1; s < SUBS; s += NW >> 1)  // two warps a sub-chunk
+                chunk_coefficients<K, SLAB, SEPARATE_P, SUBS>(st.coef[s], st, s, prm, scale, warp & 1, lane);
             __syncthreads();  // coefficients complete
-            if constexpr (KS > 1) {
-                // The same sum, in the same order, in every warp of a value group.
-                float4 sp = st.part[vgroup][0][0][lane], sq = st.part[vgroup][0][1][lane];
+            // Rp, Rq of sub-chunk s summed over the key parts, the same sum in the same order in every
+            // warp of a value group; taken when the sub-chunk's turn comes, so that sub-chunk 1's stay
+            // in shared memory while sub-chunk 0 runs.
+            auto sum_parts = [&](int s) {
+                if constexpr (KS > 1) {
 #pragma unroll
-                for (int j = 1; j < KS; ++j) {
-                    const float4 a = st.part[vgroup][j][0][lane], z = st.part[vgroup][j][1][lane];
-                    sp.x += a.x; sp.y += a.y; sp.z += a.z; sp.w += a.w;
-                    sq.x += z.x; sq.y += z.y; sq.z += z.z; sq.w += z.w;
+                    for (int i = 2 * s; i < 2 * s + 2; ++i) {
+                        float4 a = st.part[vgroup][0][i][lane];
+#pragma unroll
+                        for (int j = 1; j < KS; ++j) {
+                            const float4 z = st.part[vgroup][j][i][lane];
+                            a.x += z.x; a.y += z.y; a.z += z.z; a.w += z.w;
+                        }
+                        r[i][0] = a.x; r[i][1] = a.y; r[i][2] = a.z; r[i][3] = a.w;
+                    }
                 }
-                rp[0] = sp.x; rp[1] = sp.y; rp[2] = sp.z; rp[3] = sp.w;
-                rq[0] = sq.x; rq[1] = sq.y; rq[2] = sq.z; rq[3] = sq.w;
-            }
-            const ChunkCoefficients& cf = st.coef;
+            };
+            sum_parts(0);
 
-            // U^T = Y M^T, O^T = Rq diag(scale G fq) + U^T (scale Bq); this lane's tokens ta, tb.
+            // Sub-chunk by sub-chunk: U^T = Y M^T, O^T = Rq diag(scale G fq) + U^T (scale Bq) (this lane's
+            // tokens ta, tb of the sub-chunk), then the write S^T = G_7 S^T + (U^T diag(w)) [k_0 .. k_7]^T.
+            // Sub-chunk 1 reads the state sub-chunk 0 leaves, so its Rp, Rq (read from the chunk's first
+            // state) become G_7 Rp + (U_0^T diag(w)) X_p (and X_q), X_p[j][t] = k_j . p_t over sub-chunk
+            // 0's k and 1's p (kGramX).
             const int ta = 2 * lj, tb = ta + 1;
-            unsigned yh[4], yl[4], mb[4], bb[4];
-            {
-                const float y[4] = {st.v[ta][vl] - cf.cp[ta] * rp[0], st.v[tb][vl] - cf.cp[tb] * rp[1],
-                                    st.v[ta][vl + 1] - cf.cp[ta] * rp[2], st.v[tb][vl + 1] - cf.cp[tb] * rp[3]};
-                a_operand(y, yh, yl);
-            }
-            split_into(mb, 0, cf.m[lg][ta]);
-            split_into(mb, 1, cf.m[lg][tb]);
-            float u[4] = {0.f, 0.f, 0.f, 0.f};
-            mma3(u, yh, yl, make_uint4(mb[0], mb[1], mb[2], mb[3]));
-            unsigned uh[4], ul[4];
-            if (kpart == 0) {  // o once per value group
-                float ov[4] = {cf.cq[ta] * rq[0], cf.cq[tb] * rq[1], cf.cq[ta] * rq[2], cf.cq[tb] * rq[3]};
-                a_operand(u, uh, ul);
-                split_into(bb, 0, cf.bq[ta][lg]);
-                split_into(bb, 1, cf.bq[tb][lg]);
-                mma3(ov, uh, ul, make_uint4(bb[0], bb[1], bb[2], bb[3]));
-                const long long ob = b * prm.o_sb + h * prm.o_sh + (slab0 + vl) * prm.o_sv;
-                if (ta < c) store_act_pair(o, ob + (t0 + ta) * prm.o_st, prm.o_sv, prm.o_t, ov[0], ov[2], o_pairs);
-                if (tb < c) store_act_pair(o, ob + (t0 + tb) * prm.o_st, prm.o_sv, prm.o_t, ov[1], ov[3], o_pairs);
-            }
-
-            // Write: S^T = G_7 S0^T + (U^T diag(w)) [k_0 .. k_7]^T.
-            const float wa = cf.w[ta], wb = cf.w[tb], gl = cf.g_last;
-            const float uw[4] = {u[0] * wa, u[1] * wb, u[2] * wa, u[3] * wb};
-            a_operand(uw, uh, ul);
 #pragma unroll
-            for (int n = 0; n < NKW; ++n) {
+            for (int s = 0; s < SUBS; ++s) {
+                const ChunkCoefficients& cf = st.coef[s];
+                const float(&rp)[4] = r[2 * s];
+                const float(&rq)[4] = r[2 * s + 1];
+                unsigned yh[4], yl[4], mb[4], bb[4], uh[4], ul[4];
+                {
+                    const float(&sva)[SLAB] = st.v[CS * s + ta];
+                    const float(&svb)[SLAB] = st.v[CS * s + tb];
+                    const float y[4] = {sva[vl] - cf.cp[ta] * rp[0], svb[vl] - cf.cp[tb] * rp[1],
+                                        sva[vl + 1] - cf.cp[ta] * rp[2], svb[vl + 1] - cf.cp[tb] * rp[3]};
+                    a_operand(y, yh, yl);
+                }
+                split_into(mb, 0, cf.m[lg][ta]);
+                split_into(mb, 1, cf.m[lg][tb]);
+                float u[4] = {0.f, 0.f, 0.f, 0.f};
+                mma3(u, yh, yl, make_uint4(mb[0], mb[1], mb[2], mb[3]));
+                if (kpart == s % KS) {  // o once per value group, the sub-chunks' on different key parts
+                    float ov[4] = {cf.cq[ta] * rq[0], cf.cq[tb] * rq[1], cf.cq[ta] * rq[2], cf.cq[tb] * rq[3]};
+                    a_operand(u, uh, ul);
+                    split_into(bb, 0, cf.bq[ta][lg]);
+                    split_into(bb, 1, cf.bq[tb][lg]);
+                    mma3(ov, uh, ul, make_uint4(bb[0], bb[1], bb[2], bb[3]));
+                    const long long ob = b * prm.o_sb + h * prm.o_sh + (slab0 + vl) * prm.o_sv;
+                    const int sa = CS * s + ta, sb = sa + 1;
+                    if (sa < c) store_act_pair(o, ob + (t0 + sa) * prm.o_st, prm.o_sv, prm.o_t, ov[0], ov[2], o_pairs);
+                    if (sb < c) store_act_pair(o, ob + (t0 + sb) * prm.o_st, prm.o_sv, prm.o_t, ov[1], ov[3], o_pairs);
+                }
+                const float wa = cf.w[ta], wb = cf.w[tb], gl = cf.g_last;
+                const float uw[4] = {u[0] * wa, u[1] * wb, u[2] * wa, u[3] * wb};
+                a_operand(uw, uh, ul);
 #pragma unroll
-                for (int i = 0; i < 4; ++i) acc[n][i] *= gl;
-                mma3_state<VK, EXACT>(acc[n], uh, ul, st.template kw<EXACT>(n0 + n, kw_lane(lg, lj)));
+                for (int n = 0; n < NKW; ++n) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) acc[n][i] *= gl;
+                    mma3_state<VK, EXACT>(acc[n], uh, ul, st.template kw<EXACT>(s, n0 + n, kw_lane(lg, lj)));
+                }
+                if (s + 1 < SUBS) {
+                    sum_parts(s + 1);
+                    const int gx = gram_slot<SUBS>(kGramX, s + 1);
+                    float(&np)[4] = r[2 * s + 2];
+                    float(&nq)[4] = r[2 * s + 3];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        np[i] *= gl;
+                        nq[i] *= gl;
+                    }
+                    mma3(np, uh, ul, split_pair(st.dot(gx, lg, ta), st.dot(gx, lg, tb)));
+                    mma3(nq, uh, ul, split_pair(st.dot(gx, 8 + lg, ta), st.dot(gx, 8 + lg, tb)));
+                }
             }
         }
     };
-    if (fast) chunks(Flag<true>{}, Flag<true>{});
-    else if (exact) chunks(Flag<true>{}, Flag<false>{});
-    else chunks(Flag<false>{}, Flag<false>{});
+    if constexpr (SUBS == 1) {
+        if (fast) chunks(Flag<true>{}, Pass<kRing>{});
+        else if (exact) chunks(Flag<true>{}, Pass<kRegs>{});
+        else chunks(Flag<false>{}, Pass<kRegs>{});
+    } else {
+        // 16-bit q, k, p only: cupy_comba.tiling.launch runs an fp32 among them with 8-token chunks.
+        chunks(Flag<true>{}, Pass<kEither>{});
+    }
 
     if (prm.write_final) {
         float* dst = state_out + head + first;

@@ -49,3 +49,26 @@ def test_the_chosen_tiling_can_run_every_supported_v(layout, K, multi):
                 for heads in (None, 1, 16, 1024):
                     variant = tiling.choose(layout, K, V, separate_p, multi, T, heads)
                     assert variant in tiling.variants(layout, K, V, multi), (V, separate_p, T, heads, variant)
+
+
+def test_mma_stage_bytes_is_the_struct_size():
+    """tiling.mma_stage_bytes (the tensor-core kernel's dynamic shared memory, passed at launch) equals
+    NVRTC's sizeof(MmaStage) for every specialisation: a smaller launch would run past the CTA's shared
+    memory."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    checks = []
+    for expression in _build.SPECIALISATIONS["delta_rule_mma"][1]:
+        K, slab, sep, _, subs = (x.strip() for x in expression[expression.index("<") + 1:-1].split(","))
+        n = tiling.mma_stage_bytes(int(K), int(slab), sep == "true", 8 * int(subs))
+        checks.append(f'static_assert(sizeof(comba::MmaStage<{K}, {slab}, {sep}, {subs}>) == {n}, "{expression}");')
+    assert len(checks) == 32
+    source = _build.kernel_source("delta_rule_mma.cu") + "\n" + "\n".join(checks) + "\n"
+    prog = nvrtc.createProgram(source, "stage_bytes.cu", (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, _build.NVRTC_OPTIONS + ("--gpu-architecture=compute_90",))
+        except nvrtc.NVRTCError:
+            pytest.fail(nvrtc.getProgramLog(prog))
+    finally:
+        nvrtc.destroyProgram(prog)

@@ -82,8 +82,8 @@ def test_every_decode_tiling(layout, K, V, comba, gate, l2norm):
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("K,V", [(64, 128), (128, 128), (128, 96)])
 @pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
-@pytest.mark.parametrize("T,initial", [(4, True), (6, True), (13, True), (3, False), (1, False)],
-                         ids=["T4", "T6", "T13", "T3-zero-state", "T1-zero-state"])
+@pytest.mark.parametrize("T,initial", [(4, True), (6, True), (13, True), (37, True), (3, False), (1, False)],
+                         ids=["T4", "T6", "T13", "T37", "T3-zero-state", "T1-zero-state"])
 def test_every_forward_tiling(layout, K, V, comba, T, initial):
     """Each tiling's T-token build (the one forward passes run), from a state or from zeros."""
     B, H, Hk = 9, 4, 2
@@ -182,10 +182,14 @@ def test_forward_equals_repeated_steps(layout, T):
 @pytest.mark.parametrize("gate,l2norm", [("log", False), ("linear", True)], ids=["log", "linear-l2norm"])
 @pytest.mark.parametrize("T,initial", [(8, True), (21, True), (11, False)], ids=["T8", "T21", "T11-zero-state"])
 def test_tensor_core_path(layout, K, V, comba, gate, l2norm, T, initial):
-    """Few heads and T >= 8: the ops choose the tensor-core kernel; fp32 o, every chunk shape."""
+    """Few heads and T >= 8: the ops choose the tensor-core kernel; fp32 o, every chunk shape.  The
+    other chunk length of the same slabs (8 or 16 tokens a pass) is forced too."""
     B, H, Hk = 3, 4, 2
-    assert tiling.choose(layout, K, V, comba, multi=True, T=T, heads=B * H).endswith("tc")
+    chosen = tiling.choose(layout, K, V, comba, multi=True, T=T, heads=B * H)
+    assert chosen.endswith(("tc", "tc16"))
     _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed=K + T)
+    other = chosen.removesuffix("16") if chosen.endswith("16") else chosen + "16"
+    _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed=K + T, variant=other)
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
@@ -195,29 +199,30 @@ def test_tensor_core_path(layout, K, V, comba, gate, l2norm, T, initial):
 @pytest.mark.parametrize("T,initial", [(5, True), (9, True), (16, True), (13, False)],
                          ids=["T5", "T9", "T16", "T13-zero-state"])
 def test_tensor_core_path_many_heads(layout, K, comba, gate, l2norm, T, initial):
-    """More than 128 heads and T >= 5: the ops choose the tensor-core kernel, except the vk layout's
-    chunked kernel at K = 128 up to T = 12 (then both run: the op, and the tensor-core kernel forced)."""
+    """More than 128 heads and T >= 5: the ops choose the tensor-core kernel (16 tokens a pass from T = 9),
+    except the vk layout's chunked kernel at K = 128 up to T = 8; the tensor-core variants the op did
+    not choose are forced (fp32 activations: the 16-token variant runs 8-token chunks)."""
     B, H, Hk, V = 33, 4, 2, 128
     chunked = layout == "vk" and K == 128 and T in tiling.VK_CHUNKED_MANY_HEADS_T
-    expected = "vk64c4" if chunked else f"{layout}64tc"
+    expected = "vk64c4" if chunked else f"{layout}64tc{'16' if T > 8 else ''}"
     assert tiling.choose(layout, K, V, comba, multi=True, T=T, heads=B * H) == expected
     _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed=K + T + 1)
-    if chunked:
-        _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed=K + T + 1,
-                            variant=f"{layout}64tc")
+    for variant in (f"{layout}64tc", f"{layout}64tc16"):
+        if variant != expected:
+            _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed=K + T + 1,
+                                variant=variant)
 
 
 @pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
 @pytest.mark.parametrize("gate,l2norm", [("log", False), ("linear", True)], ids=["log", "linear-l2norm"])
 @pytest.mark.parametrize("layout,K,T,initial", [("kv", 128, 2, True), ("kv", 128, 3, False), ("kv", 128, 4, True),
                                                 ("kv", 64, 2, True), ("kv", 64, 4, False), ("vk", 128, 2, True),
-                                                ("vk", 128, 3, False), ("vk", 128, 4, True), ("vk", 128, 11, True)],
+                                                ("vk", 128, 3, False), ("vk", 128, 4, True), ("vk", 128, 7, True)],
                          ids=["kv-K128-T2", "kv-K128-T3-zero-state", "kv-K128-T4", "kv-K64-T2", "kv-K64-T4-zero-state",
-                              "vk-T2", "vk-T3-zero-state", "vk-T4", "vk-T11"])
+                              "vk-T2", "vk-T3-zero-state", "vk-T4", "vk-T7"])
 def test_chunked_kernel_path(layout, K, comba, gate, l2norm, T, initial):
     """Over many heads the ops choose the chunked kernels for T = 2 to 4 (two partial 4-token chunks
-    and a full one), and in the vk layout for T = 11 too (two full chunks and a partial one).  GVA,
-    fp32 o."""
+    and a full one), and in the vk layout for T = 7 too (a full chunk and a partial one).  GVA, fp32 o."""
     B, H, Hk, V = 35, 4, 2, 128
     chunked = {"kv": "kv64x8c4", "vk": "vk64c4"}[layout]
     assert tiling.choose(layout, K, V, comba, multi=True, T=T, heads=B * H) == chunked
@@ -251,7 +256,7 @@ def _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial,
 @pytest.mark.parametrize("dtype", [bfloat16, F16], ids=lambda d: numpy.dtype(d).name)
 def test_tensor_core_kernel_16bit_inputs(layout, K, comba, dtype):
     """bf16 (the fast path, whose loads go two chunks ahead through shared memory) and fp16 inputs with
-    use_qk_l2norm: 1 to 4 chunks, both slab widths, GVA, fp32 o against the reference."""
+    use_qk_l2norm: 1 to 4 chunks, both slab widths and chunk lengths, GVA, fp32 o against the reference."""
     B, H, Hk, V = 3, 4, 2, 128
     for T in (1, 9, 29):
         q, k, v, p, beta, g, S = forward_inputs(B, T, H, K, V, Hk=Hk, state_layout=layout, seed=K + T, dtype=dtype,
@@ -259,12 +264,12 @@ def test_tensor_core_kernel_16bit_inputs(layout, K, comba, dtype):
         p = p if comba else None
         S_ref, o_ref = reference.comba_loop(S, q, k, v, k if p is None else p, beta, g, state_layout=layout,
                                             use_qk_l2norm=True)
-        for slab in (64, 32):
+        for variant in (f"{layout}{slab}tc{chunk}" for slab in (64, 32) for chunk in ("", "16")):
             out, state_out = _poisoned((B, T, H, V), F32), _poisoned(S.shape, F32)
             _family_run(q, k, v, p, beta, g, None, S, True, out, state_out, None, layout, "log", True, step=False,
-                        variant=f"{layout}{slab}tc")
-            assert reference.relative_error(state_out, S_ref) <= 1e-6, (T, slab)
-            assert reference.relative_error(out, o_ref) <= O_TOL[F32], (T, slab)
+                        variant=variant)
+            assert reference.relative_error(state_out, S_ref) <= 1e-6, (T, variant)
+            assert reference.relative_error(out, o_ref) <= O_TOL[F32], (T, variant)
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
@@ -276,14 +281,15 @@ def test_tensor_core_kernel_keeps_nan(layout, dtype):
     q, k, v, p, beta, g, S = forward_inputs(B, T, H, K, V, state_layout=layout, seed=3, dtype=dtype, xp=cupy)
     S.view(numpy.uint32)[1, 2, 5, 9] = 0x7FFFFFFF
     S_ref, o_ref = reference.comba_loop(S, q, k, v, p, beta, g, state_layout=layout)
-    out, state_out = _poisoned((B, T, H, V), F32), _poisoned(S.shape, F32)
-    _family_run(q, k, v, p, beta, g, None, S, True, out, state_out, None, layout, "log", False, step=False,
-                variant=f"{layout}64tc")
-    for x, ref in ((out, o_ref), (state_out, S_ref)):
-        nan = cupy.isnan(ref)
-        assert 0 < int(nan.sum()) < nan.size // 8
-        assert bool(cupy.array_equal(cupy.isnan(x), nan))
-        assert reference.relative_error(cupy.where(nan, 0, x), cupy.where(nan, 0, ref)) <= 2e-6
+    for variant in (f"{layout}64tc", f"{layout}64tc16"):
+        out, state_out = _poisoned((B, T, H, V), F32), _poisoned(S.shape, F32)
+        _family_run(q, k, v, p, beta, g, None, S, True, out, state_out, None, layout, "log", False, step=False,
+                    variant=variant)
+        for x, ref in ((out, o_ref), (state_out, S_ref)):
+            nan = cupy.isnan(ref)
+            assert 0 < int(nan.sum()) < nan.size // 8, variant
+            assert bool(cupy.array_equal(cupy.isnan(x), nan)), variant
+            assert reference.relative_error(cupy.where(nan, 0, x), cupy.where(nan, 0, ref)) <= 2e-6, variant
 
 
 def test_comba_with_p_equal_k_is_gated_delta_and_layouts_agree():

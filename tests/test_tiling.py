@@ -1,0 +1,28 @@
+"""The T-token rules of cupy_comba.tiling.choose that pick between the tensor-core variants."""
+
+import pytest
+
+from cupy_comba import tiling
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("K", [64, 128])
+def test_sixteen_token_passes_where_fewer_passes_cost_less(layout, K):
+    heads = 8192
+    sixteen = {T for T in range(5, 80) if tiling.choose(layout, K, 128, False, True, T, heads).endswith("tc16")}
+    expected = set(range(9, 17)) | set(range(25, 33)) | set(range(41, 80))
+    if layout == "vk" and K == tiling.VK_CHUNKED_K:  # the chunked vk kernel up to T = 8
+        expected -= set(tiling.VK_CHUNKED_MANY_HEADS_T)
+    assert sixteen == expected
+
+
+@pytest.mark.parametrize("heads,K,slab", [(16, 128, 32), (32, 128, 32), (64, 128, 64), (16, 64, 64)])
+def test_slab_width_over_few_heads(heads, K, slab):
+    assert tiling.choose("kv", K, 128, False, True, 512, heads) == f"kv{slab}tc16"
+    assert tiling.choose("kv", K, 96, False, True, 512, heads) == "kv32tc16"  # V not a multiple of 64
+
+
+def test_mma_variant_names():
+    assert tiling.variants("kv", 128, 128, multi=True)[-4:] == ("kv64tc", "kv64tc16", "kv32tc", "kv32tc16")
+    assert not any(v.endswith("tc16") for v in tiling.variants("vk", 128, 128))  # T-token passes only
+    assert tiling.token_passes_only("vk32tc16")
