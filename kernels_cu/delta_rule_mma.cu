@@ -560,6 +560,11 @@ struct Pass {
 // Where a chunk loop stages its chunks from (delta_rule_mma's `chunks`).
 enum MmaStaging { kRing, kRegs, kEither };
 
+template <MmaStaging S>
+struct Staging {
+    static constexpr MmaStaging value = S;
+};
+
 template <bool B>
 struct Flag {
     static constexpr bool value = B;
@@ -680,17 +685,17 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
     // EXACT: q, k and p are all bf16 / fp16, whose values TF32 holds exactly, so the read and write
     // products skip their B operands' lo halves (two mma.sync each instead of three, same sums).
     const bool exact = prm.q_t != F32 && prm.k_t != F32 && (!SEPARATE_P || prm.p_t != F32);
-    // RING: the chunks are staged from the ring (kRing), from registers (kRegs), or either as `fast`
+    // FROM: the chunks are staged from the ring (kRing), from registers (kRegs), or either as `fast`
     // says (kEither: with two sub-chunks the fast path and the other 16-bit inputs share one instance
     // of the chunk loop, as three instances do not fit the registers without spills).
-    auto chunks = [&](auto exact_tag, auto ring_tag) {
+    auto chunks = [&](auto exact_tag, auto staging_tag) {
         constexpr bool EXACT = decltype(exact_tag)::value;
-        constexpr int RING = decltype(ring_tag)::value;
-        static_assert(EXACT || RING == kRegs, "the fast path is bf16");
+        constexpr MmaStaging FROM = decltype(staging_tag)::value;
+        static_assert(EXACT || FROM == kRegs, "the fast path is bf16");
         for (int t0 = 0; t0 < T; t0 += C) {
             const int c = min(C, T - t0);
             __syncthreads();  // the previous chunk's readers are done with the stage
-            if (RING == kRing || (RING == kEither && fast)) {
+            if (FROM == kRing || (FROM == kEither && fast)) {
                 const int slot = (t0 / C) & 1;
                 copy_async_wait<1>();  // this chunk's copies have landed; the next chunk's may still fly
                 static_for<Bits::PASSES>([&](auto pass) {
@@ -835,12 +840,12 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
         }
     };
     if constexpr (SUBS == 1) {
-        if (fast) chunks(Flag<true>{}, Pass<kRing>{});
-        else if (exact) chunks(Flag<true>{}, Pass<kRegs>{});
-        else chunks(Flag<false>{}, Pass<kRegs>{});
+        if (fast) chunks(Flag<true>{}, Staging<kRing>{});
+        else if (exact) chunks(Flag<true>{}, Staging<kRegs>{});
+        else chunks(Flag<false>{}, Staging<kRegs>{});
     } else {
         // 16-bit q, k, p only: cupy_comba.tiling.launch runs an fp32 among them with 8-token chunks.
-        chunks(Flag<true>{}, Pass<kEither>{});
+        chunks(Flag<true>{}, Staging<kEither>{});
     }
 
     if (prm.write_final) {
