@@ -57,11 +57,12 @@
 //      plus its v values and the gates, and issues the next chunk's loads; bf16 in contiguous rows
 //      (the fast path, no dtype branch) is copied two chunks ahead into shared memory instead
 //      (MmaRing);
-//   2. every warp reads [Rp | Rq] over its keys; the warps of value group 0 also form the Gram
-//      products over theirs, the one against k inside the read loop from the fragments it loads;
-//   3. warps 0 and 1 solve the chunk's 8 x 8 coefficients once for the CTA (M; Bq and the
-//      per-token factors);
-//   4. U, O and the write.
+//   2. every warp reads [Rp | Rq] over its keys; then the Gram products over its keys -- with one
+//      chunk the warps of value group 0 form them all (the one against k inside the read loop, from
+//      the fragments it loads, for 16-bit inputs), with two the value groups share them out;
+//   3. warps 0 and 1 (and 2 and 3 for the second chunk) solve the 8 x 8 coefficients once for the
+//      CTA (M; Bq and the per-token factors);
+//   4. U, O and the write, chunk by chunk.
 // A warp runs 72 mma.sync a chunk with an fp32 among q, k, p (48 for the read, 3 + 3 for U and O, 24
 // for the write), 54 otherwise (32, 3 + 3, 16); the warps of value group 0 add the Gram product
 // with k, and with use_qk_l2norm one more (Gated DeltaNet) or three (Comba), 8 mma.sync each (24
