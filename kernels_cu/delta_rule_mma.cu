@@ -94,6 +94,13 @@ __device__ __forceinline__ void split(float x, unsigned& hi, unsigned& lo) {
     lo = __float_as_uint(x - __uint_as_float(hi));
 }
 
+// One 4-byte global load that NVVM cannot merge with its neighbour (see the kv state load).
+__device__ __forceinline__ float load_f32(const float* p) {
+    float x;
+    asm("ld.global.f32 %0, [%1];" : "=f"(x) : "l"(p));
+    return x;
+}
+
 // A B fragment is kept as {b0 hi, b1 hi, b0 lo, b1 lo}: the hi and lo register pairs go to mma.sync
 // as they were loaded, with no moves.
 __device__ __forceinline__ void split_into(unsigned* frag, int i, float x) { split(x, frag[i], frag[2 + i]); }
@@ -668,20 +675,41 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
         }
     }
 
-    // acc[n]: tile n of the state in memory order (mma3_state), kk = 8 (n0 + n) + 2 lj.
+    // acc[n]: tile n of the state in memory order (mma3_state), kk = 8 (n0 + n) + 2 lj.  In kv a lane's
+    // two values adjacent in memory are c0 and c2 of an accumulator quad (m0, m2, m1, m3), which one
+    // 8-byte load cannot fill: ptxas loaded such pairs into other registers and moved them over right
+    // after the loads, so that every warp waited there for its whole state before it staged its first
+    // chunk.  Four 4-byte loads fill the quad directly (the same sectors; the second of a pair finds
+    // them in L1).  B*H = 8192, T = 16: 567.5-568.6 against 594.7-595.3 us.
     float acc[NKW][4];
     if (prm.has_initial) {
         const float* src = state + head + first;
 #pragma unroll
         for (int n = 0; n < NKW; ++n, src += next_tile) {
-            const float2 a = *reinterpret_cast<const float2*>(src);
-            const float2 z = *reinterpret_cast<const float2*>(src + next_row);
-            acc[n][0] = a.x; acc[n][1] = a.y; acc[n][2] = z.x; acc[n][3] = z.y;
+            if constexpr (VK) {
+                const float2 a = *reinterpret_cast<const float2*>(src);
+                const float2 z = *reinterpret_cast<const float2*>(src + next_row);
+                acc[n][0] = a.x; acc[n][1] = a.y; acc[n][2] = z.x; acc[n][3] = z.y;
+            } else {
+                acc[n][0] = load_f32(src);
+                acc[n][1] = load_f32(src + 1);
+                acc[n][2] = load_f32(src + next_row);
+                acc[n][3] = load_f32(src + next_row + 1);
+            }
         }
     } else {
 #pragma unroll
         for (int n = 0; n < NKW; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
     }
+
+    // Tile n of the final state to state_out.  The last sub-chunk's write stores each tile as soon as it
+    // is formed, so that the stores drain while the others are (a warp exits only when its stores
+    // have): B*H = 8192, T = 16, with the chain sum below, 558.3-558.5 against 567.5-568.6 us.
+    auto store_tile = [&](int n) {
+        float* dst = state_out + head + first + n * next_tile;
+        store_state(dst, make_float2(acc[n][0], acc[n][1]));
+        store_state(dst + next_row, make_float2(acc[n][2], acc[n][3]));
+    };
 
     // EXACT: q, k and p are all bf16 / fp16, whose values TF32 holds exactly, so the read and write
     // products skip their B operands' lo halves (two mma.sync each instead of three, same sums).
@@ -752,7 +780,10 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
 #pragma unroll
                 for (int i = 0; i < 2 * SUBS; ++i) {
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) r[i][e] = rd[0][i][e] + (CHAINS == 2 ? rd[CHAINS - 1][i][e] : 0.f);
+                    for (int e = 0; e < 4; ++e) {
+                        if constexpr (CHAINS == 2) r[i][e] = rd[0][i][e] + rd[1][i][e];
+                        else r[i][e] = rd[0][i][e];
+                    }
                     if constexpr (KS > 1) st.part[vgroup][kpart][i][lane] = make_float4(r[i][0], r[i][1], r[i][2], r[i][3]);
                 }
                 if (gram_warp) st.gram[kpart][kGramK][lane] = make_float4(dk[0], dk[1], dk[2], dk[3]);
@@ -818,11 +849,13 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
                 const float wa = cf.w[ta], wb = cf.w[tb], gl = cf.g_last;
                 const float uw[4] = {u[0] * wa, u[1] * wb, u[2] * wa, u[3] * wb};
                 a_operand(uw, uh, ul);
+                const bool final_tiles = s + 1 == SUBS && t0 + C >= T && prm.write_final;
 #pragma unroll
                 for (int n = 0; n < NKW; ++n) {
 #pragma unroll
                     for (int i = 0; i < 4; ++i) acc[n][i] *= gl;
                     mma3_state<VK, EXACT>(acc[n], uh, ul, st.template kw<EXACT>(s, n0 + n, kw_lane(lg, lj)));
+                    if (final_tiles) store_tile(n);
                 }
                 if (s + 1 < SUBS) {
                     sum_parts(s + 1);
@@ -849,13 +882,9 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
         chunks(Flag<true>{}, Staging<kEither>{});
     }
 
-    if (prm.write_final) {
-        float* dst = state_out + head + first;
+    if (prm.write_final && T <= 0) {  // no token: the state passes through
 #pragma unroll
-        for (int n = 0; n < NKW; ++n, dst += next_tile) {
-            store_state(dst, make_float2(acc[n][0], acc[n][1]));
-            store_state(dst + next_row, make_float2(acc[n][2], acc[n][3]));
-        }
+        for (int n = 0; n < NKW; ++n) store_tile(n);
     }
 }
 
