@@ -42,7 +42,8 @@
 // the K index, which the B operand (p, q) follows.  U^T, Y and O^T use the same trick over the
 // token index.  So the state never moves between lanes.  The 16 rows of a warp's tile are 16
 // value columns: row g is column 2g of the tile, row g + 8 column 2g + 1, so a lane's two values
-// are adjacent in memory (one 8-byte access per state row in "kv", per pair of K in "vk").
+// are adjacent in memory (one 8-byte store per state row in "kv", whose loads are two 4-byte ones --
+// see the state load; one 8-byte access per pair of K in "vk").
 //
 // Launch geometry: delta_rule_mma<K, SLAB, SEPARATE_P, VK, SUBS> -- one CTA per (b, h, slab of SLAB
 // value columns); NW = (SLAB / 16) x (K / 64) warps, each 16 value columns x 64 keys of the state
@@ -73,10 +74,11 @@
 // the GPU waits on each token's latency and this kernel, 8 or 16 tokens a step, is the fastest from
 // T = 5 on; with many heads a pass costs about the same whatever its fill, and
 // cupy_comba.tiling.choose takes it there from T = 5, 16 tokens a pass where fewer passes pay for
-// their cost (1.7 passes of 8).  B*H = 8192, K = V = 128, T = 16: 593.5-595.3 us "kv", 567.1-570.5
-// us "vk", x2.12-2.27 of the decode step, against 980 us for the token loop.  In-kernel clocks
-// (8-token passes, before the bf16 ring) put a chunk at about 6500 cycles a CTA, two CTAs an SM:
-// staging 600-1700, the read 1500-1900, the solve 1150 (two warps busy), U, O and the write 900-2800.
+// their cost (1.7 passes of 8).  B*H = 8192, K = V = 128, T = 16: 553.2 us "kv", 562.6 us "vk", x2.11
+// of the decode step, against 980 us for the token loop.  In-kernel clocks (16-token passes, before
+// the kv loads of 4 bytes; medians, cycles) put a CTA at 16400, two CTAs an SM: setup and staging
+// 6600 (4300 without the state), the read 2300, the Gram products 950, the solve 1750, U, O and the
+// write 3300, the final stores 1100.
 #include "common.cuh"
 #include "params.cuh"
 
