@@ -15,6 +15,11 @@ def test_includes_are_expanded_once():
     assert src.count("struct Params {") == 1                      # params.cuh, once
 
 
+def _template_args(expression):
+    """The template arguments of a specialisation, ``comba::name<a, b, ...>`` -> ``["a", "b", ...]``."""
+    return [x.strip() for x in expression[expression.index("<") + 1:-1].split(",")]
+
+
 @pytest.mark.parametrize("module", sorted(_build.SPECIALISATIONS))
 def test_nvrtc_compiles_every_specialisation_for_sm90(module):
     builds = _build.compile_for_arch(module, "sm_90")
@@ -35,7 +40,7 @@ def test_nvrtc_compiles_every_specialisation_for_sm90(module):
         # values adjacent in memory sit in registers 0 and 2 of an mma.sync accumulator quad, and from
         # 8-byte loads ptxas moved them over right after the loads, where every warp then waited for its
         # whole state (design.md, "Tensor-core kernel").
-        if module == "delta_rule_mma" and expression.split(",")[3].strip() == "false":
+        if module == "delta_rule_mma" and _template_args(expression)[3] == "false":  # <K, SLAB, SEPARATE_P, VK, SUBS>
             scalar = len(re.findall(r"ld\.global\.f32", ptx))
             assert scalar == 32 and loads == 0, f"{expression}: {scalar} scalar, {loads} vector state loads"
 
@@ -66,7 +71,7 @@ def test_mma_stage_bytes_is_the_struct_size():
 
     checks = []
     for expression in _build.SPECIALISATIONS["delta_rule_mma"][1]:
-        K, slab, sep, _, subs = (x.strip() for x in expression[expression.index("<") + 1:-1].split(","))
+        K, slab, sep, _, subs = _template_args(expression)
         n = tiling.mma_stage_bytes(int(K), int(slab), sep == "true", 8 * int(subs))
         checks.append(f'static_assert(sizeof(comba::MmaStage<{K}, {slab}, {sep}, {subs}>) == {n}, "{expression}");')
     assert len(checks) == 32
