@@ -96,7 +96,9 @@ __device__ __forceinline__ void split(float x, unsigned& hi, unsigned& lo) {
     lo = __float_as_uint(x - __uint_as_float(hi));
 }
 
-// One 4-byte global load that NVVM cannot merge with its neighbour (see the kv state load).
+// One 4-byte global load that NVVM cannot merge with its neighbour (see the kv state load).  Not
+// volatile, so that it may be scheduled freely: it cannot sink past the store to its address (in
+// place, state_out is state), as that store writes a value computed from it.
 __device__ __forceinline__ float load_f32(const float* p) {
     float x;
     asm("ld.global.f32 %0, [%1];" : "=f"(x) : "l"(p));
@@ -562,29 +564,21 @@ __device__ __forceinline__ void ring_bits(MmaBits<K, SLAB, SUBS>& x, const MmaRi
     }
 }
 
-template <int P>
-struct Pass {
-    static constexpr int value = P;
+// A constant as a type: a generic lambda called with Constant<V>{} reads V back as a constant
+// expression (decltype(arg)::value), so that each call is compiled for its own V.
+template <auto V>
+struct Constant {
+    static constexpr auto value = V;
 };
 
 // Where a chunk loop stages its chunks from (delta_rule_mma's `chunks`).
 enum MmaStaging { kRing, kRegs, kEither };
 
-template <MmaStaging S>
-struct Staging {
-    static constexpr MmaStaging value = S;
-};
-
-template <bool B>
-struct Flag {
-    static constexpr bool value = B;
-};
-
-// f(Pass<0>{}), ..., f(Pass<N - 1>{}): a loop whose index is a constant expression in each step.
+// f(Constant<0>{}), ..., f(Constant<N - 1>{}): a loop whose index is a constant expression in each step.
 template <int N, int I = 0, class F>
 __device__ __forceinline__ void static_for(F&& f) {
     if constexpr (I < N) {
-        f(Pass<I>{});
+        f(Constant<I>{});
         static_for<N, I + 1>(f);
     }
 }
@@ -657,7 +651,7 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
             bits.gate = issue_chunk_gates<C>(beta, g, prm, tid, b, h, 0, min(C, T));
             if (C < T) gate_next = issue_chunk_gates<C>(beta, g, prm, tid, b, h, C, min(C, T - C));
         } else {
-            if (SUBS == 1) issue(Pass<0>{}, 0, min(C, T));
+            if (SUBS == 1) issue(Constant<0>{}, 0, min(C, T));
         }
     }
 
@@ -742,10 +736,10 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
             } else {
                 static_for<Bits::PASSES>([&](auto pass) {
                     constexpr int P = decltype(pass)::value;
-                    if constexpr (P > 0 || SUBS > 1) issue(Pass<P>{}, t0, c);
+                    if constexpr (P > 0 || SUBS > 1) issue(Constant<P>{}, t0, c);
                     stage_chunk<K, SLAB, SEPARATE_P, SUBS, P, false>(st, bits, prm, vec, tid, c);
                 });
-                if (SUBS == 1 && t0 + C < T) issue(Pass<0>{}, t0 + C, min(C, T - t0 - C));
+                if (SUBS == 1 && t0 + C < T) issue(Constant<0>{}, t0 + C, min(C, T - t0 - C));
             }
             __syncthreads();
 
@@ -864,8 +858,8 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
                         if constexpr (decltype(store)::value) store_tile(n);
                     }
                 };
-                if (s + 1 == SUBS && t0 + C >= T && prm.write_final) write(Flag<true>{});
-                else write(Flag<false>{});
+                if (s + 1 == SUBS && t0 + C >= T && prm.write_final) write(Constant<true>{});
+                else write(Constant<false>{});
                 if (s + 1 < SUBS) {
                     sum_parts(s + 1);
                     const int gx = gram_slot<SUBS>(kGramX, s + 1);
@@ -883,12 +877,12 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
         }
     };
     if constexpr (SUBS == 1) {
-        if (fast) chunks(Flag<true>{}, Staging<kRing>{});
-        else if (exact) chunks(Flag<true>{}, Staging<kRegs>{});
-        else chunks(Flag<false>{}, Staging<kRegs>{});
+        if (fast) chunks(Constant<true>{}, Constant<kRing>{});
+        else if (exact) chunks(Constant<true>{}, Constant<kRegs>{});
+        else chunks(Constant<false>{}, Constant<kRegs>{});
     } else {
         // 16-bit q, k, p only: cupy_comba.tiling.launch runs an fp32 among them with 8-token chunks.
-        chunks(Flag<true>{}, Staging<kEither>{});
+        chunks(Constant<true>{}, Constant<kEither>{});
     }
 
     if (prm.write_final && T <= 0) {  // no token: the state passes through
