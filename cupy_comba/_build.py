@@ -37,6 +37,10 @@ VK_CHUNKED_K = 128
 MMA_SLABS = (64, 32)
 #: Tokens a pass of ``delta_rule_mma`` takes over the state: one or two sub-chunks of 8.
 MMA_CHUNKS = (8, 16)
+#: The wide slab of ``delta_rule_mma``, built at K = 64 with 16-token passes only: the same 256-thread
+#: CTA (8 warps) as a 64-column slab at K = 128, so that one CTA stages and solves each chunk of a
+#: V = 128 head, where two 64-column CTAs each do.  (8-token chunks do not divide among its threads.)
+MMA_WIDE_SLAB, MMA_WIDE_K = 128, 64
 
 
 def _flag(x):
@@ -68,7 +72,9 @@ SPECIALISATIONS = {
     "delta_rule_mma": (
         "delta_rule_mma.cu",
         tuple(f"comba::delta_rule_mma<{K}, {slab}, {_flag(sep)}, {_flag(vk)}, {chunk // 8}>" for K in (64, 128)
-              for slab in MMA_SLABS for sep in (True, False) for vk in (False, True) for chunk in MMA_CHUNKS),
+              for slab in MMA_SLABS for sep in (True, False) for vk in (False, True) for chunk in MMA_CHUNKS)
+        + tuple(f"comba::delta_rule_mma<{MMA_WIDE_K}, {MMA_WIDE_SLAB}, {_flag(sep)}, {_flag(vk)}, 2>"
+                for sep in (True, False) for vk in (False, True)),
     ),
     "copy": ("copy.cu", ("comba::copy_float4",)),
 }

@@ -8,12 +8,12 @@ Three families exist only for T-token passes: ``kv{COLS}x{RG}c4`` (``delta_rule_
 4 tokens a pass over the state), ``vk{ROWS}c4`` (``delta_rule_vk_chunked``, K = 128 only: the
 same chunks over a "vk" state, a CTA per ROWS rows of V), ``{layout}{SLAB}tc`` (``delta_rule_mma``,
 a CTA per SLAB value columns, 8-token chunks on tensor cores) and ``{layout}{SLAB}tc16`` (the same
-kernel taking 16 tokens, two chunks of 8, a pass over the state).
+kernel taking 16 tokens, two chunks of 8, a pass over the state; at K = 64 also with SLAB = 128).
 """
 
 from ._build import (
-    KV_CHUNKED_TILINGS, KV_TILINGS, MMA_CHUNKS, MMA_SLABS, VK_CHUNKED_K, VK_CHUNKED_ROWS, VK_TILINGS, get_kernel,
-    _flag,
+    KV_CHUNKED_TILINGS, KV_TILINGS, MMA_CHUNKS, MMA_SLABS, MMA_WIDE_K, MMA_WIDE_SLAB, VK_CHUNKED_K, VK_CHUNKED_ROWS,
+    VK_TILINGS, get_kernel, _flag,
 )
 
 KV_VARIANTS = tuple(f"kv{c}x{r}" for c, r in KV_TILINGS)
@@ -21,7 +21,7 @@ KV_CHUNKED_VARIANTS = tuple(f"kv{c}x{r}c4" for c, r in KV_CHUNKED_TILINGS)
 VK_VARIANTS = {K: tuple(f"vk{r}x{w}" for r, w in VK_TILINGS[K]) for K in VK_TILINGS}
 VK_CHUNKED_VARIANTS = tuple(f"vk{r}c4" for r in VK_CHUNKED_ROWS)
 MMA_VARIANTS = {layout: tuple(f"{layout}{slab}tc{'' if chunk == 8 else chunk}" for slab in MMA_SLABS
-                              for chunk in MMA_CHUNKS) for layout in ("kv", "vk")}
+                              for chunk in MMA_CHUNKS) + (f"{layout}{MMA_WIDE_SLAB}tc16",) for layout in ("kv", "vk")}
 
 
 def token_passes_only(variant):
@@ -33,8 +33,9 @@ def token_passes_only(variant):
 def variants(layout, K, V, multi=False):
     """The variants that can run a ``layout`` state with head sizes K, V (``multi``: T-token passes,
     which also have the chunked kernels, ``kv{COLS}x{RG}c4`` and at K = 128 ``vk{ROWS}c4``, and the
-    tensor-core kernels, ``{layout}{SLAB}tc`` and ``{layout}{SLAB}tc16``)."""
-    mma = tuple(n for n in MMA_VARIANTS[layout] if V % _mma_geometry(n)[0] == 0) if multi else ()
+    tensor-core kernels, ``{layout}{SLAB}tc`` and ``{layout}{SLAB}tc16``, and at K = 64 ``{layout}128tc16``)."""
+    mma = tuple(n for n in MMA_VARIANTS[layout] if V % _mma_geometry(n)[0] == 0
+                and (_mma_geometry(n)[0] != MMA_WIDE_SLAB or K == MMA_WIDE_K)) if multi else ()
     if layout == "kv":
         chunked = zip(KV_CHUNKED_VARIANTS, KV_CHUNKED_TILINGS) if multi else ()
         return tuple(n for n, (c, _) in (*zip(KV_VARIANTS, KV_TILINGS), *chunked) if V % c == 0) + mma
@@ -133,6 +134,14 @@ MMA_NARROW_MAX_HEADS = 32
 #: against 6.5 us).  With an fp32 among q, k, p the ``...tc16`` variants run 8-token chunks (launch).
 MMA16_COST, MMA8_COST = 5, 3
 
+# At K = 64 with V a multiple of 128, the 16-token passes take the wide slab (``{layout}128tc16``, one
+# 256-thread CTA a V = 128 head, which stages and solves each chunk once where two 64-column CTAs each
+# did) over more than MMA_MAX_HEADS heads (bench-h200-forward-widek64.json, kv: 261.1 against 282.0 us
+# at T = 16 and 5145.6 against 5934.5 us at T = 512 over 8192 heads; 10.1 against 13.7 and 170.9
+# against 260.3 us over 256; vk alike).  Over 128 heads the two tie to T = 64 and the 64-column slabs
+# lead at T = 512 (118.7 against 122.9 us); over 16 heads, half the CTAs cost 20-32 % (T = 512: 131.0
+# against 98.9 us).
+
 
 def choose(layout, K, V, separate_p, multi=False, T=1, heads=None):
     """The variant for a shape, from the H200 sweeps (docs/benchmarks.md, "Tilings").
@@ -153,7 +162,8 @@ def choose(layout, K, V, separate_p, multi=False, T=1, heads=None):
       :data:`VK64_MMA_MIN_T`) over at most :data:`MMA_MAX_HEADS` heads, and over more when V is a
       multiple of 64; 32-column slabs at K = 128 over at most :data:`MMA_NARROW_MAX_HEADS` heads,
       and whenever V is not a multiple of 64; 16 tokens a pass (``...tc16``) where fewer passes of
-      16 cost less (:data:`MMA16_COST`): T = 9-16, 25-32 and from 41 on.
+      16 cost less (:data:`MMA16_COST`): T = 9-16, 25-32 and from 41 on; those at K = 64 over more
+      than :data:`MMA_MAX_HEADS` heads with 128-column slabs when V allows (:data:`MMA_WIDE_SLAB`).
     * kv: the chunked kernel, 64-column slabs, for :data:`CHUNKED_T` tokens, at K = 128 over at
       most :data:`MMA_MAX_HEADS` heads :data:`CHUNKED_FEW_HEADS_T`; 32-column slabs at K = 128 for
       :data:`CHUNKED_FEW_HEADS_T` when V is not a multiple of 64.
@@ -167,6 +177,8 @@ def choose(layout, K, V, separate_p, multi=False, T=1, heads=None):
     if multi and T >= mma_min_t and (few or wide):
         narrow = not wide or (few and heads <= MMA_NARROW_MAX_HEADS and K == 128)
         sixteen = -(-T // 16) * MMA16_COST < -(-T // 8) * MMA8_COST
+        if sixteen and not few and K == MMA_WIDE_K and V % MMA_WIDE_SLAB == 0:
+            return f"{layout}{MMA_WIDE_SLAB}tc16"
         return f"{layout}{32 if narrow else 64}tc{16 if sixteen else ''}"
     if layout == "kv":
         if multi and wide and T in (CHUNKED_FEW_HEADS_T if K == 128 and few else CHUNKED_T):
@@ -195,7 +207,8 @@ def launch(layout, variant, heads, K, V, separate_p, multi, device, f32_keys=Fal
                          f"expected one of {variants(layout, K, V, multi)}")
     if variant.endswith(("tc", "tc16")):
         slab, chunk = _mma_geometry(variant)
-        chunk = 8 if f32_keys else chunk
+        if f32_keys:  # the wide slab has no 8-token build: its CTA is two 64-column ones
+            slab, chunk = min(slab, MMA_SLABS[0]), 8
         name = f"comba::delta_rule_mma<{K}, {slab}, {_flag(separate_p)}, {_flag(layout == 'vk')}, {chunk // 8}>"
         kernel, smem = get_kernel("delta_rule_mma", name, device), mma_stage_bytes(K, slab, separate_p, chunk)
         if kernel.max_dynamic_shared_size_bytes < smem:

@@ -47,12 +47,13 @@
 //
 // Launch geometry: delta_rule_mma<K, SLAB, SEPARATE_P, VK, SUBS> -- one CTA per (b, h, slab of SLAB
 // value columns); NW = (SLAB / 16) x (K / 64) warps, each 16 value columns x 64 keys of the state
-// (32 registers a lane).  The K-reduction of a warp stays in its mma.sync accumulators; the K / 64
-// key parts of a value group add their partial [Rp | Rq] through shared memory.  The stage
-// (MmaStage) is dynamic shared memory of cupy_comba.tiling.mma_stage_bytes.  At the start each
-// thread asks L2 for a line of the state of the CTA a wave later.  Per pass (one chunk, or two with
-// SUBS = 2: their solves on warps 0-1 and 2-3 at once, their Gram products over the value groups),
-// four CTA barriers:
+// (32 registers a lane); SLAB is 32 or 64, and at K = 64 with two chunks a pass also 128 (8 warps,
+// as a 64-column slab at K = 128: one CTA a V = 128 head stages and solves each chunk once).  The
+// K-reduction of a warp stays in its mma.sync accumulators; the K / 64 key parts of a value group
+// add their partial [Rp | Rq] through shared memory.  The stage (MmaStage) is dynamic shared memory
+// of cupy_comba.tiling.mma_stage_bytes.  At the start each thread asks L2 for a line of the state
+// of the CTA a wave later.  Per pass (one chunk, or two with SUBS = 2: their solves on warps 0-1 and
+// 2-3 at once, their Gram products over the value groups), four CTA barriers:
 //   1. every thread stages 4 consecutive keys of one token of q, k, p (one 8- or 16-byte load
 //      where the rows allow it) as B fragments -- two values, split by their reader when fp32 --
 //      plus its v values and the gates, and issues the next chunk's loads; bf16 in contiguous rows
@@ -75,7 +76,8 @@
 // T = 5 on; with many heads a pass costs about the same whatever its fill, and
 // cupy_comba.tiling.choose takes it there from T = 5, 16 tokens a pass where fewer passes pay for
 // their cost (1.7 passes of 8).  B*H = 8192, K = V = 128, T = 16: 553.2 us "kv", 562.6 us "vk", x2.11
-// of the decode step, against 980 us for the token loop.  In-kernel clocks (16-token passes, before
+// of the decode step, against 980 us for the token loop; at K = 64, 128-column slabs: 261.1 us "kv",
+// 259.6 us "vk" (x1.98, x1.93), against 282.0 / 281.7 us in 64-column slabs.  In-kernel clocks (16-token passes, before
 // the kv loads of 4 bytes; medians, cycles) put a CTA at 16400, two CTAs an SM: setup and staging
 // 6600 (4300 without the state), the read 2300, the Gram products 950, the solve 1750, U, O and the
 // write 3300, the final stores 1100.

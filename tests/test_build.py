@@ -74,7 +74,7 @@ def test_mma_stage_bytes_is_the_struct_size():
         K, slab, sep, _, subs = _template_args(expression)
         n = tiling.mma_stage_bytes(int(K), int(slab), sep == "true", 8 * int(subs))
         checks.append(f'static_assert(sizeof(comba::MmaStage<{K}, {slab}, {sep}, {subs}>) == {n}, "{expression}");')
-    assert len(checks) == 32
+    assert len(checks) == 36  # 2 K x 2 slabs x 2 x 2 x 2 chunk lengths, and the wide slab's four
     source = _build.kernel_source("delta_rule_mma.cu") + "\n" + "\n".join(checks) + "\n"
     prog = nvrtc.createProgram(source, "stage_bytes.cu", (), ())
     try:

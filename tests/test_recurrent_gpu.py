@@ -199,15 +199,17 @@ def test_tensor_core_path(layout, K, V, comba, gate, l2norm, T, initial):
 @pytest.mark.parametrize("T,initial", [(5, True), (9, True), (16, True), (13, False)],
                          ids=["T5", "T9", "T16", "T13-zero-state"])
 def test_tensor_core_path_many_heads(layout, K, comba, gate, l2norm, T, initial):
-    """More than 128 heads and T >= 5: the ops choose the tensor-core kernel (16 tokens a pass from T = 9),
-    except the vk layout's chunked kernel at K = 128 up to T = 8; the tensor-core variants the op did
-    not choose are forced (fp32 activations: the 16-token variant runs 8-token chunks)."""
+    """More than 128 heads and T >= 5: the ops choose the tensor-core kernel (16 tokens a pass from T = 9,
+    at K = 64 in 128-column slabs), except the vk layout's chunked kernel at K = 128 up to T = 8; the
+    tensor-core variants the op did not choose are forced (fp32 activations: the 16-token variants run
+    8-token chunks, the 128-column one in 64-column slabs)."""
     B, H, Hk, V = 33, 4, 2, 128
     chunked = layout == "vk" and K == 128 and T in tiling.VK_CHUNKED_MANY_HEADS_T
-    expected = "vk64c4" if chunked else f"{layout}64tc{'16' if T > 8 else ''}"
+    slab = 128 if K == 64 and T > 8 else 64
+    expected = "vk64c4" if chunked else f"{layout}{slab}tc{'16' if T > 8 else ''}"
     assert tiling.choose(layout, K, V, comba, multi=True, T=T, heads=B * H) == expected
     _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed=K + T + 1)
-    for variant in (f"{layout}64tc", f"{layout}64tc16"):
+    for variant in (f"{layout}64tc", f"{layout}64tc16") + ((f"{layout}128tc16",) if K == 64 else ()):
         if variant != expected:
             _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed=K + T + 1,
                                 variant=variant)
@@ -256,7 +258,7 @@ def _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial,
 @pytest.mark.parametrize("dtype", [bfloat16, F16], ids=lambda d: numpy.dtype(d).name)
 def test_tensor_core_kernel_16bit_inputs(layout, K, comba, dtype):
     """bf16 (the fast path, whose loads go two chunks ahead through shared memory) and fp16 inputs with
-    use_qk_l2norm: 1 to 4 chunks, both slab widths and chunk lengths, GVA, fp32 o against the reference."""
+    use_qk_l2norm: 1 to 4 chunks, every slab width and chunk length, GVA, fp32 o against the reference."""
     B, H, Hk, V = 3, 4, 2, 128
     for T in (1, 9, 29):
         q, k, v, p, beta, g, S = forward_inputs(B, T, H, K, V, Hk=Hk, state_layout=layout, seed=K + T, dtype=dtype,
@@ -264,7 +266,8 @@ def test_tensor_core_kernel_16bit_inputs(layout, K, comba, dtype):
         p = p if comba else None
         S_ref, o_ref = reference.comba_loop(S, q, k, v, k if p is None else p, beta, g, state_layout=layout,
                                             use_qk_l2norm=True)
-        for variant in (f"{layout}{slab}tc{chunk}" for slab in (64, 32) for chunk in ("", "16")):
+        wide = (f"{layout}128tc16",) if K == 64 else ()
+        for variant in (*(f"{layout}{slab}tc{chunk}" for slab in (64, 32) for chunk in ("", "16")), *wide):
             out, state_out = _poisoned((B, T, H, V), F32), _poisoned(S.shape, F32)
             _family_run(q, k, v, p, beta, g, None, S, True, out, state_out, None, layout, "log", True, step=False,
                         variant=variant)

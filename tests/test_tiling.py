@@ -22,7 +22,25 @@ def test_slab_width_over_few_heads(heads, K, slab):
     assert tiling.choose("kv", K, 96, False, True, 512, heads) == "kv32tc16"  # V not a multiple of 64
 
 
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_wide_slab_at_k64_over_many_heads(layout):
+    """16-token passes at K = 64 take 128-column slabs over more than 128 heads when V allows; 8-token
+    passes, K = 128, few heads and V = 192 keep the 64-column ones."""
+    for T in (9, 16, 32, 64, 512):
+        for heads in (129, 256, 8192, None):
+            assert tiling.choose(layout, 64, 128, False, True, T, heads) == f"{layout}128tc16", (T, heads)
+            assert tiling.choose(layout, 64, 256, True, True, T, heads) == f"{layout}128tc16", (T, heads)
+            assert tiling.choose(layout, 64, 192, False, True, T, heads) == f"{layout}64tc16", (T, heads)
+            assert tiling.choose("kv", 128, 128, False, True, T, heads) == "kv64tc16", (T, heads)
+        assert tiling.choose(layout, 64, 128, False, True, T, 128) == f"{layout}64tc16", T
+    assert tiling.choose(layout, 64, 128, False, True, 24, 8192) == f"{layout}64tc"
+
+
 def test_mma_variant_names():
     assert tiling.variants("kv", 128, 128, multi=True)[-4:] == ("kv64tc", "kv64tc16", "kv32tc", "kv32tc16")
     assert not any(v.endswith("tc16") for v in tiling.variants("vk", 128, 128))  # T-token passes only
     assert tiling.token_passes_only("vk32tc16")
+    assert tiling.variants("kv", 64, 128, multi=True)[-1] == "kv128tc16"  # K = 64 only, V a multiple of 128
+    assert "vk128tc16" in tiling.variants("vk", 64, 256, multi=True)
+    assert not any("128tc" in v for layout, K, V in (("kv", 128, 128), ("vk", 128, 256), ("kv", 64, 192))
+                   for v in tiling.variants(layout, K, V, multi=True))
