@@ -41,6 +41,10 @@ MMA_CHUNKS = (8, 16)
 #: CTA (8 warps) as a 64-column slab at K = 128, so that one CTA stages and solves each chunk of a
 #: V = 128 head, where two 64-column CTAs each do.  (8-token chunks do not divide among its threads.)
 MMA_WIDE_SLAB, MMA_WIDE_K = 128, 64
+#: The builds of ``delta_rule_mma``, (K, SLAB, tokens a pass), the one list that the specialisations
+#: below and ``tiling.variants`` both read.
+MMA_BUILDS = tuple((K, slab, chunk) for K in (64, 128) for slab in MMA_SLABS for chunk in MMA_CHUNKS) + (
+    (MMA_WIDE_K, MMA_WIDE_SLAB, 16),)
 
 
 def _flag(x):
@@ -71,10 +75,8 @@ SPECIALISATIONS = {
     ),
     "delta_rule_mma": (
         "delta_rule_mma.cu",
-        tuple(f"comba::delta_rule_mma<{K}, {slab}, {_flag(sep)}, {_flag(vk)}, {chunk // 8}>" for K in (64, 128)
-              for slab in MMA_SLABS for sep in (True, False) for vk in (False, True) for chunk in MMA_CHUNKS)
-        + tuple(f"comba::delta_rule_mma<{MMA_WIDE_K}, {MMA_WIDE_SLAB}, {_flag(sep)}, {_flag(vk)}, 2>"
-                for sep in (True, False) for vk in (False, True)),
+        tuple(f"comba::delta_rule_mma<{K}, {slab}, {_flag(sep)}, {_flag(vk)}, {chunk // 8}>"
+              for K, slab, chunk in MMA_BUILDS for sep in (True, False) for vk in (False, True)),
     ),
     "copy": ("copy.cu", ("comba::copy_float4",)),
 }

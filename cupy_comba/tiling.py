@@ -12,16 +12,14 @@ kernel taking 16 tokens, two chunks of 8, a pass over the state; at K = 64 also 
 """
 
 from ._build import (
-    KV_CHUNKED_TILINGS, KV_TILINGS, MMA_CHUNKS, MMA_SLABS, MMA_WIDE_K, MMA_WIDE_SLAB, VK_CHUNKED_K, VK_CHUNKED_ROWS,
-    VK_TILINGS, get_kernel, _flag,
+    KV_CHUNKED_TILINGS, KV_TILINGS, MMA_BUILDS, MMA_WIDE_K, MMA_WIDE_SLAB, VK_CHUNKED_K, VK_CHUNKED_ROWS, VK_TILINGS,
+    get_kernel, _flag,
 )
 
 KV_VARIANTS = tuple(f"kv{c}x{r}" for c, r in KV_TILINGS)
 KV_CHUNKED_VARIANTS = tuple(f"kv{c}x{r}c4" for c, r in KV_CHUNKED_TILINGS)
 VK_VARIANTS = {K: tuple(f"vk{r}x{w}" for r, w in VK_TILINGS[K]) for K in VK_TILINGS}
 VK_CHUNKED_VARIANTS = tuple(f"vk{r}c4" for r in VK_CHUNKED_ROWS)
-MMA_VARIANTS = {layout: tuple(f"{layout}{slab}tc{'' if chunk == 8 else chunk}" for slab in MMA_SLABS
-                              for chunk in MMA_CHUNKS) + (f"{layout}{MMA_WIDE_SLAB}tc16",) for layout in ("kv", "vk")}
 
 
 def token_passes_only(variant):
@@ -34,8 +32,8 @@ def variants(layout, K, V, multi=False):
     """The variants that can run a ``layout`` state with head sizes K, V (``multi``: T-token passes,
     which also have the chunked kernels, ``kv{COLS}x{RG}c4`` and at K = 128 ``vk{ROWS}c4``, and the
     tensor-core kernels, ``{layout}{SLAB}tc`` and ``{layout}{SLAB}tc16``, and at K = 64 ``{layout}128tc16``)."""
-    mma = tuple(n for n in MMA_VARIANTS[layout] if V % _mma_geometry(n)[0] == 0
-                and (_mma_geometry(n)[0] != MMA_WIDE_SLAB or K == MMA_WIDE_K)) if multi else ()
+    mma = tuple(f"{layout}{slab}tc{'' if chunk == 8 else chunk}" for k, slab, chunk in MMA_BUILDS
+                if k == K and V % slab == 0) if multi else ()
     if layout == "kv":
         chunked = zip(KV_CHUNKED_VARIANTS, KV_CHUNKED_TILINGS) if multi else ()
         return tuple(n for n, (c, _) in (*zip(KV_VARIANTS, KV_TILINGS), *chunked) if V % c == 0) + mma
