@@ -63,7 +63,8 @@ def mma_stage_bytes(K, slab, separate_p, chunk):
     ring = 2 * planes * passes * nt * 8 + 2 * (nt * ev // 2) * 4  # MmaRing: qkp, v
     part = slab // 16 * ks * 2 * subs * 32 * 16
     gram = ks * (4 if subs == 1 else 9) * 32 * 16
-    rest = chunk * slab * 4 + 2 * chunk * 4 + subs * (2 * 64 + 3 * 8 + 1) * 4  # v, e and beta, coefficients
+    coefficients = -(-(3 * 64 + 3 * 8 + 1) * 4 // 16) * 16  # ChunkCoefficients, 16-byte aligned
+    rest = chunk * slab * 4 + 2 * chunk * 4 + subs * coefficients  # v, e and beta, coefficients
     total = fragments + -(-ring // 16) * 16 + part + gram + rest
     return -(-total // 16) * 16
 

@@ -190,7 +190,8 @@ __device__ __forceinline__ int kw_lane(int g, int j) { return 4 * g + (j ^ ((g >
 __device__ __forceinline__ int x_swizzle(int n) { return (n & 1) | ((n & 2) << 1); }
 
 // The 8 x 8 coefficients of a chunk (the header's M, Bq, ...), one copy a CTA.
-struct ChunkCoefficients {
+struct alignas(16) ChunkCoefficients {
+    float l[kMmaChunk][kMmaChunk];     // -L (zero on and above the diagonal), the solve's scratch
     float m[kMmaChunk][kMmaChunk];     // M = (I + L)^-1 diag(beta)
     float bq[kMmaChunk][kMmaChunk];    // scale * Bq
     float cp[kMmaChunk], cq[kMmaChunk], w[kMmaChunk];  // G_t fp_t, scale G_t fq_t, r(j, 7) fk_j
@@ -459,19 +460,36 @@ __device__ __forceinline__ void chunk_coefficients(ChunkCoefficients& cf, const 
         fkj[j] = __shfl_sync(0xffffffffu, fk, j);
     }
     if (role == 0) {  // column m of (I + L)^-1 diag(beta): x_t = beta_m [t == m] - sum_{j<t} L[t][j] x_j
+        // -L[tt][j] = -beta_tt fp_tt r(j, tt) fk_j (k_j . p_tt), j < tt, holds no x: the lanes form its 64
+        // entries at once, entry (tt, j) on lane 8 (tt % 4) + j, into cf.l; every lane then reads the rows
+        // back, and the substitution is one FMA chain whose last step takes the newest x.
+        const int j = t;  // so fk is fk_j
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int tt = (lane >> 3) + 4 * half;
+            const float fpt = __shfl_sync(0xffffffffu, fp, tt);
+            float r = 1.f;  // r(j, tt)
+#pragma unroll
+            for (int i = 1; i < C; ++i) r *= i > j && i <= tt ? e[i] : 1.f;
+            cf.l[tt][j] = j < tt ? -beta[tt] * fpt * r * fk * st.dot(gk, tt, j) : 0.f;  // k_j . p_tt
+        }
+        __syncwarp();
         const int m = t;
+        const float bm = beta[m];
         float x[C];
 #pragma unroll
         for (int tt = 0; tt < C; ++tt) {
-            float s = 0.f, r = 1.f;
+            const float4 la = *reinterpret_cast<const float4*>(&cf.l[tt][0]);
+            const float4 lb = *reinterpret_cast<const float4*>(&cf.l[tt][4]);
+            const float l[C] = {la.x, la.y, la.z, la.w, lb.x, lb.y, lb.z, lb.w};
+            float s = 0.f;
 #pragma unroll
-            for (int j = tt - 1; j >= 0; --j) {
-                r *= e[j + 1];
-                s = fmaf(r * fkj[j] * st.dot(gk, tt, j), x[j], s);  // k_j . p_tt
-            }
-            const float fpt = __shfl_sync(0xffffffffu, fp, tt), bt = beta[tt];
-            x[tt] = tt == m ? bt : (tt < m ? 0.f : -bt * fpt * s);
-            if (lane < C) cf.m[tt][m] = x[tt];
+            for (int i = 0; i < tt; ++i) s = fmaf(l[i], x[i], s);
+            x[tt] = tt == m ? bm : (tt < m ? 0.f : s);
+        }
+        if (lane < C) {
+#pragma unroll
+            for (int tt = 0; tt < C; ++tt) cf.m[tt][m] = x[tt];
         }
     } else {
         float G = 1.f;  // G_t
@@ -479,11 +497,13 @@ __device__ __forceinline__ void chunk_coefficients(ChunkCoefficients& cf, const 
         for (int i = 0; i < C; ++i) G *= i <= t ? e[i] : 1.f;
         if (lane < C) {  // column t of scale * Bq: r(j, t) fk_j fq_t (k_j . q_t) for j <= t
             const float sq = scale * fq;
+            float dot[C];
+#pragma unroll
+            for (int j = 0; j < C; ++j) dot[j] = st.dot(gk, 8 + t, j);  // k_j . q_t, used for j <= t
             float r = 1.f;  // r(j, t), built from j = t down
 #pragma unroll
             for (int j = C - 1; j >= 0; --j) {
-                const float dot = st.dot(gk, 8 + t, j);  // k_j . q_t, used for j <= t
-                cf.bq[j][t] = j <= t ? sq * r * fkj[j] * dot : 0.f;
+                cf.bq[j][t] = j <= t ? sq * r * fkj[j] * dot[j] : 0.f;
                 if (j <= t && j > 0) r *= e[j];
             }
         } else if (lane < 2 * C) {
