@@ -135,11 +135,11 @@ MMA16_COST, MMA8_COST = 5, 3
 
 # At K = 64 with V a multiple of 128, the 16-token passes take the wide slab (``{layout}128tc16``, one
 # 256-thread CTA a V = 128 head, which stages and solves each chunk once where two 64-column CTAs each
-# did) over more than MMA_MAX_HEADS heads (bench-h200-forward-widek64.json, kv: 261.1 against 282.0 us
-# at T = 16 and 5145.6 against 5934.5 us at T = 512 over 8192 heads; 10.1 against 13.7 and 170.9
-# against 260.3 us over 256; vk alike).  Over 128 heads the two tie to T = 64 and the 64-column slabs
-# lead at T = 512 (118.7 against 122.9 us); over 16 heads, half the CTAs cost 20-32 % (T = 512: 131.0
-# against 98.9 us).
+# did) over more than MMA_MAX_HEADS heads (bench-h200-forward-widek64.json, kv: 254.2 against 281.6 us
+# at T = 16 and 5006.0 against 5821.9 us at T = 512 over 8192 heads; 10.0 against 13.7 and 165.3
+# against 257.6 us over 256; vk alike).  Over 128 heads the two tie (T = 512: 117.4 against 117.4 us
+# kv, 116.6 against 115.3 us vk; 122.9 against 118.7 us kv in the seventh session's run); over 16
+# heads, half the CTAs cost 14-26 % (T = 512: 120.8 against 97.8 us).
 
 
 def choose(layout, K, V, separate_p, multi=False, T=1, heads=None):

@@ -75,12 +75,13 @@
 // the GPU waits on each token's latency and this kernel, 8 or 16 tokens a step, is the fastest from
 // T = 5 on; with many heads a pass costs about the same whatever its fill, and
 // cupy_comba.tiling.choose takes it there from T = 5, 16 tokens a pass where fewer passes pay for
-// their cost (1.7 passes of 8).  B*H = 8192, K = V = 128, T = 16: 553.2 us "kv", 562.6 us "vk", x2.11
-// of the decode step, against 980 us for the token loop; at K = 64, 128-column slabs: 261.1 us "kv",
-// 259.6 us "vk" (x1.98, x1.93), against 282.0 / 281.7 us in 64-column slabs.  In-kernel clocks (16-token passes, before
-// the kv loads of 4 bytes; medians, cycles) put a CTA at 16400, two CTAs an SM: setup and staging
-// 6600 (4300 without the state), the read 2300, the Gram products 950, the solve 1750, U, O and the
-// write 3300, the final stores 1100.
+// their cost (1.7 passes of 8).  B*H = 8192, K = V = 128, T = 16: 542.2 us "kv", 551.7 us "vk", x2.07
+// of the decode step, against 980 us for the token loop; at K = 64, 128-column slabs: 254.2 us "kv",
+// 253.1 us "vk" (x1.92, x1.87), against 281.6 / 282.0 us in 64-column slabs.  In-kernel clocks
+// (16-token passes, sixth session, before the kv loads of 4 bytes and the solve's reads ahead of its
+// stores; medians, cycles) put a CTA at 16400, two CTAs an SM: setup and staging 6600 (4300 without
+// the state), the read 2300, the Gram products 950, the solve 1750, U, O and the write 3300, the
+// final stores 1100.
 #include "common.cuh"
 #include "params.cuh"
 
@@ -438,9 +439,12 @@ __device__ __forceinline__ void gram_products(MmaStage<K, SLAB, SEPARATE_P, SUBS
 
 // The 8 x 8 coefficients of sub-chunk `sub` from the Gram products and gates, once a CTA, by two warps:
 // role 0 (M) and role 1 (Bq and the per-token factors).  Lane t % 8 of each finds token t's norm
-// factors; the others' come by shuffle.  Role 0: lane m < 8 solves column m of M (the other lanes
-// repeat the work of lane m % 8 and store nothing).  Role 1: lane t < 8 builds column t of scale *
-// Bq, lane 8 + j the factors w_j, cp_j, cq_j.
+// factors; the others' come by shuffle.  Role 0: the lanes form the entries of -L at once, then lane
+// m < 8 solves column m of M (the other lanes repeat the work of lane m % 8 and store nothing).  Role
+// 1: lane t < 8 builds column t of scale * Bq, lane 8 + j the factors w_j, cp_j, cq_j.  A store to cf
+// holds back every later shared-memory read (the compiler cannot tell them apart), so each role reads
+// what it needs before its first store (B*H = 8192, K = V = 128, T = 16, "kv": 542.2 against 553.2
+// us in the forward sweep when each row's store came before the next row's reads; design.md).
 template <int K, int SLAB, bool SEPARATE_P, int SUBS>
 __device__ __forceinline__ void chunk_coefficients(ChunkCoefficients& cf, const MmaStage<K, SLAB, SEPARATE_P, SUBS>& st,
                                                    int sub, const Params& prm, float scale, int role, int lane) {
@@ -497,7 +501,7 @@ __device__ __forceinline__ void chunk_coefficients(ChunkCoefficients& cf, const 
         for (int i = 0; i < C; ++i) G *= i <= t ? e[i] : 1.f;
         if (lane < C) {  // column t of scale * Bq: r(j, t) fk_j fq_t (k_j . q_t) for j <= t
             const float sq = scale * fq;
-            float dot[C];
+            float dot[C];  // read before the stores below
 #pragma unroll
             for (int j = 0; j < C; ++j) dot[j] = st.dot(gk, 8 + t, j);  // k_j . q_t, used for j <= t
             float r = 1.f;  // r(j, t), built from j = t down

@@ -80,12 +80,13 @@ def test_every_decode_tiling(layout, K, V, comba, gate, l2norm):
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
-@pytest.mark.parametrize("K,V", [(64, 128), (128, 128), (128, 96)])
+@pytest.mark.parametrize("K,V", [(64, 128), (128, 128), (128, 96), (64, 256)])
 @pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
 @pytest.mark.parametrize("T,initial", [(4, True), (6, True), (13, True), (37, True), (3, False), (1, False)],
                          ids=["T4", "T6", "T13", "T37", "T3-zero-state", "T1-zero-state"])
 def test_every_forward_tiling(layout, K, V, comba, T, initial):
-    """Each tiling's T-token build (the one forward passes run), from a state or from zeros."""
+    """Each tiling's T-token build (the one forward passes run), from a state or from zeros; V = 256 at
+    K = 64 runs the 128-column slabs two to a head."""
     B, H, Hk = 9, 4, 2
     q, k, v, p, beta, g, S = forward_inputs(B, T, H, K, V, Hk=Hk, state_layout=layout, seed=K + V + T,
                                             dtype=bfloat16, xp=cupy)
