@@ -457,6 +457,7 @@ __device__ __forceinline__ void chunk_coefficients(ChunkCoefficients& cf, const 
         fq = rsqrtf(st.dot(gram_slot<SUBS>(kGramQ, sub), 8 + t, t) + kL2NormEps);
     }
     const float* beta = st.beta + C * sub;
+    // fkj is role 1's, shuffled here before the roles part: formed inside role 1 it made three builds spill
     float e[C], fkj[C];
 #pragma unroll
     for (int j = 0; j < C; ++j) {
