@@ -206,8 +206,8 @@ def launch(layout, variant, heads, K, V, separate_p, multi, device, f32_keys=Fal
                          f"expected one of {variants(layout, K, V, multi)}")
     if variant.endswith(("tc", "tc16")):
         slab, chunk = _mma_geometry(variant)
-        if f32_keys:  # the wide slab has no 8-token build: its CTA is two 64-column ones
-            slab, chunk = 64 if slab == MMA_WIDE_SLAB else slab, 8
+        if f32_keys:  # 8-token chunks; a slab with no 8-token build (the wide one) runs as 64-column ones
+            slab, chunk = slab if (K, slab, 8) in MMA_BUILDS else 64, 8
         name = f"comba::delta_rule_mma<{K}, {slab}, {_flag(separate_p)}, {_flag(layout == 'vk')}, {chunk // 8}>"
         kernel, smem = get_kernel("delta_rule_mma", name, device), mma_stage_bytes(K, slab, separate_p, chunk)
         if kernel.max_dynamic_shared_size_bytes < smem:
