@@ -64,7 +64,7 @@ def mma_stage_bytes(K, slab, separate_p, chunk):
     part = slab // 16 * ks * 2 * subs * 32 * 16
     gram = ks * (4 if subs == 1 else 9) * 32 * 16
     coefficients = -(-(3 * 64 + 3 * 8 + 1) * 4 // 16) * 16  # ChunkCoefficients, 16-byte aligned
-    rest = chunk * slab * 4 + 2 * chunk * 4 + subs * coefficients  # v, e and beta, coefficients
+    rest = chunk * (slab + 4) * 4 + 2 * chunk * 4 + subs * coefficients  # v (padded rows), e and beta, coefficients
     total = fragments + -(-ring // 16) * 16 + part + gram + rest
     return -(-total // 16) * 16
 

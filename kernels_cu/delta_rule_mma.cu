@@ -180,15 +180,16 @@ struct MmaShape {
     static constexpr int MIN_CTAS = NT >= 256 ? 2 : 384 / NT;
 };
 
-// Where the write fragment of lane (g, j) is kept in its row of MmaStage::kw: swizzled so that the
-// threads staging consecutive keys of one token spread over more banks.
+// Where the write fragment of lane (g, j) is kept in its row of MmaStage::kw (before the row's own
+// swizzle, MmaStage::kw): lanes g and g + 4 on different banks.
 __device__ __forceinline__ int kw_lane(int g, int j) { return 4 * g + (j ^ ((g >> 1) & 3)); }
 
-// Read fragments of k-step n are kept at lane ^ x_swizzle(n) of their row of MmaStage::x: the 8
-// threads of one 16-byte store phase of the whole fragments (4 k-steps x 2 lanes) then hit 8
-// different bank groups.  (Chosen for those; the 8-byte hi-only stores of 16-bit inputs were not
-// tuned separately.)
-__device__ __forceinline__ int x_swizzle(int n) { return (n & 1) | ((n & 2) << 1); }
+// Read fragments of k-step n are kept at lane ^ x_swizzle(n) of their row of MmaStage::x.  A warp
+// staging one token (K = 128; two at K = 64) stores the 8-byte fragments of 16 k-steps, two lanes
+// of each: x_swizzle spreads its 32 stores over every bank, two wavefronts -- the least 256 bytes
+// take.  (With (n & 1) | ((n & 2) << 1) they took four.)  The readers, one row at a time, read
+// every lane of it: conflict-free under any permutation.
+__device__ __forceinline__ int x_swizzle(int n) { return (n & 1) | ((n & 14) << 1); }
 
 // The 8 x 8 coefficients of a chunk (the header's M, Bq, ...), one copy a CTA.
 struct alignas(16) ChunkCoefficients {
@@ -289,7 +290,10 @@ struct MmaStage {
     MmaRing<K, SLAB, SEPARATE_P, SUBS> ring;   // the fast path's copies
     float4 part[SLAB / 16][KS][2 * SUBS][32];  // per key part: the read's Rp, Rq of each sub-chunk
     float4 gram[KS][kGramSlots<SUBS>][32];     // per key part: the Gram products (gram_slot)
-    float v[C][SLAB];                          // v of the slab
+    // v of the slab, rows padded by 4 floats.  U's lanes read 8 bytes at v[2 lj][vl] (and 2 lj + 1),
+    // which shared memory serves half a warp at a time; the pad puts the four rows of a half 8 banks
+    // apart, so each half is one wavefront (two without a pad, at the same banks; Nsight Compute).
+    float v[C][SLAB + 4];
     float e[C], beta[C];
     ChunkCoefficients coef[SUBS];
 
@@ -305,13 +309,19 @@ struct MmaStage {
     __device__ __forceinline__ void set_x(int s, int n, int plane, int slot, float b0, float b1) {
         x_[s][n][plane][slot] = make_uint2(__float_as_uint(b0), __float_as_uint(b1));
     }
+    // Lane `slot`'s write fragment of state tile n, kept at slot ^ n of its row (n < 16): the warp
+    // staging a token stores one key of it to each of 16 rows at once, all at the same word of
+    // their slot, so without the row's swizzle the 32 stores fell on two banks (16 wavefronts each,
+    // 8 stores a thread; Nsight Compute put them at 15.8 M of the kernel's 25.3 M excess
+    // shared-memory wavefronts at B*H = 8192, T = 16).  With it: 16 banks, two wavefronts -- the
+    // least, as the one token's 32 values all go to the same word of their slots.
     template <bool EXACT>
     __device__ __forceinline__ uint4 kw(int s, int n, int slot) const {
-        return fragment<EXACT>(kw_[s][n][slot]);
+        return fragment<EXACT>(kw_[s][n][slot ^ n]);
     }
-    // Value x of B fragment register i (0 or 1) of kw[s][n][slot].
+    // Value x of B fragment register i (0 or 1) of kw(s, n, slot).
     __device__ __forceinline__ void set_kw(int s, int n, int slot, int i, float x) {
-        reinterpret_cast<unsigned*>(&kw_[s][n][slot])[i] = __float_as_uint(x);
+        reinterpret_cast<unsigned*>(&kw_[s][n][slot ^ n])[i] = __float_as_uint(x);
     }
 
     // Entry (r, c) of the Gram product in slot j, summed over the key parts: lane 4 (r % 8) + c / 2
@@ -849,8 +859,8 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
                 const float(&rq)[4] = r[2 * s + 1];
                 unsigned yh[4], yl[4], mb[4], bb[4], uh[4], ul[4];
                 {
-                    const float(&sva)[SLAB] = st.v[CS * s + ta];
-                    const float(&svb)[SLAB] = st.v[CS * s + tb];
+                    const float* sva = st.v[CS * s + ta];
+                    const float* svb = st.v[CS * s + tb];
                     const float y[4] = {sva[vl] - cf.cp[ta] * rp[0], svb[vl] - cf.cp[tb] * rp[1],
                                         sva[vl + 1] - cf.cp[ta] * rp[2], svb[vl + 1] - cf.cp[tb] * rp[3]};
                     a_operand(y, yh, yl);
