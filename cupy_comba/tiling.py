@@ -90,10 +90,12 @@ CHUNKED_FEW_HEADS_T = range(3, 5)
 
 #: "vk" T-token passes at K = 128 over more than MMA_MAX_HEADS heads run the chunked kernel for
 #: this many tokens, ahead of the tensor-core kernel (bench-h200-forward-vkchunked.json, B*H = 8192:
-#: T = 2 / 4 / 8 in 272.2 / 276.9 / 421.6 us against 427.7 us for the tensor-core kernel at T = 8;
-#: from T = 9 its 16-token passes lead, T = 9 / 12 in 556.9 / 564.7 against 565.6 / 591.2 us; over 256
-#: heads the two are within 2 % at T = 9-12).
-VK_CHUNKED_MANY_HEADS_T = range(2, 9)
+#: T = 2 / 4 in 272.2 / 276.9 us; from T = 9 the 16-token passes lead, T = 9 / 12 in 556.9 / 564.7
+#: against 565.6 / 591.2 us; over 256 heads the two are within 2 % at T = 9-12).  Since the ninth
+#: session's bank-conflict fix the 8-token tensor-core passes take T = 8 (bench-h200-forward-vk5to8.json,
+#: B*H = 8192: 406.5 against 419.3 us), tie at T = 6-7 (408.4 / 408.6 against 405.5 / 409.3 us) and
+#: trail at T = 5 (406.2 against 391.0 us).
+VK_CHUNKED_MANY_HEADS_T = range(2, 8)
 
 #: T-token passes of at least MMA_MIN_T tokens run the tensor-core kernel, in either layout, over at
 #: most MMA_MAX_HEADS heads (B*H) and, when V is a multiple of 64, over more.  With few heads the GPU
@@ -155,7 +157,7 @@ def choose(layout, K, V, separate_p, multi=False, T=1, heads=None):
     T-token passes (``multi``; ``heads`` = B*H, None means many), first rule that applies:
 
     * vk at K = 128: the chunked kernel, 64-row slabs, for :data:`CHUNKED_T` tokens (2 to 4) over
-      at most :data:`MMA_MAX_HEADS` heads and :data:`VK_CHUNKED_MANY_HEADS_T` (2 to 8) over more;
+      at most :data:`MMA_MAX_HEADS` heads and :data:`VK_CHUNKED_MANY_HEADS_T` (2 to 7) over more;
       32-row slabs for :data:`CHUNKED_FEW_HEADS_T` (3, 4) when V is not a multiple of 64.
     * Either layout: the tensor-core kernel from :data:`MMA_MIN_T` tokens (vk at K = 64 from
       :data:`VK64_MMA_MIN_T`) over at most :data:`MMA_MAX_HEADS` heads, and over more when V is a

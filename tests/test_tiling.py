@@ -11,9 +11,19 @@ def test_sixteen_token_passes_where_fewer_passes_cost_less(layout, K):
     heads = 8192
     sixteen = {T for T in range(5, 80) if tiling.choose(layout, K, 128, False, True, T, heads).endswith("tc16")}
     expected = set(range(9, 17)) | set(range(25, 33)) | set(range(41, 80))
-    if layout == "vk" and K == tiling.VK_CHUNKED_K:  # the chunked vk kernel up to T = 8
+    if layout == "vk" and K == tiling.VK_CHUNKED_K:  # the chunked vk kernel up to T = 7
         expected -= set(tiling.VK_CHUNKED_MANY_HEADS_T)
     assert sixteen == expected
+
+
+@pytest.mark.parametrize("heads", [129, 8192, None])
+def test_vk_chunked_kernel_to_seven_tokens_over_many_heads(heads):
+    """vk at K = 128 over many heads: the chunked kernel for T = 2 to 7, 8-token tensor-core passes at T = 8."""
+    for T in range(2, 8):
+        assert tiling.choose("vk", 128, 128, False, True, T, heads) == "vk64c4", T
+    assert tiling.choose("vk", 128, 128, False, True, 8, heads) == "vk64tc"
+    assert tiling.choose("vk", 128, 128, True, True, 8, heads) == "vk64tc"
+    assert tiling.choose("vk", 128, 128, False, True, 9, heads) == "vk64tc16"
 
 
 @pytest.mark.parametrize("heads,K,slab", [(16, 128, 32), (32, 128, 32), (64, 128, 64), (16, 64, 64)])
