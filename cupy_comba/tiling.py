@@ -137,11 +137,11 @@ MMA16_COST, MMA8_COST = 5, 3
 
 # At K = 64 with V a multiple of 128, the 16-token passes take the wide slab (``{layout}128tc16``, one
 # 256-thread CTA a V = 128 head, which stages and solves each chunk once where two 64-column CTAs each
-# did) over more than MMA_MAX_HEADS heads (bench-h200-forward-widek64.json, kv: 254.2 against 281.6 us
-# at T = 16 and 5006.0 against 5821.9 us at T = 512 over 8192 heads; 10.0 against 13.7 and 165.3
-# against 257.6 us over 256; vk alike).  Over 128 heads the two tie (T = 512: 117.4 against 117.4 us
-# kv, 116.6 against 115.3 us vk; 122.9 against 118.7 us kv in the seventh session's run); over 16
-# heads, half the CTAs cost 14-26 % (T = 512: 120.8 against 97.8 us).
+# did) over more than MMA_MAX_HEADS heads (bench-h200-forward-widek64.json, ninth session, kv: 246.8
+# against 270.9 us at T = 16 and 4762.9 against 5469.2 us at T = 512 over 8192 heads; 9.5 against 13.1
+# and 162.0 against 243.5 us over 256; vk alike).  Over 128 heads the two tie (T = 512: 112.9 against
+# 112.4 us kv, 113.1 against 110.9 us vk; 122.9 against 118.7 us kv in the seventh session's run); over
+# 16 heads, half the CTAs cost 20-23 % (T = 512: 116.0 against 95.8 us kv).
 
 
 def choose(layout, K, V, separate_p, multi=False, T=1, heads=None):

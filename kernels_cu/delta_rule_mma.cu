@@ -75,9 +75,9 @@
 // the GPU waits on each token's latency and this kernel, 8 or 16 tokens a step, is the fastest from
 // T = 5 on; with many heads a pass costs about the same whatever its fill, and
 // cupy_comba.tiling.choose takes it there from T = 5, 16 tokens a pass where fewer passes pay for
-// their cost (1.7 passes of 8).  B*H = 8192, K = V = 128, T = 16: 542.2 us "kv", 551.7 us "vk", x2.07
-// of the decode step, against 980 us for the token loop; at K = 64, 128-column slabs: 254.2 us "kv",
-// 253.1 us "vk" (x1.92, x1.87), against 281.6 / 282.0 us in 64-column slabs.  In-kernel clocks
+// their cost (1.7 passes of 8).  B*H = 8192, K = V = 128, T = 16: 512.4 us "kv", 511.6 us "vk", x1.96
+// and x1.92 of the decode step, against 980 us for the token loop; at K = 64, 128-column slabs:
+// 246.8 us "kv", 251.7 us "vk" (x1.86), against 270.9 / 270.5 us in 64-column slabs.  In-kernel clocks
 // (16-token passes, sixth session, before the kv loads of 4 bytes and the solve's reads ahead of its
 // stores; medians, cycles) put a CTA at 16400, two CTAs an SM: setup and staging 6600 (4300 without
 // the state), the read 2300, the Gram products 950, the solve 1750, U, O and the write 3300, the
