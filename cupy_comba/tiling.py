@@ -111,9 +111,13 @@ MMA_MAX_HEADS = 128
 
 #: The vk layout at K = 64 (no chunked vk kernel) runs the tensor-core kernel from this many tokens:
 #: T = 4 in 225.6 against 246.7 us for the token loop at B*H = 8192, 6.3 against 8.6 us over 128
-#: heads, 11.0 against 10.9 us over 256; at T = 3 the token loop leads, 214.1 against 225.6 us
-#: (-lowT.json, -smallT.json).
+#: heads, 11.0 against 10.9 us over 256; at T = 3 the token loop leads over many heads, 214.1 against
+#: 225.6 us at 8192 and 9.2 against 11.3 us at 256 (-lowT.json, -smallT.json).  Over at most
+#: MMA_MAX_HEADS heads it runs from T = 3 (VK64_MMA_MIN_T_FEW; ninth session, -fewT2to5.json: 4.6
+#: against 6.2 us for the token loop over 16 heads, 6.3 against 7.2 us over 128); at T = 2 the two
+#: are within 0.3 us over 16 heads and the token loop leads over 128 (5.7 against 6.4 us).
 VK64_MMA_MIN_T = 4
+VK64_MMA_MIN_T_FEW = 3
 
 #: Over at most MMA_NARROW_MAX_HEADS heads the tensor-core kernel takes 32-column slabs at K = 128, twice
 #: the CTAs on a GPU those heads leave mostly idle (bench-h200-forward-small.json, K = 128, T = 512: 136.1
@@ -160,8 +164,9 @@ def choose(layout, K, V, separate_p, multi=False, T=1, heads=None):
       at most :data:`MMA_MAX_HEADS` heads and :data:`VK_CHUNKED_MANY_HEADS_T` (2 to 7) over more;
       32-row slabs for :data:`CHUNKED_FEW_HEADS_T` (3, 4) when V is not a multiple of 64.
     * Either layout: the tensor-core kernel from :data:`MMA_MIN_T` tokens (vk at K = 64 from
-      :data:`VK64_MMA_MIN_T`) over at most :data:`MMA_MAX_HEADS` heads, and over more when V is a
-      multiple of 64; 32-column slabs at K = 128 over at most :data:`MMA_NARROW_MAX_HEADS` heads,
+      :data:`VK64_MMA_MIN_T`, from :data:`VK64_MMA_MIN_T_FEW` over at most :data:`MMA_MAX_HEADS`
+      heads) over at most :data:`MMA_MAX_HEADS` heads, and over more when V is a multiple of 64;
+      32-column slabs at K = 128 over at most :data:`MMA_NARROW_MAX_HEADS` heads,
       and whenever V is not a multiple of 64; 16 tokens a pass (``...tc16``) where fewer passes of
       16 cost less (:data:`MMA16_COST`): T = 9-16, 25-32 and from 41 on; those at K = 64 over more
       than :data:`MMA_MAX_HEADS` heads with 128-column slabs when V allows (:data:`MMA_WIDE_SLAB`).
@@ -174,7 +179,9 @@ def choose(layout, K, V, separate_p, multi=False, T=1, heads=None):
     if multi and layout == "vk" and K == VK_CHUNKED_K:
         if T in ((CHUNKED_T if few else VK_CHUNKED_MANY_HEADS_T) if wide else CHUNKED_FEW_HEADS_T):
             return "vk64c4" if wide else "vk32c4"
-    mma_min_t = VK64_MMA_MIN_T if layout == "vk" and K == 64 else MMA_MIN_T
+    mma_min_t = MMA_MIN_T
+    if layout == "vk" and K == 64:
+        mma_min_t = VK64_MMA_MIN_T_FEW if few else VK64_MMA_MIN_T
     if multi and T >= mma_min_t and (few or wide):
         narrow = not wide or (few and heads <= MMA_NARROW_MAX_HEADS and K == 128)
         sixteen = -(-T // 16) * MMA16_COST < -(-T // 8) * MMA8_COST

@@ -57,7 +57,7 @@ def test_every_module_also_builds_for_pre_hopper_gpus(arch):
 def test_the_chosen_tiling_can_run_every_supported_v(layout, K, multi):
     for V in range(32, 257, 32):
         for separate_p in (True, False):
-            for T in (1, 2, 4, 5, 8, 9, 64):
+            for T in (1, 2, 3, 4, 5, 8, 9, 64):
                 for heads in (None, 1, 16, 1024):
                     variant = tiling.choose(layout, K, V, separate_p, multi, T, heads)
                     assert variant in tiling.variants(layout, K, V, multi), (V, separate_p, T, heads, variant)

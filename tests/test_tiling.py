@@ -54,3 +54,14 @@ def test_mma_variant_names():
     assert "vk128tc16" in tiling.variants("vk", 64, 256, multi=True)
     assert not any("128tc" in v for layout, K, V in (("kv", 128, 128), ("vk", 128, 256), ("kv", 64, 192))
                    for v in tiling.variants(layout, K, V, multi=True))
+
+
+@pytest.mark.parametrize("V,loop,tc", [(128, "vk16x2", "vk64tc"), (96, "vk8x2", "vk32tc")])
+def test_vk_k64_tensor_core_from_three_tokens_over_few_heads(V, loop, tc):
+    """vk at K = 64: the tensor-core kernel from T = 3 over at most 128 heads, from T = 4 over more (V a
+    multiple of 64; otherwise the token loop there)."""
+    for heads in (16, 128):
+        assert [tiling.choose("vk", 64, V, False, True, T, heads) for T in (2, 3, 4)] == [loop, tc, tc], heads
+    many = tc if V % 64 == 0 else loop
+    for heads in (129, 8192, None):
+        assert [tiling.choose("vk", 64, V, False, True, T, heads) for T in (2, 3, 4)] == [loop, loop, many], heads
