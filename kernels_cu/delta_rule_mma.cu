@@ -292,7 +292,7 @@ struct MmaStage {
     float4 gram[KS][kGramSlots<SUBS>][32];     // per key part: the Gram products (gram_slot)
     // v of the slab, rows padded by 4 floats.  U's lanes read 8 bytes at v[2 lj][vl] (and 2 lj + 1),
     // which shared memory serves half a warp at a time; the pad puts the four rows of a half 8 banks
-    // apart, so each half is one wavefront (two without a pad, at the same banks; Nsight Compute).
+    // apart, so each half is one wavefront (Nsight Compute: four without a pad, two with 8 floats).
     float v[C][SLAB + 4];
     float e[C], beta[C];
     ChunkCoefficients coef[SUBS];
