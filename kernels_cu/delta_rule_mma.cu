@@ -181,7 +181,9 @@ struct MmaShape {
 };
 
 // Where the write fragment of lane (g, j) is kept in its row of MmaStage::kw (before the row's own
-// swizzle, MmaStage::kw): lanes g and g + 4 on different banks.
+// swizzle, MmaStage::kw): lanes g and g + 4 on different banks.  Since the row swizzle the XOR here
+// no longer changes the staging's wavefronts (two a store either way, by the count in MmaStage::kw);
+// it stays until a GPU run checks the build without it.
 __device__ __forceinline__ int kw_lane(int g, int j) { return 4 * g + (j ^ ((g >> 1) & 3)); }
 
 // Read fragments of k-step n are kept at lane ^ x_swizzle(n) of their row of MmaStage::x.  A warp
