@@ -6,7 +6,7 @@ Default shapes 1,1,64,32 (B*H = 1: the GPU work of a call, ~2 us, stays far belo
 so the GPU never holds the host back) and 8,16,128,128 (B*H = 128), bf16, preallocated outputs.
 Each row is one piece of work repeated back to back (median of 5 bursts of 4000): the public
 calls (with the same arrays every call, and with fresh activations: 8 sets of q, k, v, p, beta,
-g taken in turn, so the pointers change every call), the launch floors (the plan's Launch as the
+g taken in turn, so the pointers change every call), the launch floors (the plan's Launcher as the
 op uses it -- a one-node graph replayed, with the same pointers and with new ones every call --,
 its kernel through cuLaunchKernel, CuPy's RawKernel call of the same kernel and arguments, the
 CUDA driver launching an empty kernel with a 336-byte and with an 8-byte argument), the pieces of
@@ -21,10 +21,9 @@ import sys
 import cupy
 
 from cupy_comba import bfloat16, comba_decode_step, gated_delta_decode_step
-from cupy_comba._checks import check_overlaps
+from cupy_comba._plan import PLANS, _check_overlaps
 from cupy_comba.bench import host_overhead, parse_shapes
 from cupy_comba.inputs import decode_inputs
-from cupy_comba.recurrent import _PLANS
 
 EMPTY = r"""
 struct Big { long long x[42]; };
@@ -48,16 +47,17 @@ def report(shape):
     state, q, k, v, p, beta, g = args = decode_inputs(B, H, K, V, xp=cupy, seed=0, warm_steps=1)
     out, state_out = cupy.empty((B, H, V), bfloat16), cupy.empty_like(state)
     arrays = (q, k, v, p, beta, g, state, out, state_out)
-    _PLANS.clear()
+    PLANS.clear()
     comba_decode_step(*args, out=out, state_out=state_out)  # the one plan, under the key the op built
-    ((key, plan),) = _PLANS.items()
+    ((key, plan),) = PLANS.items()
     fresh = [decode_inputs(B, H, K, V, xp=cupy, seed=i + 1)[1:] for i in range(8)]
     turn = iter(range(1 << 62))
     pointers = tuple(a.data.ptr for a in arrays)
     kernel_ptrs = (state.data.ptr, state_out.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr, p.data.ptr,
                    beta.data.ptr, g.data.ptr, out.data.ptr)
     stream = cupy.cuda.get_current_stream().ptr
-    launch = plan.launch
+    device = plan.device
+    launch = plan.launcher
     swapped = (kernel_ptrs[1], kernel_ptrs[0]) + kernel_ptrs[2:]  # state and state_out trade places
     alternate = iter(range(1 << 62))
     raw_args = (state, state_out, q, k, v, p, beta, g, out, launch.params, launch.scale)
@@ -75,12 +75,12 @@ def report(shape):
         "comba_decode_step, fresh activations every call (8 sets in turn)":
             lambda: comba_decode_step(state, *fresh[next(turn) & 7], out=out, state_out=state_out),
         "comba_decode_step (allocating outputs)": lambda: comba_decode_step(*args),
-        "launch: the plan's Launch, same pointers (graph replay)": lambda: launch(kernel_ptrs, stream),
-        "launch: the plan's Launch, new pointers (node update + replay)":
-            lambda: launch(swapped if next(alternate) & 1 else kernel_ptrs, stream),
+        "launch: the plan's Launcher, same pointers (graph replay)": lambda: launch(kernel_ptrs, device),
+        "launch: the plan's Launcher, new pointers (node update + replay)":
+            lambda: launch(swapped if next(alternate) & 1 else kernel_ptrs, device),
         "launch floor: the plan's kernel through cuLaunchKernel": lambda: launch._launch_kernel(stream),
         "launch floor: CuPy RawKernel call, same kernel and args":
-            lambda: launch.kernel(launch.grid, launch.block, raw_args),
+            lambda: launch.kernel((launch.grid,), (launch.block,), raw_args, shared_mem=launch.shared_bytes),
         "launch floor: driver launch of an empty 1-arg kernel":
             lambda: cupy.cuda.driver.launchKernel(empty.kernel.ptr, 1, 1, 1, 32, 1, 1, 0, stream,
                                                   ctypes.addressof(argv), 0),
@@ -89,8 +89,8 @@ def report(shape):
                                                   ctypes.addressof(argv_ptr), 0),
         "piece: shape, strides, dtype of 9 arrays": lambda: [(a.shape, a.strides, a.dtype) for a in arrays],
         "piece: data pointer and device of 9 arrays": lambda: [(a.data.ptr, a.data.device_id) for a in arrays],
-        "piece: plan cache hit": lambda: _PLANS.get(key),
-        "piece: check_overlaps": lambda: check_overlaps(pointers, plan.pairs),
+        "piece: plan cache hit": lambda: PLANS.get(key),
+        "piece: overlap check": lambda: _check_overlaps(pointers, plan.pairs),
         "piece: current stream handle": lambda: cupy.cuda.get_current_stream().ptr,
         "piece: is the stream capturing (cudaStreamIsCapturing)": lambda: cupy.cuda.runtime.streamIsCapturing(stream),
         "piece: current device (cudaGetDevice)": lambda: cupy.cuda.runtime.getDevice(),
@@ -101,9 +101,9 @@ def report(shape):
     for name, fn in rows.items():
         print(f"  {name:66s} {per_call_us(fn):6.2f} us", flush=True)
     # The whole Python path with the driver launch taken out: what the library adds to the launch.
-    plan.launch = lambda pointers, stream: None
+    plan.launcher = lambda pointers, device: None
     us = per_call_us(lambda: comba_decode_step(*args, out=out, state_out=state_out))
-    plan.launch = launch
+    plan.launcher = launch
     print(f"  {'comba_decode_step, the launch replaced by a no-op':66s} {us:6.2f} us", flush=True)
     # One step captured in a CUDA graph: bursts short enough that the GPU queue never fills.
     side = cupy.cuda.Stream(non_blocking=True)

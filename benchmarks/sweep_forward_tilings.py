@@ -13,7 +13,7 @@ import json
 
 import cupy
 
-from cupy_comba import bfloat16, recurrent, tiling
+from cupy_comba import bfloat16, families, gated_delta_forward, tiling
 from cupy_comba.bench import environment, measure_copy, time_graph
 from cupy_comba.inputs import forward_inputs
 
@@ -23,8 +23,8 @@ B, H, V = 512, 16, 128
 def forward_us(layout, T, K, variant, batch=B):
     q, k, v, _, beta, g, state = forward_inputs(batch, T, H, K, V, xp=cupy, state_layout=layout, warm_steps=1)
     out, state_out = cupy.empty((batch, T, H, V), bfloat16), cupy.empty_like(state)
-    return time_graph(lambda: recurrent._run(q, k, v, None, beta, g, None, state, True, out, state_out, None, layout,
-                                             "log", False, step=False, variant=variant), iters=10).median_us
+    return time_graph(lambda: gated_delta_forward(q, k, v, beta, g, initial_state=state, out=out, state_out=state_out,
+                                                  state_layout=layout, variant=variant), iters=10).median_us
 
 
 def main():
@@ -43,7 +43,7 @@ def main():
         for layout in args.layouts:
             for K in args.K:
                 base = forward_us(layout, 1, K, None, batch)  # T = 1 from a state runs the decode build
-                for variant in tiling.variants(layout, K, V, multi=True):
+                for variant in families.variants(layout, K, V, multi=True):
                     if args.variants is not None and variant not in args.variants:
                         continue
                     for T in args.T:

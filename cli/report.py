@@ -1,14 +1,12 @@
 """Text tables, info lines and the optional plot printed by the CLI."""
 
-import os
 import platform
-import time
 
 import numpy
 
-from cupy_comba import __version__
+from cupy_comba import __version__, families
 from cupy_comba._backend import cupy, gpu_available
-from cupy_comba._build import SPECIALISATIONS, get_kernel
+from cupy_comba import _build
 
 NO_GPU_NOTE = ("note: no CUDA device found -- running the NumPy backend (float64 reference on the CPU); "
                "timings are CPU timings, not kernel timings")
@@ -29,20 +27,29 @@ def _num(x, spec):
 def results_table(report):
     roof = report["roofline"]
     env = report["environment"]
+    gpu = env["backend"] == "cuda"
     where = env.get("gpu", "CPU (NumPy backend)")
-    head = (f"{where}: copy {roof['copy_gbps']:.0f} GB/s "
-            f"(memcpy {roof['memcpy_gbps']:.0f}, kernel {roof['kernel_gbps']:.0f}"
-            + (f", DRAM peak {roof['peak_gbps']:.0f}" if roof.get("peak_gbps") else "") + ")")
+    if gpu:
+        head = (f"{where}: copy {roof['copy_gbps']:.0f} GB/s (memcpy {roof['memcpy_gbps']:.0f}, kernel "
+                f"{roof['kernel_gbps']:.0f}" + (f", DRAM peak {roof['peak_gbps']:.0f}" if roof.get("peak_gbps") else "")
+                + ")")
+    else:
+        head = f"{where}: host memory copy {roof['copy_gbps']:.1f} GB/s; times are the float64 reference's"
     rows = []
     for r in report["results"]:
         shape = ",".join(str(v) for v in r["shape"].values())
+        dims = ",".join(r["shape"])
         errs = " ".join(f"{k}={v:.1e}" for k, v in r["errors"].items())
-        rows.append([r["op"], shape, r["dtype"], _num(r.get("us_median"), ".1f"), _num(r.get("us_min"), ".1f"),
-                     _num(r.get("us_max"), ".1f"), _num(r.get("us_eager"), ".1f"), _num(r.get("host_us"), ".1f"),
-                     _num(r.get("gbps"), ".0f"), _num(r.get("fraction_of_copy"), ".3f"), errs,
-                     "ok" if r["ok"] else "FAIL"])
-    headers = ["op", "B,H,K,V", "dtype", "us", "min", "max", "eager us", "host us", "GB/s", "x copy",
-               "rel. error", "check"]
+        row = [r["op"], f"{dims}={shape}", r["dtype"], _num(r.get("us_median"), ".1f")]
+        if gpu:
+            row += [_num(r.get("us_min"), ".1f"), _num(r.get("us_max"), ".1f"), _num(r.get("us_eager"), ".1f"),
+                    _num(r.get("host_us"), ".1f"), _num(r.get("gbps"), ".0f")]
+        row += [_num(r.get("fraction_of_copy"), ".3f"), errs, "ok" if r["ok"] else "FAIL"]
+        rows.append(row)
+    headers = ["op", "shape", "dtype", "us"]
+    if gpu:
+        headers += ["min", "max", "eager us", "host us", "GB/s"]
+    headers += ["x copy", "rel. error", "check"]
     return head + "\n" + _table(headers, rows)
 
 
@@ -65,43 +72,45 @@ def roofline_lines(roof):
         yield f"DRAM peak (clock x bus width): {roof.peak_gbps:.0f} GB/s; the copy reaches {share:.1%} of it"
 
 
-def _cache_dir():
-    return os.environ.get("CUPY_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cupy", "kernel_cache"))
-
-
 def info_lines():
+    """What ``cupy-comba info`` prints: versions, the GPUs, and the kernel specialisations."""
     import ml_dtypes
 
-    yield f"cupy_comba {__version__}, Python {platform.python_version()}, NumPy {numpy.__version__}, " \
-          f"ml_dtypes {ml_dtypes.__version__}"
+    yield f"cupy_comba {__version__}"
+    yield f"Python     {platform.python_version()}, NumPy {numpy.__version__}, ml_dtypes {ml_dtypes.__version__}"
     if cupy is None:
-        yield "CuPy: not installed (NumPy backend only)"
+        yield "CuPy       not installed (NumPy backend only)"
         return
-    yield f"CuPy {cupy.__version__}"
+    yield f"CuPy       {cupy.__version__}"
     try:
         from cupy_backends.cuda.libs import nvrtc
-        yield "NVRTC {}.{}".format(*nvrtc.getVersion())
+        yield "NVRTC      {}.{}".format(*nvrtc.getVersion())
     except Exception as err:  # NVRTC missing: kernels cannot be built
-        yield f"NVRTC: not available ({err})"
-    yield f"kernel cache: {_cache_dir()}"
-    yield "specialisations: " + "; ".join(f"{m}: {', '.join(e)}" for m, (_, e) in SPECIALISATIONS.items())
-    if not gpu_available():
-        yield "GPU: none visible (NumPy backend)"
-        return
-    rt = cupy.cuda.runtime
-    yield f"CUDA driver {rt.driverGetVersion()}, runtime {rt.runtimeGetVersion()}"
-    for i in range(rt.getDeviceCount()):
-        props = rt.getDeviceProperties(i)
-        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-        yield (f"GPU {i}: {name}, sm_{props['major']}{props['minor']}, {props['multiProcessorCount']} SMs, "
-               f"{props['totalGlobalMem'] / 2**30:.0f} GiB, L2 {props['l2CacheSize'] >> 20} MiB")
-    device = cupy.cuda.Device().id
-    for module, (_, expressions) in SPECIALISATIONS.items():
-        start = time.perf_counter()
-        for e in expressions:
-            get_kernel(module, e, device)
-        yield f"loaded {module} ({len(expressions)} kernels) on GPU {device} in {time.perf_counter() - start:.2f} s " \
-              "(well under a second means CuPy's disk cache served it)"
+        yield f"NVRTC      not available ({err})"
+    yield f"cache      {_build.cache_dir()}"
+    arch = None
+    if gpu_available():
+        rt = cupy.cuda.runtime
+        yield f"CUDA       driver {rt.driverGetVersion()}, runtime {rt.runtimeGetVersion()}"
+        for i in range(rt.getDeviceCount()):
+            props = rt.getDeviceProperties(i)
+            name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+            yield (f"GPU {i}      {name}, sm_{props['major']}{props['minor']}, {props['multiProcessorCount']} SMs, "
+                   f"{props['totalGlobalMem'] / 2**30:.0f} GiB, L2 {props['l2CacheSize'] >> 20} MiB")
+        arch = "sm_" + cupy.cuda.Device().compute_capability
+    else:
+        yield "GPU        none visible (NumPy backend)"
+    yield ""
+    specs = families.specialisations()
+    where = f"compiled: for {arch} in this cache" if arch else "no GPU, so none is compiled for one"
+    yield f"kernel specialisations ({where}; `cupy-comba precompile` builds them all):"
+    for source, expressions in specs.items():
+        built = sum(_build.is_built(source, e, arch) for e in expressions) if arch else None
+        count = f"{len(expressions):3d}" + ("" if built is None else f", {built:3d} compiled")
+        yield f"  {source:<18} {count}"
+    loaded = _build.loaded()
+    if loaded:
+        yield "loaded in this process: " + ", ".join(e for _, e, _ in loaded)
 
 
 def plot_fractions(report, path):

@@ -15,11 +15,11 @@ if (_checkout / "kernels_cu" / "__init__.py").is_file() and not (_Path(__file__)
 
 from ._backend import gpu_available  # noqa: E402
 from ._dtypes import bfloat16  # noqa: E402
-from .comba import comba_decode_step  # noqa: E402
-from .recurrent import comba_forward, gated_delta_decode_step, gated_delta_forward  # noqa: E402
-from . import reference  # noqa: E402
+from .decode import comba_decode_step, gated_delta_decode_step  # noqa: E402
+from .forward import comba_forward, gated_delta_forward  # noqa: E402
+from . import families, reference, tiling  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = ["comba_decode_step", "gated_delta_decode_step", "comba_forward", "gated_delta_forward", "reference",
-           "bfloat16", "gpu_available", "__version__"]
+           "families", "tiling", "bfloat16", "gpu_available", "__version__"]

@@ -1,94 +1,35 @@
-"""Build and cache the CUDA kernels.
+"""Compile the kernels: one specialisation at a time, when a call first needs it, once per process.
 
-Every compiled variant is listed in :data:`SPECIALISATIONS`, the one place
-that says what exists.  A module is compiled by NVRTC through
-``cupy.RawModule`` the first time a kernel of it runs on a device, once per
-(device, module); CuPy's on-disk kernel cache makes later processes skip
-NVRTC entirely.
+Each specialisation (:func:`cupy_comba.families.specialisations` lists them) is its own
+``cupy.RawModule`` with one name expression, so a first call compiles only the kernel it runs
+(about a second) and CuPy's on-disk kernel cache serves it to every later process.  Threads that
+ask for the same specialisation at once wait for one compile and share one kernel object.
+:func:`precompile` builds them all for a device (``cupy-comba precompile``, for container images),
+and a marker file beside CuPy's cache records each one built, for ``cupy-comba info``.
 
-Sources live in ``kernels_cu/`` and are found with :mod:`importlib.resources`,
-so an installed wheel and a source checkout behave alike.  ``#include "x.cuh"``
-lines are expanded here rather than through an include path, so that CuPy's
-cache key (a hash of the source text) changes whenever a header does.
+Sources live in ``kernels_cu/`` and are found with :mod:`importlib.resources`, so an installed
+wheel and a source checkout behave alike.  ``#include "x.cuh"`` lines are expanded here rather
+than through an include path, so that CuPy's cache key (a hash of the source text) changes
+whenever a header does.
 """
 
 import functools
+import hashlib
+import os
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from typing import NamedTuple
 
 from ._backend import cupy
-
-#: Tilings of the delta-rule kernels (kernels_cu/delta_rule.cu): ``(COLS, RG)`` of
-#: ``delta_rule_kv`` -- a CTA is a COLS-column slab of one head, RG row groups -- and, per K,
-#: ``(R, NW)`` of ``delta_rule_vk`` -- NW warps, R state rows per lane.
-KV_TILINGS = ((64, 8), (64, 4), (32, 8), (32, 16))
-#: Tilings of ``delta_rule_kv_chunked`` (T-token passes, kChunk tokens per pass over the state):
-#: those whose state, 2 x kChunk column sums and staging fit the registers without spilling.
-KV_CHUNKED_TILINGS = ((64, 8), (32, 8))
-VK_TILINGS = {64: ((8, 2), (16, 2)), 128: ((16, 2), (16, 4))}
-#: Slabs of ``delta_rule_vk_chunked`` (T-token passes over a "vk" state, kChunk tokens per pass): a CTA
-#: is a slab of ROWS rows of V of one head, ROWS / 16 warps; built for K = VK_CHUNKED_K.
-VK_CHUNKED_ROWS = (64, 32)
-#: The head size ``delta_rule_vk_chunked`` is built for (8 lanes of 16 keys a row).
-VK_CHUNKED_K = 128
-#: Slabs of ``delta_rule_mma`` (kernels_cu/delta_rule_mma.cu, either layout): a CTA is a slab of
-#: SLAB value columns of one head, (SLAB / 16) x (K / 64) warps.
-MMA_SLABS = (64, 32)
-#: Tokens a pass of ``delta_rule_mma`` takes over the state: one or two sub-chunks of 8.
-MMA_CHUNKS = (8, 16)
-#: The wide slab of ``delta_rule_mma``, built at K = 64 with 16-token passes only: the same 256-thread
-#: CTA (8 warps) as a 64-column slab at K = 128, so that one CTA stages and solves each chunk of a
-#: V = 128 head, where two 64-column CTAs each do.  (8-token chunks do not divide among its threads.)
-MMA_WIDE_SLAB, MMA_WIDE_K = 128, 64
-#: The builds of ``delta_rule_mma``, (K, SLAB, tokens a pass), the one list that the specialisations
-#: below and ``tiling.variants`` both read.
-MMA_BUILDS = tuple((K, slab, chunk) for K in (64, 128) for slab in MMA_SLABS for chunk in MMA_CHUNKS) + (
-    (MMA_WIDE_K, MMA_WIDE_SLAB, 16),)
-
-
-def _flag(x):
-    return str(bool(x)).lower()
-
-
-#: module name -> (source file, kernel name expressions compiled from it)
-SPECIALISATIONS = {
-    "delta_rule_kv": (
-        "delta_rule.cu",
-        tuple(f"comba::delta_rule_kv<{K}, {c}, {r}, {_flag(sep)}, {_flag(multi)}>"
-              for K in (64, 128) for c, r in KV_TILINGS for sep in (True, False) for multi in (False, True)),
-    ),
-    "delta_rule_vk": (
-        "delta_rule.cu",
-        tuple(f"comba::delta_rule_vk<{K}, {r}, {w}, {_flag(sep)}, {_flag(multi)}>"
-              for K in (64, 128) for r, w in VK_TILINGS[K] for sep in (True, False) for multi in (False, True)),
-    ),
-    "delta_rule_kv_chunked": (
-        "delta_rule.cu",
-        tuple(f"comba::delta_rule_kv_chunked<{K}, {c}, {r}, {_flag(sep)}>"
-              for K in (64, 128) for c, r in KV_CHUNKED_TILINGS for sep in (True, False)),
-    ),
-    "delta_rule_vk_chunked": (
-        "delta_rule.cu",
-        tuple(f"comba::delta_rule_vk_chunked<{VK_CHUNKED_K}, {r}, {_flag(sep)}>" for r in VK_CHUNKED_ROWS
-              for sep in (True, False)),
-    ),
-    "delta_rule_mma": (
-        "delta_rule_mma.cu",
-        tuple(f"comba::delta_rule_mma<{K}, {slab}, {_flag(sep)}, {_flag(vk)}, {chunk // 8}>"
-              for K, slab, chunk in MMA_BUILDS for sep in (True, False) for vk in (False, True)),
-    ),
-    "copy": ("copy.cu", ("comba::copy_float4",)),
-}
-
-#: Head sizes K every kernel family is specialised for.
-SUPPORTED_K = (64, 128)
 
 NVRTC_OPTIONS = ("--std=c++17",)
 
 _INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)
 
 
+@functools.cache
 def kernel_source(filename):
     """The full text of ``kernels_cu/<filename>`` with local includes expanded once."""
     root = resources.files("cupy_comba.kernels_cu")
@@ -104,61 +45,129 @@ def kernel_source(filename):
     return _INCLUDE.sub(expand, (root / filename).read_text())
 
 
-@functools.cache
-def _module(name):
-    filename, expressions = SPECIALISATIONS[name]
-    # RawModule compiles lazily and keeps one binary per device.
-    return cupy.RawModule(code=kernel_source(filename), options=NVRTC_OPTIONS, name_expressions=list(expressions))
+# -- kernels on a device ------------------------------------------------------------------------
+
+_kernels = {}                # (source, expression, device) -> cupy.RawKernel
+_modules = {}                # (source, expression) -> cupy.RawModule
+_locks = {}                  # (source, expression) -> the lock its first compile holds
+_locks_guard = threading.Lock()
 
 
-_kernels = {}
+def get_kernel(source, expression, device):
+    """The compiled kernel ``expression`` of ``kernels_cu/<source>`` on device ``device``.
 
-
-def get_kernel(module, expression, device_id):
-    """The compiled kernel ``expression`` of ``module`` on device ``device_id``.
-
-    The caller must already have ``device_id`` current (RawModule loads its
-    binary for the current device).
+    Compiles (or loads from CuPy's disk cache) on first use; ``device`` is made current for the
+    load.  Safe to call from several threads at once.
     """
-    key = (module, expression, device_id)
+    key = (source, expression, device)
     fn = _kernels.get(key)
-    if fn is None:
-        fn = _kernels[key] = _module(module).get_function(expression)
+    if fn is not None:
+        return fn
+    with _locks_guard:
+        lock = _locks.setdefault(key[:2], threading.Lock())
+    with lock:
+        fn = _kernels.get(key)
+        if fn is None:
+            module = _modules.get(key[:2])
+            if module is None:
+                module = _modules[key[:2]] = cupy.RawModule(code=kernel_source(source), options=NVRTC_OPTIONS,
+                                                             name_expressions=[expression])
+            with cupy.cuda.Device(device):
+                fn = module.get_function(expression)
+                fn.attributes  # noqa: B018 - loads the binary now, inside the lock
+            _mark_built(source, expression, device)
+            _kernels[key] = fn
     return fn
 
+
+def loaded():
+    """``(source, expression, device)`` of every kernel loaded in this process."""
+    return sorted(_kernels)
+
+
+# -- what the disk cache holds --------------------------------------------------------------------
+
+def cache_dir():
+    """CuPy's kernel cache directory (``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``)."""
+    return os.environ.get("CUPY_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cupy", "kernel_cache"))
+
+
+def _marker(source, expression, arch):
+    digest = hashlib.sha256("\0".join((kernel_source(source), *NVRTC_OPTIONS, expression, arch)).encode()).hexdigest()
+    return os.path.join(cache_dir(), "cupy_comba", f"{digest[:32]}.{arch}")
+
+
+def _arch(device):
+    return "sm_" + cupy.cuda.Device(device).compute_capability
+
+
+def _mark_built(source, expression, device):
+    path = _marker(source, expression, _arch(device))
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "a").close()
+    except OSError:  # a read-only cache: CuPy reads it, nothing to record
+        pass
+
+
+def is_built(source, expression, arch):
+    """Whether this source of ``expression`` was built for ``arch`` (``"sm_90"``) into this cache."""
+    return os.path.exists(_marker(source, expression, arch))
+
+
+def precompile(specialisations, device, *, jobs=None, progress=None):
+    """Build every ``(source, expression)`` of ``specialisations`` for ``device``, ``jobs`` at once.
+
+    NVRTC runs outside the GIL, so threads compile in parallel.  ``progress(source, expression)``
+    is called as each one finishes.
+    """
+    jobs = jobs or min(8, os.cpu_count() or 1)
+
+    def build(item):
+        with cupy.cuda.Device(device):
+            get_kernel(*item, device)
+        return item
+
+    with ThreadPoolExecutor(jobs) as pool:
+        for item in pool.map(build, specialisations):
+            if progress:
+                progress(*item)
+
+
+# -- builds without a GPU (tests) -----------------------------------------------------------------
 
 class Build(NamedTuple):
     """One kernel as NVRTC built it: its ptxas resource report and its PTX entry."""
 
     report: str  #: the ``--ptxas-options=-v`` lines of the kernel (registers, spills, stack)
-    ptx: str     #: the kernel's ``.entry`` in the module's PTX (up to the next entry)
+    ptx: str     #: the kernel's ``.entry`` in the PTX
 
 
-def compile_for_arch(module, arch="sm_90"):
-    """Compile every specialisation of ``module`` with NVRTC for ``arch``; no GPU needed.
-
-    Returns ``{expression: Build}``, so tests can check registers, spills and the
-    instructions a kernel's accesses became.
-    """
+def compile_for_arch(source, expressions, arch="sm_90", *, jobs=None):
+    """Compile each of ``expressions`` of ``kernels_cu/<source>`` with NVRTC for ``arch``, in
+    parallel; no GPU needed.  Returns ``{expression: Build}``."""
     from cupy_backends.cuda.libs import nvrtc
 
-    filename, expressions = SPECIALISATIONS[module]
-    prog = nvrtc.createProgram(kernel_source(filename), filename, (), ())
-    try:
-        for e in expressions:
-            nvrtc.addNameExpression(prog, e)
-        options = NVRTC_OPTIONS + (f"--gpu-architecture={arch}", "--ptxas-options=-v")
+    text = kernel_source(source)
+
+    def one(expression):
+        prog = nvrtc.createProgram(text, source, (), ())
         try:
-            nvrtc.compileProgram(prog, options)
-        except nvrtc.NVRTCError as err:
-            raise RuntimeError(f"NVRTC failed on {filename}:\n{nvrtc.getProgramLog(prog)}") from err
-        log = nvrtc.getProgramLog(prog)
-        ptx = nvrtc.getPTX(prog)
-        ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-        lowered = {e: nvrtc.getLoweredName(prog, e) for e in expressions}
-    finally:
-        nvrtc.destroyProgram(prog)
-    return {e: Build(_report_for(log, mangled), _entry_of(ptx, mangled)) for e, mangled in lowered.items()}
+            nvrtc.addNameExpression(prog, expression)
+            try:
+                nvrtc.compileProgram(prog, NVRTC_OPTIONS + (f"--gpu-architecture={arch}", "--ptxas-options=-v"))
+            except nvrtc.NVRTCError as err:
+                raise RuntimeError(f"NVRTC failed on {source} for {expression}:\n{nvrtc.getProgramLog(prog)}") from err
+            log = nvrtc.getProgramLog(prog)
+            ptx = nvrtc.getPTX(prog)
+            ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+            mangled = nvrtc.getLoweredName(prog, expression)
+        finally:
+            nvrtc.destroyProgram(prog)
+        return expression, Build(_report_for(log, mangled), _entry_of(ptx, mangled))
+
+    with ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
+        return dict(pool.map(one, expressions))
 
 
 def _entry_of(ptx, mangled):

@@ -1,18 +1,15 @@
-"""Every kernel specialisation compiles with NVRTC for sm_90 (no GPU needed) without spills, its state
-accesses as wide as they are written."""
+"""Every kernel specialisation compiles with NVRTC (no GPU needed): for sm_90 without spills and with
+its state accesses as wide as they are written, and a spread of them for sm_80 and sm_89."""
 
 import re
 
 import pytest
 
-from cupy_comba import _build, tiling
+from cupy_comba import _build, families, tiling
 
+nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="CuPy (and its NVRTC) is not installed")
 
-def test_includes_are_expanded_once():
-    src = _build.kernel_source("delta_rule.cu")
-    assert "#include" not in src
-    assert src.count("unsigned short float_to_bf16_bits(") == 1   # common.cuh, once
-    assert src.count("struct Params {") == 1                      # params.cuh, once
+SPECIALISATIONS = families.specialisations()
 
 
 def _template_args(expression):
@@ -20,39 +17,75 @@ def _template_args(expression):
     return [x.strip() for x in expression[expression.index("<") + 1:-1].split(",")]
 
 
-@pytest.mark.parametrize("module", sorted(_build.SPECIALISATIONS))
-def test_nvrtc_compiles_every_specialisation_for_sm90(module):
-    builds = _build.compile_for_arch(module, "sm_90")
-    assert set(builds) == set(_build.SPECIALISATIONS[module][1])
+def test_includes_are_expanded_once():
+    src = _build.kernel_source("chunked.cu")
+    assert "#include" not in src
+    assert src.count("unsigned short float_to_bf16_bits(") == 1   # common.cuh, once
+    assert src.count("struct Params {") == 1                      # params.cuh, once (also included by kv_slab.cuh)
+    assert src.count("struct KvSlab {") == 1
+
+
+def test_the_registry_lists_every_build_once():
+    counts = {source: len(e) for source, e in SPECIALISATIONS.items()}
+    # token loop: 2 K x (4 kv + 2 vk tilings) x p or not x decode or T tokens; chunked: 2 K x 2 kv + 2 vk at
+    # K = 128, x p or not; tensor cores: 9 builds (K, slab, tokens) x p or not x layout
+    assert counts == {"token_loop.cu": 48, "chunked.cu": 12, "delta_rule_mma.cu": 36, "copy.cu": 1}
+    for source, expressions in SPECIALISATIONS.items():
+        assert len(set(expressions)) == len(expressions), source
+    reached = {families.kernel(t.layout, t.variant, K=t.K, separate_p=sep, multi=multi, f32_keys=f32).expression
+               for t in families.TILINGS for sep in (True, False) for multi in (False, True) for f32 in (False, True)
+               if multi or not t.passes_only}
+    assert reached == {e for s, exprs in SPECIALISATIONS.items() if s != "copy.cu" for e in exprs}
+
+
+@pytest.mark.parametrize("source", [s for s in SPECIALISATIONS if s != "copy.cu"])
+def test_nvrtc_compiles_every_specialisation_for_sm90(source):
+    builds = _build.compile_for_arch(source, SPECIALISATIONS[source], "sm_90")
     for expression, (report, ptx) in builds.items():
         spill = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
         regs = re.search(r"Used (\d+) registers", report)
         assert spill and regs, f"no resource report for {expression}:\n{report}"
         assert spill.groups() == ("0", "0", "0"), f"{expression} spills or uses a stack frame:\n{report}"
         assert int(regs.group(1)) <= 255
-        # Every 8- or 16-byte state load has a store of the same width: NVRTC had split the C++ float4 /
-        # float2 state stores into 4-byte ones (four times the L2 requests), which common.cuh's PTX
-        # stores prevent.
+        # Every 8- or 16-byte state load has a store of the same width: NVRTC splits C++ float4 / float2
+        # state stores into 4-byte ones (four times the L2 requests), which common.cuh's PTX stores prevent.
         loads = len(re.findall(r"ld\.global(?:\.nc)?\.v[24]\.f32", ptx))
         stores = len(re.findall(r"st\.global\.v[24]\.f32", ptx))
         assert stores >= loads, f"{expression}: {loads} vector loads, {stores} vector stores"
-        # The tensor-core kernel's kv build loads its state as 4-byte values (32 a lane): a lane's two
-        # values adjacent in memory sit in registers 0 and 2 of an mma.sync accumulator quad, and from
-        # 8-byte loads ptxas moved them over right after the loads, where every warp then waited for its
-        # whole state (design.md, "Tensor-core kernel").
-        if module == "delta_rule_mma" and _template_args(expression)[3] == "false":  # <K, SLAB, SEPARATE_P, VK, SUBS>
+        # The tensor-core kernel's kv build loads its state as 4-byte values (32 a lane) straight into
+        # the accumulator quads (docs/design.md, "Tensor-core kernel").
+        if source == "delta_rule_mma.cu" and _template_args(expression)[3] == "false":  # <K, SLAB, P, VK, SUBS>
             scalar = len(re.findall(r"ld\.global\.f32", ptx))
             assert scalar == 32 and loads == 0, f"{expression}: {scalar} scalar, {loads} vector state loads"
 
 
+def _pre_hopper_spread():
+    """Every flag combination of every family, at one tiling and K: the code that differs by arch is
+    the same for every tiling."""
+    picks = []
+    for source, expressions in SPECIALISATIONS.items():
+        seen = set()
+        for e in expressions:
+            args = _template_args(e) if "<" in e else []
+            family = e.split("<")[0]
+            flags = tuple(a for a in args if a in ("true", "false")) + ((args[-1],) if "mma" in family else ())
+            if (family, flags) not in seen:
+                seen.add((family, flags))
+                picks.append((source, e))
+    return picks
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89"])
-def test_every_module_also_builds_for_pre_hopper_gpus(arch):
-    for module in _build.SPECIALISATIONS:
-        assert set(_build.compile_for_arch(module, arch)) == set(_build.SPECIALISATIONS[module][1])
+def test_every_family_also_builds_for_pre_hopper_gpus(arch):
+    picks = _pre_hopper_spread()
+    assert len(picks) == 21  # 4 + 4 token loop, 2 + 2 chunked, 8 tensor cores, the copy
+    for source in SPECIALISATIONS:
+        expressions = [e for s, e in picks if s == source]
+        assert set(_build.compile_for_arch(source, expressions, arch)) == set(expressions)
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
-@pytest.mark.parametrize("K", _build.SUPPORTED_K)
+@pytest.mark.parametrize("K", families.SUPPORTED_K)
 @pytest.mark.parametrize("multi", [False, True], ids=["decode", "multi"])
 def test_the_chosen_tiling_can_run_every_supported_v(layout, K, multi):
     for V in range(32, 257, 32):
@@ -60,21 +93,19 @@ def test_the_chosen_tiling_can_run_every_supported_v(layout, K, multi):
             for T in (1, 2, 3, 4, 5, 8, 9, 64):
                 for heads in (None, 1, 16, 1024):
                     variant = tiling.choose(layout, K, V, separate_p, multi, T, heads)
-                    assert variant in tiling.variants(layout, K, V, multi), (V, separate_p, T, heads, variant)
+                    assert variant in families.variants(layout, K, V, multi), (V, separate_p, T, heads, variant)
 
 
 def test_mma_stage_bytes_is_the_struct_size():
-    """tiling.mma_stage_bytes (the tensor-core kernel's dynamic shared memory, passed at launch) equals
+    """families.mma_stage_bytes (the tensor-core kernel's dynamic shared memory, passed at launch) equals
     NVRTC's sizeof(MmaStage) for every specialisation: a smaller launch would run past the CTA's shared
     memory."""
-    from cupy_backends.cuda.libs import nvrtc
-
     checks = []
-    for expression in _build.SPECIALISATIONS["delta_rule_mma"][1]:
+    for expression in SPECIALISATIONS["delta_rule_mma.cu"]:
         K, slab, sep, _, subs = _template_args(expression)
-        n = tiling.mma_stage_bytes(int(K), int(slab), sep == "true", 8 * int(subs))
+        n = families.mma_stage_bytes(int(K), int(slab), sep == "true", 8 * int(subs))
         checks.append(f'static_assert(sizeof(comba::MmaStage<{K}, {slab}, {sep}, {subs}>) == {n}, "{expression}");')
-    assert len(checks) == 36  # 2 K x 2 slabs x 2 x 2 x 2 chunk lengths, and the wide slab's four
+    assert len(checks) == 36
     source = _build.kernel_source("delta_rule_mma.cu") + "\n" + "\n".join(checks) + "\n"
     prog = nvrtc.createProgram(source, "stage_bytes.cu", (), ())
     try:

@@ -50,6 +50,11 @@ def test_grouped_value_heads():
     S_ref, o_ref = reference.comba_step(*args)
     S, o = comba_decode_step(*args)
     assert reference.relative_error(S, S_ref) < 1e-6
+    assert reference.relative_error(o, o_ref) < 4e-3  # bf16 o
+    # and the grouping is real: each value head reads its own key head, not head 0's
+    _, o_first = reference.comba_step(args[0], *(a[:, :1].repeat(2, axis=1) for a in args[1:3]), args[3],
+                                      args[4][:, :1].repeat(2, axis=1), *args[5:])
+    assert reference.relative_error(o, o_first) > 0.1
 
 
 def test_explicit_scale():
@@ -71,11 +76,11 @@ def _replace(args, i, x):
     (0, (3, 4, 64), "state must be 4-D"),
     (1, (3, 4, 64, 1), "q must be 3-D"),
     (1, (3, 4, 32), r"q must have shape \(B, Hk, K\)"),
-    (2, (2, 4, 64), r"k must have shape \(B, Hk, K\)"),
+    (2, (2, 4, 64), r"k has batch B = 2 but q, p, v, beta, g, state have 3"),
     (3, (3, 4, 32), r"v must have shape \(B, H, V\)"),
     (4, (3, 4, 63), r"p must have shape"),
     (5, (3, 5), r"beta must have shape \(B, H\)"),
-    (6, (3,), r"g must have shape \(B, H\)"),
+    (6, (3,), r"g must be 2-D \(B, H\), got shape \(3,\)"),
 ], ids=["state-rank", "q-rank", "q-K", "k-B", "v-V", "p-K", "beta-H", "g-rank"])
 def test_shape_errors(i, shape, match):
     args = _inputs()

@@ -5,10 +5,9 @@ import itertools
 import numpy
 import pytest
 
-from cupy_comba import bfloat16, comba_decode_step, reference, tiling
+from cupy_comba import bfloat16, comba_decode_step, families, gated_delta_decode_step, reference
 from cupy_comba.inputs import decode_inputs, decode_token
-from cupy_comba._launch import graph_launches
-from cupy_comba.recurrent import _run
+from cupy_comba._launcher import graph_launches
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -22,10 +21,15 @@ def _gpu_inputs(B, H, K, V, seed=0, **kw):
     return list(decode_inputs(B, H, K, V, xp=cupy, seed=seed, **kw))
 
 
+KV_VARIANTS = tuple(f"kv{c}x{r}" for c, r in families.KV_TILINGS)
+
+
 def _decode_step(state, q, k, v, p, beta, g, scale, out, state_out, o_dtype, variant, layout="kv", comba=True):
-    """The op's own path with the tiling forced (None: the op's choice)."""
-    return _run(q, k, v, p if comba else None, beta, g, scale, state, True, out, state_out, o_dtype, layout, "log",
-                False, step=True, variant=variant)
+    """The op with the tiling forced (None: the op's choice)."""
+    opts = dict(out=out, state_out=state_out, o_dtype=o_dtype, state_layout=layout, variant=variant)
+    if comba:
+        return comba_decode_step(state, q, k, v, p, beta, g, scale, **opts)
+    return gated_delta_decode_step(state, q, k, v, beta, g, scale, **opts)
 
 
 def _run_poisoned(args, variant=None, o_dtype=None, **kw):
@@ -51,11 +55,11 @@ LARGE = [(600, 4, 128, 128), (257, 9, 64, 96), (100, 11, 64, 256), (301, 7, 128,
 
 
 @pytest.mark.parametrize("shape", SMALL + ODD + LARGE, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("variant", (None,) + tiling.KV_VARIANTS, ids=lambda v: v or "auto")
+@pytest.mark.parametrize("variant", (None,) + KV_VARIANTS, ids=lambda v: v or "auto")
 @pytest.mark.parametrize("dtype", [bfloat16, F16, F32], ids=lambda d: numpy.dtype(d).name)
 def test_matches_reference(shape, variant, dtype):
     args = _gpu_inputs(*shape, dtype=dtype, seed=sum(shape))
-    if variant is not None and variant not in tiling.variants("kv", shape[2], shape[3]):
+    if variant is not None and variant not in families.variants("kv", shape[2], shape[3]):
         with pytest.raises(ValueError, match="cannot run"):
             _run_poisoned(args, variant)
         return
@@ -66,7 +70,7 @@ def test_matches_reference(shape, variant, dtype):
 
 
 @pytest.mark.parametrize("H,Hk", [(8, 2), (16, 4), (6, 1)])
-@pytest.mark.parametrize("variant", tiling.variants("kv", 128, 64))
+@pytest.mark.parametrize("variant", families.variants("kv", 128, 64))
 def test_grouped_value_heads(H, Hk, variant):
     args = _gpu_inputs(300, H, 128, 64, Hk=Hk, seed=H)
     S, o = _run_poisoned(args, variant)
@@ -176,11 +180,12 @@ def test_runs_on_current_stream_and_in_a_cuda_graph():
     assert err_s <= STATE_TOL and err_o <= O_TOL[bfloat16]
 
 
-def _launch_of(args):
-    """The Launch of the plan a decode call with these arrays (and given outputs) runs."""
-    from cupy_comba.recurrent import _PLANS
-    return next(plan.launch for key, plan in _PLANS.items()
-                if key[0] == args[1].shape and key[18] == args[0].shape and key[21] is not None)
+def _launcher_of(args):
+    """The Launcher of the plan a decode call with these arrays (and given outputs) runs."""
+    from cupy_comba._plan import PLANS
+    return next(plan.launcher for plan in PLANS.values()
+                if plan.signature.arrays["q"].shape == args[1].shape
+                and plan.signature.arrays["state"].shape == args[0].shape and plan.signature.arrays["out"] is not None)
 
 
 @pytest.mark.parametrize("stream_kind", ["null", "non-blocking"])
@@ -208,9 +213,9 @@ def test_repeated_calls_through_the_graph_launch(stream_kind):
             if t:
                 buffers[(t + 1) % 2].fill(cupy.nan)
             S = S_new
-    launch = _launch_of([S] + tok)
+    launcher = _launcher_of([S] + tok)
     if graph_launches():
-        assert launch._graphs.get(stream.ptr) is not None  # the loop did replay a graph
+        assert launcher._graphs.get(stream.ptr) is not None  # the loop did replay a graph
 
 
 def test_a_callers_capture_after_graph_launches_on_the_same_stream():
@@ -236,8 +241,8 @@ def test_a_callers_capture_after_graph_launches_on_the_same_stream():
 
 
 def test_plain_kernel_launches_when_graph_launches_are_off(monkeypatch):
-    from cupy_comba import _launch
-    monkeypatch.setattr(_launch, "_DRIVER", None)
+    from cupy_comba import _launcher
+    monkeypatch.setattr(_launcher, "_DRIVER", None)
     assert not graph_launches()
     args = _gpu_inputs(3, 2, 128, 64, seed=23)
     for _ in range(3):

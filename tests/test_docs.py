@@ -6,13 +6,18 @@ import pytest
 
 import cupy_comba
 import cupy_comba.bench
-import cupy_comba.comba
+import cupy_comba.decode
+import cupy_comba.families
+import cupy_comba.forward
 import cupy_comba.inputs
 import cupy_comba.reference
+import cupy_comba.tiling
+
+MODULES = [cupy_comba.decode, cupy_comba.forward, cupy_comba.reference, cupy_comba.inputs, cupy_comba.bench,
+           cupy_comba.families, cupy_comba.tiling]
 
 
-@pytest.mark.parametrize("module", [cupy_comba.comba, cupy_comba.reference, cupy_comba.inputs, cupy_comba.bench],
-                         ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0, f"{module.__name__} has no examples"

@@ -139,10 +139,10 @@ def test_forward_argument_errors(kwargs, exc, match):
 
 @pytest.mark.parametrize("i,shape,match", [
     (0, (2, 3, 4), "q must be 4-D"),
-    (1, (2, 2, 4, 64), r"k must have shape \(B, T, Hk, K\)"),
+    (1, (2, 2, 4, 64), r"k has \(B, T\) = \(2, 2\) but q, p, v, beta, g have \(2, 3\)"),
     (2, (2, 3, 4, 48), "V=48"),
-    (4, (2, 3, 5), r"beta must have shape \(B, T, H\)"),
-    (5, (2, 3), r"g must have shape \(B, T, H\)"),
+    (4, (2, 3, 5), r"beta has value heads H = 5 but v, g have 4"),
+    (5, (2, 3), r"g must be 3-D \(B, T, H\), got shape \(2, 3\)"),
 ])
 def test_forward_shape_errors(i, shape, match):
     args = list(_fwd()[:6])
@@ -173,20 +173,31 @@ def test_step_errors():
 
 
 
+def _span(shape, strides, itemsize):
+    lo = hi = 0
+    for n, st in zip(shape, strides):
+        if n == 0:
+            return 0, 0
+        lo, hi = (lo + (n - 1) * st, hi) if st < 0 else (lo, hi + (n - 1) * st)
+    return lo, hi + itemsize
+
+
 def test_cupy_contiguity_flag_stands_for_the_strides():
     """The op's call signature keeps True instead of the strides of a C-contiguous CuPy array
     (reading the flag is cheaper) and launches with strides computed from the shape: that is only
     right if CuPy's flag means exactly what our stride check means.  Arrays over unowned device
     addresses are never touched, so this runs without a GPU."""
     cupy = pytest.importorskip("cupy")
-    from cupy_comba._checks import c_strides, is_c_contiguous, span_of
+    from cupy_comba._validate import ArraySig, _is_c_contiguous
+    from cupy_comba._plan import _c_strides
 
     memory = cupy.cuda.UnownedMemory(0x7F0000000000, 1 << 20, None, device_id=0)
     base = cupy.ndarray((4, 6, 8, 16), numpy.float32, memptr=cupy.cuda.MemoryPointer(memory, 0))
     views = [base, base[:, 2], base[1:2], base[:, :, :1], base[..., ::2], base.transpose(0, 2, 1, 3),
              base[:, 1:2, :, :].reshape(4, 1, 128), base[:0], base[:, :, 3]]
     for a in views:
-        assert a._c_contiguous == is_c_contiguous(a.shape, a.strides, a.itemsize), (a.shape, a.strides)
+        sig = ArraySig(a)
+        assert a._c_contiguous == _is_c_contiguous(sig), (a.shape, a.strides)
         if a._c_contiguous:  # the strides the launch uses address the same elements
-            assert span_of(a.shape, c_strides(a.shape, a.itemsize), a.itemsize) == span_of(a.shape, a.strides,
-                                                                                            a.itemsize)
+            computed = tuple(s * a.itemsize for s in _c_strides(a.shape, 1, False))
+            assert _span(a.shape, computed, a.itemsize) == sig.span(), (a.shape, a.strides)

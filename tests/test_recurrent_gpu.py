@@ -4,10 +4,10 @@ import numpy
 import pytest
 
 from cupy_comba import (
-    bfloat16, comba_decode_step, comba_forward, gated_delta_decode_step, gated_delta_forward, reference, tiling,
+    bfloat16, comba_decode_step, comba_forward, families, gated_delta_decode_step, gated_delta_forward, reference,
+    tiling,
 )
 from cupy_comba.inputs import forward_inputs
-from cupy_comba.recurrent import _run as _family_run
 
 from seed_port import mt_gated_delta_chunk
 
@@ -32,6 +32,17 @@ def _run(comba, q, k, v, p, beta, g, S, **opts):
         o, S_new = gated_delta_forward(q, k, v, beta, g, initial_state=S, out=out, state_out=state_out, **opts)
     assert o is out and S_new is state_out
     return o, S_new
+
+
+def _op(step, q, k, v, p, beta, g, state, **opts):
+    """The public op these arguments call (Comba when p is given), e.g. with ``variant=`` forced."""
+    if step:
+        if p is None:
+            return gated_delta_decode_step(state, q, k, v, beta, g, **opts)
+        return comba_decode_step(state, q, k, v, p, beta, g, **opts)
+    if p is None:
+        return gated_delta_forward(q, k, v, beta, g, initial_state=state, **opts)
+    return comba_forward(q, k, v, p, beta, g, initial_state=state, **opts)
 
 
 def _ref(comba, q, k, v, p, beta, g, S, scale=None, **opts):
@@ -68,10 +79,10 @@ def test_every_decode_tiling(layout, K, V, comba, gate, l2norm):
     opts = dict(state_layout=layout, gate=gate, use_qk_l2norm=l2norm)
     S_ref, o_ref = reference.comba_step(S, q, k, v, k if p is None else p, beta, g, **opts)
     before = S.copy()
-    for variant in tiling.variants(layout, K, V):
+    for variant in families.variants(layout, K, V):
         out, state_out = _poisoned((B, H, V), bfloat16), _poisoned(S.shape, F32)
-        _family_run(q, k, v, p, beta, g, None, S, True, out, state_out, None, layout, gate, l2norm, step=True,
-                    variant=variant)
+        _op(True, q, k, v, p, beta, g, S, out=out, state_out=state_out, state_layout=layout, gate=gate,
+            use_qk_l2norm=l2norm, variant=variant)
         assert reference.relative_error(state_out, S_ref) <= 1e-6, variant
         assert reference.relative_error(out, o_ref) <= O_TOL[numpy.dtype(bfloat16)], variant
     assert bool(cupy.array_equal(S, before))
@@ -94,15 +105,13 @@ def test_every_forward_tiling(layout, K, V, comba, T, initial):
     S_ref, o_ref = reference.comba_loop(S if initial else cupy.zeros(S.shape), q, k, v, k if p is None else p,
                                         beta, g, state_layout=layout)
     shape, S = S.shape, (S if initial else None)
-    for variant in tiling.variants(layout, K, V, multi=True):
+    for variant in families.variants(layout, K, V, multi=True):
         out, state_out = _poisoned((B, T, H, V), bfloat16), _poisoned(shape, F32)
-        _family_run(q, k, v, p, beta, g, None, S, True, out, state_out, None, layout, "log", False, step=False,
-                    variant=variant)
+        _op(False, q, k, v, p, beta, g, S, out=out, state_out=state_out, state_layout=layout, variant=variant)
         assert reference.relative_error(state_out, S_ref) <= 1e-6, variant
         assert reference.relative_error(out, o_ref) <= O_TOL[numpy.dtype(bfloat16)], variant
         out2 = _poisoned((B, T, H, V), bfloat16)  # and with no final state to write
-        _family_run(q, k, v, p, beta, g, None, S, False, out2, None, None, layout, "log", False, step=False,
-                    variant=variant)
+        _op(False, q, k, v, p, beta, g, S, output_final_state=False, out=out2, state_layout=layout, variant=variant)
         assert bool(cupy.array_equal(out2, out)), variant
 
 
@@ -123,10 +132,10 @@ def test_every_forward_tiling_strided_activations(layout, dtype):
     views = [strided(a) for a in (q, k, v, p)]
     assert all(view.strides[-1] == 2 * view.itemsize for view in views)
     S_ref, o_ref = reference.comba_loop(S, q, k, v, p, beta, g, state_layout=layout)
-    for variant in tiling.variants(layout, K, V, multi=True):
+    for variant in families.variants(layout, K, V, multi=True):
         out, state_out = strided(_poisoned((B, T, H, V), dtype)), _poisoned(S.shape, F32)
-        _family_run(*views[:3], views[3], beta, g, None, S, True, out, state_out, None, layout, "log", False,
-                    step=False, variant=variant)
+        _op(False, *views[:3], views[3], beta, g, S, out=out, state_out=state_out, state_layout=layout,
+            variant=variant)
         assert reference.relative_error(state_out, S_ref) <= 1e-6, variant
         assert reference.relative_error(out, o_ref) <= O_TOL[numpy.dtype(dtype)], variant
 
@@ -205,7 +214,7 @@ def test_tensor_core_path_many_heads(layout, K, comba, gate, l2norm, T, initial)
     tensor-core variants the op did not choose are forced (fp32 activations: the 16-token variants run
     8-token chunks, the 128-column one in 64-column slabs)."""
     B, H, Hk, V = 33, 4, 2, 128
-    chunked = layout == "vk" and K == 128 and T in tiling.VK_CHUNKED_MANY_HEADS_T
+    chunked = layout == "vk" and K == 128 and T in range(2, 8)
     slab = 128 if K == 64 and T > 8 else 64
     expected = "vk64c4" if chunked else f"{layout}{slab}tc{'16' if T > 8 else ''}"
     assert tiling.choose(layout, K, V, comba, multi=True, T=T, heads=B * H) == expected
@@ -241,8 +250,8 @@ def _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial,
     S0 = S if initial else None
     out, state_out = _poisoned((B, T, H, V), F32), _poisoned(S.shape, F32)
     if variant is not None:
-        _family_run(q, k, v, p if comba else None, beta, g, None, S0, True, out, state_out, None, layout, gate, l2norm,
-                    step=False, variant=variant)
+        _op(False, q, k, v, p if comba else None, beta, g, S0, out=out, state_out=state_out, state_layout=layout,
+            gate=gate, use_qk_l2norm=l2norm, variant=variant)
         o, S_new = out, state_out
     elif comba:
         o, S_new = comba_forward(q, k, v, p, beta, g, initial_state=S0, out=out, state_out=state_out, **opts)
@@ -270,8 +279,8 @@ def test_tensor_core_kernel_16bit_inputs(layout, K, comba, dtype):
         wide = (f"{layout}128tc16",) if K == 64 else ()
         for variant in (*(f"{layout}{slab}tc{chunk}" for slab in (64, 32) for chunk in ("", "16")), *wide):
             out, state_out = _poisoned((B, T, H, V), F32), _poisoned(S.shape, F32)
-            _family_run(q, k, v, p, beta, g, None, S, True, out, state_out, None, layout, "log", True, step=False,
-                        variant=variant)
+            _op(False, q, k, v, p, beta, g, S, out=out, state_out=state_out, state_layout=layout, use_qk_l2norm=True,
+                variant=variant)
             assert reference.relative_error(state_out, S_ref) <= 1e-6, (T, variant)
             assert reference.relative_error(out, o_ref) <= O_TOL[F32], (T, variant)
 
@@ -287,8 +296,7 @@ def test_tensor_core_kernel_keeps_nan(layout, dtype):
     S_ref, o_ref = reference.comba_loop(S, q, k, v, p, beta, g, state_layout=layout)
     for variant in (f"{layout}64tc", f"{layout}64tc16"):
         out, state_out = _poisoned((B, T, H, V), F32), _poisoned(S.shape, F32)
-        _family_run(q, k, v, p, beta, g, None, S, True, out, state_out, None, layout, "log", False, step=False,
-                    variant=variant)
+        _op(False, q, k, v, p, beta, g, S, out=out, state_out=state_out, state_layout=layout, variant=variant)
         for x, ref in ((out, o_ref), (state_out, S_ref)):
             nan = cupy.isnan(ref)
             assert 0 < int(nan.sum()) < nan.size // 8, variant

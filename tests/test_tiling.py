@@ -1,8 +1,22 @@
-"""The T-token rules of cupy_comba.tiling.choose that pick between the tensor-core variants."""
+"""The rules of cupy_comba.tiling.choose, and the variant names of cupy_comba.families."""
+
+import re
+from pathlib import Path
 
 import pytest
 
-from cupy_comba import tiling
+from cupy_comba import families, tiling
+
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+
+
+def test_every_rule_cites_a_results_file_that_exists():
+    for rule in tiling.RULES:
+        cited = re.findall(r"[\w-]*\.json", rule.evidence)
+        assert cited, rule.name
+        for name in cited:
+            name = name if name.startswith("h200-") else "h200-forward" + name  # "-smallT.json" after a full name
+            assert (RESULTS / name).is_file(), (rule.name, name)
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
@@ -11,8 +25,8 @@ def test_sixteen_token_passes_where_fewer_passes_cost_less(layout, K):
     heads = 8192
     sixteen = {T for T in range(5, 80) if tiling.choose(layout, K, 128, False, True, T, heads).endswith("tc16")}
     expected = set(range(9, 17)) | set(range(25, 33)) | set(range(41, 80))
-    if layout == "vk" and K == tiling.VK_CHUNKED_K:  # the chunked vk kernel up to T = 7
-        expected -= set(tiling.VK_CHUNKED_MANY_HEADS_T)
+    if layout == "vk" and K == families.VK_CHUNKED_K:  # the chunked vk kernel up to T = 7
+        expected -= set(range(2, 8))
     assert sixteen == expected
 
 
@@ -47,13 +61,13 @@ def test_wide_slab_at_k64_over_many_heads(layout):
 
 
 def test_mma_variant_names():
-    assert tiling.variants("kv", 128, 128, multi=True)[-4:] == ("kv64tc", "kv64tc16", "kv32tc", "kv32tc16")
-    assert not any(v.endswith("tc16") for v in tiling.variants("vk", 128, 128))  # T-token passes only
-    assert tiling.token_passes_only("vk32tc16")
-    assert tiling.variants("kv", 64, 128, multi=True)[-1] == "kv128tc16"  # K = 64 only, V a multiple of 128
-    assert "vk128tc16" in tiling.variants("vk", 64, 256, multi=True)
+    assert families.variants("kv", 128, 128, multi=True)[-4:] == ("kv64tc", "kv64tc16", "kv32tc", "kv32tc16")
+    assert not any(v.endswith("tc16") for v in families.variants("vk", 128, 128))  # T-token passes only
+    assert families.tiling("vk", 128, "vk32tc16").passes_only
+    assert families.variants("kv", 64, 128, multi=True)[-1] == "kv128tc16"  # K = 64 only, V a multiple of 128
+    assert "vk128tc16" in families.variants("vk", 64, 256, multi=True)
     assert not any("128tc" in v for layout, K, V in (("kv", 128, 128), ("vk", 128, 256), ("kv", 64, 192))
-                   for v in tiling.variants(layout, K, V, multi=True))
+                   for v in families.variants(layout, K, V, multi=True))
 
 
 @pytest.mark.parametrize("V,loop,tc", [(128, "vk16x2", "vk64tc"), (96, "vk8x2", "vk32tc")])

@@ -1,7 +1,8 @@
 """The benchmark registry: every op the CLI can measure, with its inputs, check and byte count.
 
-An op joins ``cupy-comba bench`` and ``cupy-comba check`` by calling
-:func:`register` with a :class:`BenchOp`; the CLI never names ops itself.
+An op joins ``cupy-comba bench`` and ``cupy-comba check`` by calling :func:`register` with a
+:class:`BenchOp`; the CLI never names ops itself.  Decode steps take ``B,H,K,V`` shapes, forward
+passes ``B,T,H,K,V``.  Each case runs the public op (with ``variant=`` when a tiling is forced).
 """
 
 from dataclasses import dataclass, field
@@ -9,15 +10,18 @@ from typing import Callable
 
 import numpy
 
-from .. import reference
+from .. import families, reference
 from .._dtypes import bfloat16, float16, float32
-from .. import tiling
-from ..recurrent import _run
-from ..inputs import decode_inputs
+from ..decode import comba_decode_step, gated_delta_decode_step
+from ..forward import comba_forward, gated_delta_forward
+from ..inputs import decode_inputs, forward_inputs
 
 #: Error gates of the full-size check: fp32 state, and o by its dtype's rounding.
 STATE_TOLERANCE = 1e-5
 OUTPUT_TOLERANCE = {bfloat16: 8e-3, float16: 1e-3, float32: 1e-5}
+
+DECODE_DIMS = ("B", "H", "K", "V")
+FORWARD_DIMS = ("B", "T", "H", "K", "V")
 
 
 @dataclass
@@ -26,7 +30,7 @@ class Case:
 
     run: Callable[[], object]           # launches the op once (no allocation)
     check: Callable[[], dict]           # runs once, returns {output: relative error}
-    bytes_moved: int                    # the spec's byte count for one call
+    bytes_moved: int                    # the fewest bytes one call must move
     tolerances: dict = field(default_factory=dict)
 
 
@@ -35,7 +39,13 @@ class BenchOp:
     name: str
     dims: tuple                          # names of the shape fields, e.g. ("B", "H", "K", "V")
     prepare: Callable                    # (shape, dtype, xp, seed, variant) -> Case
-    variants: Callable = lambda shape: (None,)  # shape -> specialisations `check` runs (None = default)
+    variants: Callable                   # shape -> the tilings `check` runs
+    layout: str = "kv"
+
+    def heads_and_sizes(self, shape):
+        """``(B * H, T, K, V)`` of a shape of this op."""
+        s = dict(zip(self.dims, shape))
+        return s["B"] * s["H"], s.get("T", 1), s["K"], s["V"]
 
 
 OPS = {}
@@ -47,46 +57,81 @@ def register(op):
     return op
 
 
+def _tolerances(dtype):
+    return {"state": STATE_TOLERANCE, "o": OUTPUT_TOLERANCE[numpy.dtype(dtype)]}
+
+
 def _decode_prepare(comba, layout):
-    """A decode-step case: Comba or Gated DeltaNet (``p = k``), state in the ``layout`` given,
-    run with the decode tiling ``variant`` (None: the one the op chooses)."""
+    """A decode-step case: Comba or Gated DeltaNet (``p = k``), the state in ``layout``."""
 
     def prepare(shape, dtype, xp, seed=0, variant=None):
         B, H, K, V = shape
         state, q, k, v, p, beta, g = decode_inputs(B, H, K, V, dtype=dtype, xp=xp, seed=seed)
-        if not comba:
-            p = k
         if layout == "vk":
             state = xp.ascontiguousarray(xp.swapaxes(state, -1, -2))
         state_out = xp.full(state.shape, numpy.nan, dtype=float32)
         out = xp.full((B, H, V), numpy.nan, dtype=dtype)
+        opts = dict(out=out, state_out=state_out, state_layout=layout, variant=variant)
 
-        p_arg = p if comba else None
-
-        def run():  # the public ops' own path, with the tiling forced when asked
-            return _run(q, k, v, p_arg, beta, g, None, state, True, out, state_out, None, layout, "log", False,
-                        step=True, variant=variant)
+        def run():
+            if comba:
+                return comba_decode_step(state, q, k, v, p, beta, g, **opts)
+            return gated_delta_decode_step(state, q, k, v, beta, g, **opts)
 
         def check():
             state_out.fill(numpy.nan)
             out.fill(numpy.nan)
             run()
-            S_ref, o_ref = reference.comba_step(state, q, k, v, p, beta, g, state_layout=layout)
+            S_ref, o_ref = reference.comba_step(state, q, k, v, p if comba else k, beta, g, state_layout=layout)
             return {"state": reference.relative_error(state_out, S_ref), "o": reference.relative_error(out, o_ref)}
 
         isz = numpy.dtype(dtype).itemsize
         nbytes = B * H * (2 * K * V * 4 + (3 if comba else 2) * K * isz + 2 * V * isz + isz + 4)
-        return Case(run, check, nbytes, {"state": STATE_TOLERANCE, "o": OUTPUT_TOLERANCE[numpy.dtype(dtype)]})
+        return Case(run, check, nbytes, _tolerances(dtype))
 
     return prepare
 
 
-def _tilings(layout):
-    return lambda shape: tiling.variants(layout, shape[2], shape[3])
+def _forward_prepare(comba, layout):
+    """A forward-pass case: T tokens from a warmed state, the final state written."""
+
+    def prepare(shape, dtype, xp, seed=0, variant=None):
+        B, T, H, K, V = shape
+        q, k, v, p, beta, g, state = forward_inputs(B, T, H, K, V, dtype=dtype, xp=xp, seed=seed, state_layout=layout)
+        state_out = xp.full(state.shape, numpy.nan, dtype=float32)
+        out = xp.full((B, T, H, V), numpy.nan, dtype=dtype)
+        opts = dict(initial_state=state, out=out, state_out=state_out, state_layout=layout, variant=variant)
+
+        def run():
+            if comba:
+                return comba_forward(q, k, v, p, beta, g, **opts)
+            return gated_delta_forward(q, k, v, beta, g, **opts)
+
+        def check():
+            state_out.fill(numpy.nan)
+            out.fill(numpy.nan)
+            run()
+            S_ref, o_ref = reference.comba_loop(state, q, k, v, p if comba else k, beta, g, state_layout=layout)
+            return {"state": reference.relative_error(state_out, S_ref), "o": reference.relative_error(out, o_ref)}
+
+        isz = numpy.dtype(dtype).itemsize
+        per_token = (3 if comba else 2) * K * isz + 2 * V * isz + isz + 4
+        nbytes = B * H * (2 * K * V * 4 + T * per_token)
+        return Case(run, check, nbytes, _tolerances(dtype))
+
+    return prepare
 
 
-_DIMS = ("B", "H", "K", "V")
-register(BenchOp("comba_decode_step", _DIMS, _decode_prepare(True, "kv"), _tilings("kv")))
-register(BenchOp("gated_delta_decode_step", _DIMS, _decode_prepare(False, "kv"), _tilings("kv")))
-register(BenchOp("gated_delta_decode_step[vk]", _DIMS, _decode_prepare(False, "vk"), _tilings("vk")))
-register(BenchOp("comba_decode_step[vk]", _DIMS, _decode_prepare(True, "vk"), _tilings("vk")))
+def _variants(layout, multi):
+    if multi:
+        return lambda shape: families.variants(layout, shape[3], shape[4], multi=True)
+    return lambda shape: families.variants(layout, shape[2], shape[3])
+
+
+for _comba, _name in ((True, "comba"), (False, "gated_delta")):
+    for _layout in ("kv", "vk"):
+        _tag = "" if _layout == "kv" else "[vk]"
+        register(BenchOp(f"{_name}_decode_step{_tag}", DECODE_DIMS, _decode_prepare(_comba, _layout),
+                         _variants(_layout, False), _layout))
+        register(BenchOp(f"{_name}_forward{_tag}", FORWARD_DIMS, _forward_prepare(_comba, _layout),
+                         _variants(_layout, True), _layout))

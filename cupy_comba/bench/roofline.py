@@ -54,7 +54,7 @@ def measure_copy(buffer_bytes=None, *, iters=20, warmup=3):
     nbytes -= nbytes % 64
     src = cupy.random.default_rng(0).random(nbytes // 4, dtype=cupy.float32)
     dst = cupy.empty_like(src)
-    kernel = get_kernel("copy", "comba::copy_float4", device)
+    kernel = get_kernel("copy.cu", "comba::copy_float4", device)
     sms = cupy.cuda.Device(device).attributes["MultiProcessorCount"]
     n4 = numpy.int64(nbytes // 16)
     stream = cupy.cuda.get_current_stream()

@@ -1,14 +1,14 @@
 """Kernel launches from an argument block packed once per plan, replayed as a one-node CUDA graph.
 
 CuPy's ``RawKernel`` call inspects every argument again on every launch: about 8 us for the
-eleven arguments of the delta-rule kernels on the H200 host we measure on.  A :class:`Launch`
+eleven arguments of the delta-rule kernels on an H200 host.  A :class:`Launcher`
 lays out one plan's arguments once -- nine device-pointer slots, the ``Params`` struct and the
 scale -- so a call writes the nine pointers and hands them to the driver.
 
-How it hands them over: on the H200 hosts we are lent (Firecracker VMs) ``cuLaunchKernel``
+How it hands them over: on the H200 hosts measured (virtual machines) ``cuLaunchKernel``
 takes 3.6-5.7 us of host time even for an empty kernel, ``cudaGraphLaunch`` of a one-node graph
 2.0-2.6 us (``benchmarks/host_overhead.py``; docs/design.md, "Host path").  So from the second
-launch on a stream, a Launch replays a graph holding its one kernel node, made for that stream by
+launch on a stream, a Launcher replays a graph holding its one kernel node, made for that stream by
 capturing the launch once.  When the pointers differ from the ones the graph's node holds,
 ``cuGraphExecKernelNodeSetParams`` (the driver API through ctypes: CuPy does not wrap it; 1.2-1.8
 us with the ctypes call, 0.5 us of it the driver's) gives the node the new ones.  The GPU runs
@@ -30,7 +30,7 @@ from ._backend import cupy
 
 N_POINTERS = 9  # state, state_out, q, k, v, p, beta, g, o: the kernels' pointer arguments, in order
 
-#: Streams a Launch keeps a graph for (a caller cycling through more streams re-captures).
+#: Streams a Launch keeps a graph for (a caller cycling through more streams captures again).
 MAX_STREAM_GRAPHS = 8
 
 
@@ -71,17 +71,17 @@ class _StreamGraph:
     __slots__ = ("graph", "exec", "node", "pointers")
 
 
-class Launch:
+class Launcher:
     """One compiled kernel with its grid, block and constant arguments.
 
     Parameters
     ----------
     kernel : cupy.RawKernel
-        Compiled for the device that is current when the Launch is made (kept alive here).
-    grid, block : tuple of int
-        One-dimensional launch geometry, ``(n,)``.
+        Compiled for the device that is current when the Launcher is made (kept alive here).
+    grid, block : int
+        One-dimensional launch geometry: CTAs, and threads a CTA.
     params : numpy.void
-        The packed ``struct Params`` (:mod:`cupy_comba._params`).
+        The packed ``struct Params`` (:mod:`cupy_comba._plan`).
     scale : numpy.float32
     shared_bytes : int
         Dynamic shared memory of each CTA (the kernel's attribute already allows it).
@@ -103,16 +103,23 @@ class Launch:
         argv = (ctypes.c_void_p * (N_POINTERS + 2))(*(base + 8 * i for i in range(N_POINTERS)),
                                                     ctypes.addressof(params_buf), ctypes.addressof(scale_buf))
         self._argv = ctypes.addressof(argv)
-        node = _KernelNodeParams(self._fn, (grid[0], 1, 1), (block[0], 1, 1), shared_bytes, self._argv, None, None,
+        node = _KernelNodeParams(self._fn, (grid, 1, 1), (block, 1, 1), shared_bytes, self._argv, None, None,
                                  None)
         self._node_params = ctypes.addressof(node)
         self._keep = (params_buf, scale_buf, argv, node)  # the driver reads these at every launch
         self._lock = threading.Lock()  # one thread at a time writes the pointer slots and launches
         self._graphs = {}  # stream handle -> _StreamGraph, or None after the stream's first launch
 
-    def __call__(self, pointers, stream):
-        """Launch on ``stream`` (a ``CUstream`` handle of the current device) with the nine device
-        pointers, a tuple, in order."""
+    def __call__(self, pointers, device):
+        """Launch on the current stream of ``device`` (the kernel's) with the nine device pointers,
+        a tuple, in order."""
+        if cupy.cuda.runtime.getDevice() == device:
+            self._launch(pointers, cupy.cuda.get_current_stream().ptr)
+        else:
+            with cupy.cuda.Device(device):
+                self._launch(pointers, cupy.cuda.get_current_stream().ptr)
+
+    def _launch(self, pointers, stream):
         with self._lock:
             if pointers != self._written:  # a decode loop that reuses its buffers writes them once
                 self._slots[:] = pointers
@@ -139,7 +146,7 @@ class Launch:
 
     def _launch_kernel(self, stream):
         # cuLaunchKernel copies the arguments before it returns: the slots are free again.
-        cupy.cuda.driver.launchKernel(self._fn, self.grid[0], 1, 1, self.block[0], 1, 1, self.shared_bytes, stream,
+        cupy.cuda.driver.launchKernel(self._fn, self.grid, 1, 1, self.block, 1, 1, self.shared_bytes, stream,
                                       self._argv, 0)
 
     def _capture(self, pointers):

@@ -1,0 +1,292 @@
+"""Every check of the ops' arguments and its message: what was expected and what came.
+
+All of it runs before any work.  :func:`signature` checks one call signature -- each array's
+shape, strides and dtype, the options -- and returns what the plan is built from; the plan
+module caches it, so a decode loop pays for these checks once.  What depends on the data
+pointers (overlaps, alignment, one device) is checked per call by :mod:`cupy_comba._plan`.
+"""
+
+import collections
+import math
+import numbers
+
+import numpy
+
+from ._backend import cupy
+from ._dtypes import ACTIVATION_CODES, ACTIVATION_NAMES, dtype_name, float32, parse_dtype
+from . import families
+
+#: Largest finite float32: a scale above it would reach the kernels as inf.
+_FLOAT32_MAX = float(numpy.finfo(numpy.float32).max)
+
+INPUTS = ("q", "k", "v", "p", "beta", "g")
+ARRAYS = INPUTS + ("state", "out", "state_out")
+
+
+class ArraySig:
+    """Shape, byte strides and dtype of one array."""
+
+    __slots__ = ("shape", "strides", "dtype", "itemsize")
+
+    def __init__(self, a):
+        self.shape, self.strides, self.dtype = tuple(a.shape), tuple(a.strides), numpy.dtype(a.dtype)
+        self.itemsize = self.dtype.itemsize
+
+    def element_strides(self):
+        return tuple(s // self.itemsize for s in self.strides)
+
+    def span(self):
+        """``(lo, hi)`` byte offsets from the data pointer that the array can touch."""
+        lo = hi = 0
+        for n, s in zip(self.shape, self.strides):
+            if n == 0:
+                return 0, 0
+            if s < 0:
+                lo += (n - 1) * s
+            else:
+                hi += (n - 1) * s
+        return lo, hi + self.itemsize
+
+
+class Signature:
+    """One validated call signature: sizes, resolved options and each array's :class:`ArraySig`."""
+
+    __slots__ = ("step", "comba", "layout", "gate", "l2norm", "write_final", "B", "T", "H", "Hk", "K", "V",
+                 "scale", "o_dtype", "o_shape", "state_shape", "arrays", "variant", "multi")
+
+
+# -- options ---------------------------------------------------------------------------------------
+
+def real_scalar(name, x):
+    """A finite real number that float32 holds, as a Python float."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a real number or None, got {type(x).__name__}")
+    x = float(x)
+    if not math.isfinite(x) or abs(x) > _FLOAT32_MAX:
+        raise ValueError(f"{name} must be finite in float32 (|{name}| <= {_FLOAT32_MAX:.4g}), got {x}")
+    return x
+
+
+def flag(name, x):
+    """A bool (``numpy.bool_`` too) as a Python bool; TypeError otherwise."""
+    if x is True or x is False or isinstance(x, numpy.bool_):
+        return bool(x)
+    raise TypeError(f"{name} must be a bool, got {type(x).__name__} {x!r}")
+
+
+def choice(name, x, allowed):
+    if not isinstance(x, str) or x not in allowed:
+        raise ValueError(f"{name} must be {' or '.join(map(repr, allowed))}, got {x!r}")
+    return x
+
+
+def output_dtype(o_dtype):
+    """``o_dtype`` as a numpy dtype: a dtype, a dtype's name or an alias (``"bf16"``), or None."""
+    if o_dtype is None:
+        return None
+    try:
+        dt = parse_dtype(o_dtype) if isinstance(o_dtype, str) else numpy.dtype(o_dtype)
+    except TypeError:
+        raise TypeError(f"o_dtype must be {ACTIVATION_NAMES} (a dtype, its name or bf16 / fp16 / fp32) or None, "
+                        f"got {o_dtype!r}") from None
+    if dt not in ACTIVATION_CODES:
+        raise TypeError(f"o_dtype must be {ACTIVATION_NAMES}, got {_describe(dt)}")
+    return dt
+
+
+def options(scale, write_final, state_out, o_dtype, state_layout, gate, l2norm, variant):
+    """Every option checked: ``(scale, write_final, o_dtype, state_layout, gate, l2norm, variant)``."""
+    scale = None if scale is None else real_scalar("scale", scale)
+    write_final = flag("output_final_state", write_final)
+    if not write_final and state_out is not None:
+        raise ValueError("state_out was given but output_final_state=False: nothing would be written to it")
+    if variant is not None and not isinstance(variant, str):
+        raise TypeError(f"variant must be a variant name (str) or None, got {type(variant).__name__}")
+    return (scale, write_final, output_dtype(o_dtype), choice("state_layout", state_layout, ("kv", "vk")),
+            choice("gate", gate, ("log", "linear")), flag("use_qk_l2norm", l2norm), variant)
+
+
+# -- array types -----------------------------------------------------------------------------------
+
+def namespace(named):
+    """``(xp, {name: array})`` for ``{name: array or None}``: ``numpy`` or ``cupy``, NumPy subclasses
+    (``numpy.memmap``, ...) as plain ndarray views; TypeError on anything else, masked arrays and
+    a mix of NumPy and CuPy.  ``None`` is allowed for p, state (forward passes: no initial state),
+    out and state_out."""
+    kinds, plain = {}, {}
+    for name, a in named.items():
+        if a is None and name in ("p", "state", "out", "state_out"):
+            plain[name] = None
+            continue
+        if cupy is not None and isinstance(a, cupy.ndarray):
+            kinds.setdefault("cupy", name)
+        elif isinstance(a, numpy.ndarray):
+            if isinstance(a, numpy.ma.MaskedArray):
+                raise TypeError(f"{name} is a masked array: its mask would be ignored; pass {name}.filled(...) "
+                                "or a plain ndarray")
+            kinds.setdefault("numpy", name)
+            a = a.view(numpy.ndarray) if type(a) is not numpy.ndarray else a
+        else:
+            raise TypeError(f"{name} must be a cupy.ndarray or numpy.ndarray, got {type(a).__name__}")
+        plain[name] = a
+    if len(kinds) > 1:
+        raise TypeError(f"mixed NumPy and CuPy arrays ({kinds['numpy']} is NumPy, {kinds['cupy']} is CuPy): "
+                        "pass all arrays on the GPU (CuPy) or all on the CPU (NumPy)")
+    return (cupy if "cupy" in kinds else numpy), plain
+
+
+def common_device(named):
+    """The device id shared by every CuPy array of ``{name: array or None}``; ValueError if they differ."""
+    devices = {name: a.data.device_id for name, a in named.items() if a is not None}
+    if len(set(devices.values())) > 1:
+        where = ", ".join(f"{n} on device {d}" for n, d in devices.items())
+        raise ValueError(f"all arrays must be on one device, got {where}")
+    return next(iter(devices.values()))
+
+
+# -- shapes, dtypes, layouts -----------------------------------------------------------------------
+
+def _describe(dt):
+    if dt.byteorder == ">" or (dt.byteorder == "=" and not dt.isnative):
+        return f"big-endian {dt.name} ({dt.str!r}); convert with .astype({dt.name!r})"
+    return dtype_name(dt)
+
+
+def _agree(what, values):
+    """The one value of ``{name: value}``; ValueError naming the odd one out (by majority) if they differ."""
+    counts = collections.Counter(values.values())
+    if len(counts) == 1:
+        return next(iter(counts))
+    common = counts.most_common(1)[0][0]
+    odd = next(n for n, x in values.items() if x != common)
+    agree = ", ".join(n for n, x in values.items() if x == common)
+    raise ValueError(f"{odd} has {what} = {values[odd]} but {agree} {'has' if ',' not in agree else 'have'} {common}")
+
+
+def _expect_ndim(name, sig, ndim, meaning):
+    if len(sig.shape) != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {meaning}, got shape {sig.shape}")
+
+
+def _expect_shape(name, shape, expected, meaning):
+    if tuple(shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {meaning} = {tuple(expected)}, got {tuple(shape)}")
+
+
+def _is_c_contiguous(sig):
+    if 0 in sig.shape:
+        return True
+    acc = sig.itemsize
+    for n, st in zip(reversed(sig.shape), reversed(sig.strides)):
+        if n != 1 and st != acc:
+            return False
+        acc *= n
+    return True
+
+
+def _check_state(name, sig, shape, meaning):
+    _expect_shape(name, sig.shape, shape, meaning)
+    if sig.dtype != float32:
+        raise TypeError(f"{name} must be float32 (the recurrent state is kept in fp32), got {_describe(sig.dtype)}")
+    if not _is_c_contiguous(sig):
+        raise ValueError(f"{name} must be C-contiguous (strides {sig.strides} for shape {sig.shape}); "
+                         f"pass numpy/cupy.ascontiguousarray({name})")
+
+
+def _check_output(name, a, sig, shape, meaning):
+    """An output buffer: right shape, writable, and no element written twice."""
+    _expect_shape(name, sig.shape, shape, meaning)
+    span = sig.itemsize
+    for stride, n in sorted((abs(s), n) for n, s in zip(sig.shape, sig.strides) if n > 1):
+        if stride < span:
+            raise ValueError(f"{name} has overlapping elements (strides {sig.strides}): it would be written "
+                             "more than once")
+        span = stride * n
+    if isinstance(a, numpy.ndarray) and not a.flags.writeable:
+        raise ValueError(f"{name} is read-only: an output buffer must be writable")
+
+
+def check_head_sizes(K, V):
+    if K not in families.SUPPORTED_K:
+        raise NotImplementedError(f"head size K={K} is not supported: supported K are {families.SUPPORTED_K}")
+    if V < 32 or V % 32:
+        raise NotImplementedError(f"value head size V={V} is not supported: V must be a positive multiple of 32")
+
+
+def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, gate, l2norm, variant):
+    """Validate one call: ``arrays`` is ``{name: array or None}`` in :data:`ARRAYS` order (plain
+    ndarrays), the options as :func:`options` returned them.  Returns a :class:`Signature`."""
+    sigs = {n: None if a is None else ArraySig(a) for n, a in arrays.items()}
+    state_meaning = "(B, H, K, V)" if state_layout == "kv" else "(B, H, V, K)"
+    lead = ("B",) if step else ("B", "T")
+    lead_text = "(" + ", ".join(lead) + ", "
+    keys = [n for n in ("q", "k", "p") if sigs[n] is not None]
+    for n in keys:
+        _expect_ndim(n, sigs[n], len(lead) + 2, lead_text + "Hk, K)")
+    _expect_ndim("v", sigs["v"], len(lead) + 2, lead_text + "H, V)")
+    for n in ("beta", "g"):
+        _expect_ndim(n, sigs[n], len(lead) + 1, lead_text + "H)")
+    tokens = keys + ["v", "beta", "g"]
+    if step:  # a step's sizes come from its state
+        _expect_ndim("state", sigs["state"], 4, state_meaning)
+        s = sigs["state"].shape
+        B, H, K, V = s if state_layout == "kv" else (s[0], s[1], s[3], s[2])
+        head_k, head_v = sigs["q"].shape[-1], sigs["v"].shape[-1]
+        if (K, V) != (head_k, head_v) and (V, K) == (head_k, head_v):
+            want = (B, H, V, K) if state_layout == "kv" else (B, H, K, V)
+            raise ValueError(f"state must have shape {state_meaning} for state_layout={state_layout!r} = {want}, "
+                             f"got {s} (a state in the other layout?)")
+        T = 1
+        _agree("batch B", {n: sigs[n].shape[0] for n in tokens} | {"state": B})
+    else:
+        B, T = _agree("(B, T)", {n: sigs[n].shape[:2] for n in tokens})
+        H = _agree("value heads H", {n: sigs[n].shape[2] for n in ("v", "beta", "g")})
+        K = _agree("head size K", {n: sigs[n].shape[-1] for n in keys})
+        V = sigs["v"].shape[-1]
+    Hk = _agree("key heads Hk", {n: sigs[n].shape[len(lead)] for n in keys})
+    if Hk < 1 or H % Hk:
+        raise ValueError(f"value heads H={H} must be a multiple of key heads Hk={Hk} (q, k, p have Hk heads)")
+    tok = (B,) if step else (B, T)
+    for n in keys:
+        _expect_shape(n, sigs[n].shape, tok + (Hk, K), lead_text + "Hk, K)")
+    _expect_shape("v", sigs["v"].shape, tok + (H, V), lead_text + "H, V)")
+    for n in ("beta", "g"):
+        _expect_shape(n, sigs[n].shape, tok + (H,), lead_text + "H)")
+    check_head_sizes(K, V)
+    for n in tokens:
+        s = sigs[n]
+        if s.dtype not in ACTIVATION_CODES:
+            raise TypeError(f"{n} must be {ACTIVATION_NAMES}, got {_describe(s.dtype)}")
+        if any(st % s.itemsize for st in s.strides):
+            raise ValueError(f"{n} has strides {s.strides} that are not a multiple of its itemsize")
+    state_shape = (B, H, K, V) if state_layout == "kv" else (B, H, V, K)
+    if sigs["state"] is not None:
+        _check_state("state" if step else "initial_state", sigs["state"], state_shape,
+                     f"{state_meaning} for state_layout={state_layout!r}")
+    if sigs["state_out"] is not None:
+        _check_output("state_out", arrays["state_out"], sigs["state_out"], state_shape, "the state's shape")
+        _check_state("state_out", sigs["state_out"], state_shape, "the state's shape")
+    o_shape = tok + (H, V)
+    if sigs["out"] is not None:
+        out = sigs["out"]
+        _check_output("out", arrays["out"], out, o_shape, lead_text + "H, V)")
+        if out.dtype not in ACTIVATION_CODES:
+            raise TypeError(f"out must be {ACTIVATION_NAMES}, got {_describe(out.dtype)}")
+        if o_dtype is not None and o_dtype != out.dtype:
+            raise TypeError(f"o_dtype={dtype_name(o_dtype)} disagrees with out.dtype={dtype_name(out.dtype)}")
+        o_dtype = out.dtype
+    multi = not (T == 1 and sigs["state"] is not None and write_final)
+    if variant is not None:
+        families.tiling(state_layout, K, variant)  # a known name, else ValueError
+        allowed = families.variants(state_layout, K, V, multi)
+        if variant not in allowed:
+            raise ValueError(f"variant {variant!r} cannot run a {state_layout!r} state with K={K}, V={V}"
+                             f"{' over T tokens' if multi else ' for one step'}; expected one of {allowed}")
+    sig = Signature()
+    sig.step, sig.comba, sig.layout, sig.gate, sig.l2norm, sig.write_final = (step, comba, state_layout, gate, l2norm,
+                                                                              write_final)
+    sig.B, sig.T, sig.H, sig.Hk, sig.K, sig.V = B, T, H, Hk, K, V
+    sig.scale = K ** -0.5 if scale is None else scale
+    sig.o_dtype = sigs["v"].dtype if o_dtype is None else o_dtype
+    sig.o_shape, sig.state_shape, sig.arrays, sig.variant, sig.multi = o_shape, state_shape, sigs, variant, multi
+    return sig

@@ -1,0 +1,184 @@
+"""The kernel families: every specialisation that is compiled, by variant name, with its launch geometry.
+
+This is the one place where the Python side describes the CUDA kernels.  A *variant* names one
+tiling of one family; :mod:`cupy_comba.tiling` picks one per shape, and the ops take
+``variant=`` to force one (benchmarks and tests).  Each family's source file opens with its math,
+layouts and launch geometry.
+
+========================  ==========================  ============================================
+variant                   kernel (``comba::``)        a CTA holds
+========================  ==========================  ============================================
+``kv{COLS}x{RG}``         ``delta_rule_kv``           COLS value columns of a "kv" state, RG row
+                          (``token_loop.cu``)         groups; one token at a time
+``vk{R}x{NW}``            ``delta_rule_vk``           R x NW x (128 / K) rows of V of a "vk" state,
+                          (``token_loop.cu``)         NW warps; one token at a time
+``kv{COLS}x{RG}c4``       ``delta_rule_kv_chunked``   as ``kv{COLS}x{RG}``, 4 tokens a pass over the
+                          (``chunked.cu``)            state (T-token passes only)
+``vk{ROWS}c4``            ``delta_rule_vk_chunked``   ROWS rows of V, 4 tokens a pass (K = 128,
+                          (``chunked.cu``)            T-token passes only)
+``{layout}{SLAB}tc``      ``delta_rule_mma``          SLAB value columns, 8 tokens a pass on the
+                          (``delta_rule_mma.cu``)     tensor cores (T-token passes only)
+``{layout}{SLAB}tc16``    ``delta_rule_mma``          the same, 16 tokens (two chunks of 8) a pass;
+                                                      at K = 64 also SLAB = 128
+========================  ==========================  ============================================
+
+The token-loop kernels have two builds: the decode step (one token from a given state to a
+written state, no token loop) and the T-token build (``multi``).
+
+>>> from cupy_comba import families
+>>> families.variants("kv", 128, 128)
+('kv64x8', 'kv64x4', 'kv32x8', 'kv32x16')
+>>> k = families.kernel("kv", "kv64x8", K=128, separate_p=True, multi=False)
+>>> k.expression, k.block, k.grid(heads=512, V=128)
+('comba::delta_rule_kv<128, 64, 8, true, false>', 128, 1024)
+"""
+
+from typing import NamedTuple
+
+#: Head sizes K every family is built for.
+SUPPORTED_K = (64, 128)
+
+
+def _flag(x):
+    return "true" if x else "false"
+
+
+class Tiling(NamedTuple):
+    """One variant of one family at one K."""
+
+    variant: str        #: e.g. ``"kv64x8"``
+    layout: str         #: ``"kv"`` or ``"vk"``
+    K: int
+    family: str         #: the ``__global__`` template, in namespace ``comba``
+    source: str         #: its file in ``kernels_cu/``
+    args: tuple         #: template arguments between K and the flags
+    slab: int           #: value columns (or rows of V) a CTA holds: V must be a multiple
+    threads: int        #: threads a CTA
+    tokens: int         #: tokens a pass over the state: 1 (token loop), 4 (chunked), 8 or 16
+    passes_only: bool   #: built for T-token passes only (no decode build)
+
+
+class Kernel(NamedTuple):
+    """One specialisation: what NVRTC compiles and how it is launched."""
+
+    source: str
+    expression: str     #: the name expression compiled, e.g. ``comba::delta_rule_kv<128, 64, 8, true, false>``
+    slab: int
+    block: int
+    shared_bytes: int   #: dynamic shared memory a CTA
+
+    def grid(self, heads, V):
+        """CTAs for ``heads`` = B * H heads of V value columns: one a slab of a head."""
+        return heads * (V // self.slab)
+
+
+# -- the tilings ------------------------------------------------------------------------------
+
+#: ``delta_rule_kv`` (COLS, RG): thread (lc, rg) holds the float4 of columns 4 lc .. 4 lc + 3 in rows rg, rg + RG, ...
+KV_TILINGS = ((64, 8), (64, 4), (32, 8), (32, 16))
+#: ``delta_rule_kv_chunked`` (COLS, RG): those whose state, column sums and staging fit the registers.
+KV_CHUNKED_TILINGS = ((64, 8), (32, 8))
+#: ``delta_rule_vk`` (R, NW) by K: NW warps, R state rows a lane.
+VK_TILINGS = {64: ((8, 2), (16, 2)), 128: ((16, 2), (16, 4))}
+#: ``delta_rule_vk_chunked`` slabs (rows of V) and the one K it is built for (8 lanes of 16 keys a row).
+VK_CHUNKED_ROWS, VK_CHUNKED_K = (64, 32), 128
+#: ``delta_rule_mma`` builds: (K, SLAB, tokens a pass).  The 128-column slab exists at K = 64 with
+#: 16-token passes only: the same 8-warp CTA as a 64-column slab at K = 128 (8-token chunks do not
+#: divide among its threads).
+MMA_BUILDS = tuple((K, slab, tokens) for K in SUPPORTED_K for slab in (64, 32) for tokens in (8, 16)) + ((64, 128, 16),)
+
+
+def _mma_name(layout, slab, tokens):
+    return f"{layout}{slab}tc{'' if tokens == 8 else tokens}"
+
+
+def _all_tilings():
+    out = []
+    for K in SUPPORTED_K:
+        out += [Tiling(f"kv{c}x{r}", "kv", K, "delta_rule_kv", "token_loop.cu", (c, r), c, c // 4 * r, 1, False)
+                for c, r in KV_TILINGS]
+        out += [Tiling(f"vk{r}x{w}", "vk", K, "delta_rule_vk", "token_loop.cu", (r, w), r * w * (128 // K), 32 * w, 1,
+                       False) for r, w in VK_TILINGS[K]]
+        out += [Tiling(f"kv{c}x{r}c4", "kv", K, "delta_rule_kv_chunked", "chunked.cu", (c, r), c, c // 4 * r, 4, True)
+                for c, r in KV_CHUNKED_TILINGS]
+        if K == VK_CHUNKED_K:
+            out += [Tiling(f"vk{rows}c4", "vk", K, "delta_rule_vk_chunked", "chunked.cu", (rows,), rows, 2 * rows, 4,
+                           True) for rows in VK_CHUNKED_ROWS]
+        for k, slab, tokens in MMA_BUILDS:
+            if k == K:
+                out += [Tiling(_mma_name(layout, slab, tokens), layout, K, "delta_rule_mma", "delta_rule_mma.cu",
+                               (slab,), slab, 2 * slab * K // 64, tokens, True) for layout in ("kv", "vk")]
+    return tuple(out)
+
+
+#: Every tiling, in the order :func:`variants` lists them.
+TILINGS = _all_tilings()
+_BY_NAME = {(t.layout, t.K, t.variant): t for t in TILINGS}
+
+
+def variants(layout, K, V, multi=False):
+    """The variants that can run a ``layout`` state with head sizes K, V; ``multi``: T-token passes,
+    which also have the chunked and tensor-core families."""
+    return tuple(t.variant for t in TILINGS
+                 if t.layout == layout and t.K == K and V % t.slab == 0 and (multi or not t.passes_only))
+
+
+def tiling(layout, K, variant):
+    """The :class:`Tiling` of a variant name (ValueError naming the known ones)."""
+    t = _BY_NAME.get((layout, K, variant))
+    if t is None:
+        known = sorted({t.variant for t in TILINGS if t.layout == layout and t.K == K})
+        raise ValueError(f"variant must name a {layout!r} tiling at K={K}, one of {known}; got {variant!r}")
+    return t
+
+
+def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False):
+    """The specialisation that runs ``variant``.
+
+    ``separate_p``: Comba (a read key p apart from k); ``multi``: the T-token build (the chunked
+    and tensor-core families have only that one); ``f32_keys``: an fp32 among q, k, p, which the
+    16-token tensor-core variants run in 8-token passes (their build holds the 16-bit path only:
+    both paths in one kernel spill), the 128-column slab as 64-column ones.
+    """
+    t = tiling(layout, K, variant)
+    if t.family == "delta_rule_mma":
+        slab, tokens = t.slab, t.tokens
+        if f32_keys and tokens == 16:
+            slab, tokens = slab if (K, slab, 8) in MMA_BUILDS else 64, 8
+        expression = (f"comba::delta_rule_mma<{K}, {slab}, {_flag(separate_p)}, {_flag(layout == 'vk')}, "
+                      f"{tokens // 8}>")
+        return Kernel(t.source, expression, slab, 2 * slab * K // 64, mma_stage_bytes(K, slab, separate_p, tokens))
+    flags = _flag(separate_p) if t.passes_only else f"{_flag(separate_p)}, {_flag(multi)}"
+    args = ", ".join(str(a) for a in (K, *t.args))
+    return Kernel(t.source, f"comba::{t.family}<{args}, {flags}>", t.slab, t.threads, 0)
+
+
+def specialisations():
+    """``{source file: (name expression, ...)}``: everything that is built, each once."""
+    out = {}
+    for t in TILINGS:
+        for separate_p in (True, False):
+            for multi in ((True,) if t.passes_only else (False, True)):
+                k = kernel(t.layout, t.variant, K=t.K, separate_p=separate_p, multi=multi)
+                exprs = out.setdefault(k.source, [])
+                if k.expression not in exprs:
+                    exprs.append(k.expression)
+    out["copy.cu"] = ["comba::copy_float4"]
+    return {source: tuple(e) for source, e in out.items()}
+
+
+def mma_stage_bytes(K, slab, separate_p, tokens):
+    """Bytes of ``MmaStage<K, SLAB, SEPARATE_P, SUBS>`` (kernels_cu/mma_stage.cuh), the tensor-core
+    kernel's dynamic shared memory, from the struct's layout (tests/test_build.py holds it to NVRTC's
+    ``sizeof`` for every build)."""
+    subs, planes, ks = tokens // 8, 3 if separate_p else 2, K // 64
+    nt = 32 * slab // 16 * ks
+    passes, ev = tokens * K // nt // 4, tokens * slab // nt
+    fragments = subs * (K // 8) * (planes + 1) * 32 * 8          # x and kw, two values each
+    ring = 2 * planes * passes * nt * 8 + 2 * (nt * ev // 2) * 4  # MmaRing: qkp, v
+    part = slab // 16 * ks * 2 * subs * 32 * 16
+    gram = ks * (4 if subs == 1 else 9) * 32 * 16
+    coefficients = -(-(3 * 64 + 3 * 8 + 1) * 4 // 16) * 16  # ChunkCoefficients, 16-byte aligned
+    rest = tokens * (slab + 4) * 4 + 2 * tokens * 4 + subs * coefficients  # v (padded rows), e and beta, coefficients
+    total = fragments + -(-ring // 16) * 16 + part + gram + rest
+    return -(-total // 16) * 16

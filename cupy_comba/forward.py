@@ -1,0 +1,87 @@
+"""Forward passes: T tokens of the gated delta rule for a batch of sequences, in one launch.
+
+``comba_forward(q, k, v, p, beta, g)`` and ``gated_delta_forward(q, k, v, beta, g)``: the state
+is read once (or starts at zero), stays on chip across the T tokens and is written once; o is
+written per token.  :mod:`cupy_comba.tiling` picks the kernel by T and batch: the token loop,
+4-token chunks, or 8- and 16-token chunks on the tensor cores (docs/design.md).  The options are
+those of the decode steps.
+"""
+
+from ._plan import run
+
+
+def comba_forward(q, k, v, p, beta, g, scale=None, *, initial_state=None, output_final_state=True, out=None,
+                  state_out=None, o_dtype=None, state_layout="kv", gate="log", use_qk_l2norm=False, variant=None):
+    """T Comba tokens in one launch: the state is read once, kept on chip, written once.
+
+    Equal to T calls of :func:`cupy_comba.comba_decode_step`, token t's state feeding token
+    t + 1's.
+
+    Parameters
+    ----------
+    q, k, p : ndarray, shape (B, T, Hk, K)
+    v : ndarray, shape (B, T, H, V)
+    beta, g : ndarray, shape (B, T, H)
+    scale : float, optional
+        Query scale; ``K ** -0.5`` when None.
+    initial_state : ndarray, float32, C-contiguous, optional
+        ``(B, H, K, V)`` or ``(B, H, V, K)`` by ``state_layout``; zeros when None.  Never written
+        unless it is also passed as ``state_out``.
+    output_final_state : bool
+        Return the state after the last token (else ``None``, and no state is written).
+    out : ndarray, shape (B, T, H, V), optional
+    state_out : ndarray, float32, optional
+        Buffer for the final state; ``state_out=initial_state`` updates in place.
+    o_dtype, state_layout, gate, use_qk_l2norm, variant
+        As in :func:`cupy_comba.comba_decode_step`.
+
+    Returns
+    -------
+    o : ndarray, shape (B, T, H, V)
+    final_state : ndarray, float32, or None
+
+    Examples
+    --------
+    >>> from cupy_comba import comba_forward
+    >>> from cupy_comba.inputs import forward_inputs
+    >>> q, k, v, p, beta, g, S0 = forward_inputs(1, 3, 2, 64, 32, warm_steps=1)
+    >>> o, S = comba_forward(q, k, v, p, beta, g, initial_state=S0)
+    >>> o.shape, S.shape
+    ((1, 3, 2, 32), (1, 2, 64, 32))
+    """
+    if p is None:
+        raise TypeError("p must be a cupy.ndarray or numpy.ndarray, got NoneType (for p = k use gated_delta_forward)")
+    return run(False, initial_state, q, k, v, p, beta, g, scale, output_final_state, out, state_out, o_dtype,
+               state_layout, gate, use_qk_l2norm, variant)
+
+
+def gated_delta_forward(q, k, v, beta, g, scale=None, *, initial_state=None, output_final_state=True, out=None,
+                        state_out=None, o_dtype=None, state_layout="kv", gate="log", use_qk_l2norm=False,
+                        variant=None):
+    """T Gated DeltaNet tokens in one launch (:func:`comba_forward` with ``p = k``; k is read once).
+
+    Parameters
+    ----------
+    q, k : ndarray, shape (B, T, Hk, K)
+    v : ndarray, shape (B, T, H, V)
+    beta, g : ndarray, shape (B, T, H)
+    scale, initial_state, output_final_state, out, state_out, o_dtype, state_layout, gate, use_qk_l2norm, variant
+        As in :func:`comba_forward`.
+
+    Returns
+    -------
+    o : ndarray, shape (B, T, H, V)
+    final_state : ndarray, float32, or None
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cupy_comba import gated_delta_forward
+    >>> x = np.ones((1, 2, 1, 64), np.float32) / 8
+    >>> o, S = gated_delta_forward(x, x, np.ones((1, 2, 1, 32), np.float32), np.ones((1, 2, 1), np.float32),
+    ...                            np.zeros((1, 2, 1), np.float32), scale=1.0)
+    >>> round(float(o[0, 1, 0, 0]), 6)
+    1.0
+    """
+    return run(False, initial_state, q, k, v, None, beta, g, scale, output_final_state, out, state_out, o_dtype,
+               state_layout, gate, use_qk_l2norm, variant)

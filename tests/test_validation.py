@@ -1,0 +1,181 @@
+"""Bad input is answered before any work, with a message naming what was expected and what came.
+
+The same checks guard the NumPy and the CuPy paths; the GPU-marked tests repeat the ones whose fast
+path differs (plain cupy.ndarray arguments skip the general checks until a plan is built).
+"""
+
+import numpy
+import pytest
+
+from cupy_comba import bfloat16, comba_decode_step, comba_forward, gated_delta_decode_step, gated_delta_forward, reference
+from cupy_comba.inputs import decode_inputs, forward_inputs
+
+F32 = numpy.dtype(numpy.float32)
+
+
+def _step_args(xp=numpy, **kw):
+    return list(decode_inputs(3, 4, 64, 64, warm_steps=2, seed=11, xp=xp, **kw))
+
+
+def _poisoned_outputs(args, xp=numpy):
+    return xp.full((3, 4, 64), numpy.nan, bfloat16), xp.full(args[0].shape, numpy.nan, F32)
+
+
+# -- array types -------------------------------------------------------------------------------------
+
+class _Tagged(numpy.ndarray):
+    pass
+
+
+def test_ndarray_subclasses_run_as_plain_arrays(tmp_path):
+    args = _step_args()
+    S_ref, o_ref = comba_decode_step(*args)
+    mm = numpy.memmap(tmp_path / "state.bin", dtype=F32, mode="w+", shape=args[0].shape)
+    mm[...] = args[0]
+    tagged = args[1].view(_Tagged)
+    S, o = comba_decode_step(mm, tagged, *args[2:])
+    numpy.testing.assert_array_equal(S, S_ref)
+    numpy.testing.assert_array_equal(o, o_ref)
+    comba_decode_step(mm, *args[1:], state_out=mm)  # an output memmap is written in place
+    numpy.testing.assert_array_equal(numpy.asarray(mm), S_ref)
+
+
+def test_masked_arrays_are_refused():
+    args = _step_args()
+    args[3] = numpy.ma.masked_array(args[3], mask=numpy.zeros(args[3].shape, bool))
+    with pytest.raises(TypeError, match=r"v is a masked array: its mask would be ignored"):
+        comba_decode_step(*args)
+
+
+@pytest.mark.parametrize("op", ["decode", "forward"])
+def test_comba_without_p_names_the_gated_deltanet_op(op):
+    if op == "decode":
+        args = _step_args()
+        with pytest.raises(TypeError, match="p must be .* got NoneType .*gated_delta_decode_step"):
+            comba_decode_step(args[0], *args[1:4], None, *args[5:])
+    else:
+        q, k, v, p, beta, g, S = forward_inputs(2, 3, 2, 64, 32, warm_steps=1)
+        with pytest.raises(TypeError, match="p must be .* got NoneType .*gated_delta_forward"):
+            comba_forward(q, k, v, None, beta, g)
+
+
+# -- options ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", [None, "no", numpy.zeros(2), 1], ids=["None", "str", "array", "int"])
+def test_output_final_state_must_be_a_bool(value):
+    q, k, v, p, beta, g, S = forward_inputs(2, 3, 2, 64, 32, warm_steps=1)
+    with pytest.raises(TypeError, match="output_final_state must be a bool"):
+        gated_delta_forward(q, k, v, beta, g, initial_state=S, output_final_state=value)
+    o, final = gated_delta_forward(q, k, v, beta, g, initial_state=S, output_final_state=numpy.bool_(False))
+    assert final is None and o.shape == (2, 3, 2, 32)
+
+
+@pytest.mark.parametrize("o_dtype,match", [("foo", "o_dtype must be .* got 'foo'"), (5, "o_dtype must be .* got 5"),
+                                           (numpy.float64, "o_dtype must be .* got float64"),
+                                           ([1], r"o_dtype must be .* got \[1\]")])
+def test_o_dtype_errors_name_the_option(o_dtype, match):
+    with pytest.raises(TypeError, match=match):
+        comba_decode_step(*_step_args(), o_dtype=o_dtype)
+
+
+@pytest.mark.parametrize("alias,dtype", [("bf16", bfloat16), ("fp16", numpy.float16), ("float32", F32)])
+def test_o_dtype_takes_the_cli_aliases(alias, dtype):
+    _, o = comba_decode_step(*_step_args(), o_dtype=alias)
+    assert o.dtype == numpy.dtype(dtype)
+
+
+@pytest.mark.parametrize("scale", [1e39, -1e39, float("inf"), float("nan")])
+def test_scale_must_be_finite_in_float32(scale):
+    with pytest.raises(ValueError, match="scale must be finite in float32"):
+        comba_decode_step(*_step_args(), scale=scale)
+
+
+@pytest.mark.parametrize("option,value,match", [
+    ("state_layout", ["kv"], "state_layout must be 'kv' or 'vk', got \\['kv'\\]"),
+    ("state_layout", "KV", "state_layout must be 'kv' or 'vk', got 'KV'"),
+    ("gate", {"log": 1}, "gate must be 'log' or 'linear'"),
+    ("use_qk_l2norm", "yes", "use_qk_l2norm must be a bool"),
+    ("variant", "kv99x9", "variant must name a 'kv' tiling at K=64"),
+    ("variant", "kv64tc", "cannot run a 'kv' state with K=64, V=64 for one step"),
+    ("variant", 3, "variant must be a variant name"),
+])
+def test_option_errors(option, value, match):
+    exc = TypeError if option in ("use_qk_l2norm",) or (option == "variant" and value == 3) else ValueError
+    with pytest.raises(exc, match=match):
+        comba_decode_step(*_step_args(), **{option: value})
+
+
+# -- dtypes, shapes, layouts -----------------------------------------------------------------------
+
+def test_big_endian_input_says_so():
+    args = _step_args(dtype=F32)
+    args[3] = args[3].astype(">f4")
+    with pytest.raises(TypeError, match=r"v must be bfloat16, float16 or float32, got big-endian float32 \('>f4'\)"):
+        comba_decode_step(*args)
+    args = _step_args()
+    args[0] = args[0].astype(">f4")
+    with pytest.raises(TypeError, match=r"state must be float32 .* got big-endian float32"):
+        comba_decode_step(*args)
+
+
+def test_forward_blames_the_array_with_the_wrong_batch():
+    q, k, v, p, beta, g, S = forward_inputs(2, 3, 2, 64, 32, warm_steps=1)
+    q3 = numpy.concatenate([q, q[:1]])
+    with pytest.raises(ValueError, match=r"q has \(B, T\) = \(3, 3\) but k, p, v, beta, g have \(2, 3\)"):
+        comba_forward(q3, k, v, p, beta, g)
+
+
+def test_non_contiguous_state_is_refused_on_the_cpu_too():
+    args = _step_args()
+    args[0] = numpy.asfortranarray(args[0])
+    with pytest.raises(ValueError, match="state must be C-contiguous"):
+        comba_decode_step(*args)
+
+
+# -- outputs ---------------------------------------------------------------------------------------
+
+def test_read_only_outputs_are_refused_before_anything_is_written():
+    args = _step_args()
+    args[0].flags.writeable = False
+    out, _ = _poisoned_outputs(args)
+    with pytest.raises(ValueError, match="state_out is read-only"):
+        comba_decode_step(*args, out=out, state_out=args[0])
+    assert numpy.isnan(out.astype(F32)).all()  # out was not written either
+    ro = numpy.zeros((3, 4, 64), bfloat16)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="out is read-only"):
+        comba_decode_step(*_step_args(), out=ro)
+
+
+def test_interleaved_output_is_refused_with_the_rule():
+    args = _step_args(dtype=bfloat16)
+    buf = numpy.zeros((3, 4, 128), bfloat16)
+    args[3] = buf[..., 0::2]
+    out = buf[..., 1::2]  # shares no element with v, but their byte ranges interleave
+    with pytest.raises(ValueError, match="out overlaps v: .*compared as byte ranges"):
+        comba_decode_step(*args, out=out)
+
+
+# -- the same on the GPU's fast path ---------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_fast_path_answers_alike():
+    cupy = pytest.importorskip("cupy")
+    args = _step_args(xp=cupy)
+    with pytest.raises(ValueError, match=r"state_layout must be 'kv' or 'vk', got \['kv'\]"):
+        comba_decode_step(*args, state_layout=["kv"])
+    with pytest.raises(ValueError, match="scale must be finite in float32"):
+        comba_decode_step(*args, scale=1e39)
+    with pytest.raises(TypeError, match="output_final_state must be a bool"):
+        gated_delta_forward(*(a[:, None] for a in (args[1], args[2], args[3], args[5], args[6])),
+                            initial_state=args[0], output_final_state=None)
+    with pytest.raises(TypeError, match="o_dtype must be"):
+        comba_decode_step(*args, o_dtype="foo")
+    fortran = cupy.asfortranarray(args[0])
+    with pytest.raises(ValueError, match="state must be C-contiguous"):
+        comba_decode_step(fortran, *args[1:])
+    _, o = comba_decode_step(*args, o_dtype="bf16")
+    S_ref, o_ref = reference.comba_step(*args)
+    assert o.dtype == bfloat16 and reference.relative_error(o, o_ref) < 8e-3
+    _, o_gdn = gated_delta_decode_step(args[0], args[1], args[2], args[3], args[5], args[6])
+    assert reference.relative_error(o_gdn, reference.gated_delta_step(args[0], *args[1:4], *args[5:])[1]) < 8e-3
