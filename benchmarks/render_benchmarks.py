@@ -1,9 +1,10 @@
 """Render ``cupy-comba bench --json`` files into the tables of docs/benchmarks.md.
 
-    python benchmarks/render_benchmarks.py docs/benchmarks.md docs/bench-h200-regime.json [more.json ...]
+    python benchmarks/render_benchmarks.py docs/benchmarks.md benchmarks/results/h200-regime.json [more.json ...]
 
 Rewrites the text between ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` from the CLI's
-reports and ``benchmarks/sweep_forward.py --json`` files, and between ``<!-- tilings:begin -->``
+reports, between ``<!-- forward:begin -->`` and ``<!-- forward:end -->`` from
+``benchmarks/sweep_forward.py --json`` files, and between ``<!-- tilings:begin -->``
 and ``<!-- tilings:end -->`` from ``benchmarks/sweep_decode.py --json`` and
 ``benchmarks/sweep_forward_tilings.py --json`` files.
 """
@@ -12,11 +13,14 @@ import json
 import sys
 
 BLOCKS = {"bench": ("<!-- bench:begin -->", "<!-- bench:end -->"),
+          "forward": ("<!-- forward:begin -->", "<!-- forward:end -->"),
           "tilings": ("<!-- tilings:begin -->", "<!-- tilings:end -->")}
 
 
 def block_of(report):
-    return "tilings" if "rows" in report and report["rows"] and "variant" in report["rows"][0] else "bench"
+    if "rows" in report and report["rows"] and "variant" in report["rows"][0]:
+        return "tilings"
+    return "forward" if "rows" in report else "bench"
 
 
 def table(report):

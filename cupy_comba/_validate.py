@@ -277,7 +277,8 @@ def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, ga
         o_dtype = out.dtype
     multi = not (T == 1 and sigs["state"] is not None and write_final)
     if variant is not None:
-        families.tiling(state_layout, K, variant)  # a known name, else ValueError
+        # a known name, else ValueError; a variant built for T-token passes only runs one step as one
+        multi = multi or families.tiling(state_layout, K, variant).passes_only
         allowed = families.variants(state_layout, K, V, multi)
         if variant not in allowed:
             raise ValueError(f"variant {variant!r} cannot run a {state_layout!r} state with K={K}, V={V}"

@@ -1,4 +1,4 @@
-"""Realistic random inputs for tests and benchmarks (the spec's recipe).
+"""Realistic random inputs for tests and benchmarks.
 
 q ~ N(0, 1); k, p = normalize(N(0, 1)) along K; v ~ N(0, 1);
 beta = sigmoid(U(0, 1)); g = logsigmoid(N(0, 1)) / 4.  The state starts at

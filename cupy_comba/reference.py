@@ -3,7 +3,7 @@
 Written once, in array-API style, so the same code runs on NumPy arrays (the
 CPU path and the tests) and on CuPy arrays (the benchmark's full-size
 correctness check on the GPU).  Clarity over speed: every input is upcast to
-float64 and the math is written exactly as the spec states it.
+float64 and the math is written exactly as docs/design.md states it.
 
 Shapes follow the library: ``state [B, H, K, V]``, ``q, k, p [B, Hk, K]``,
 ``v [B, H, V]``, ``beta, g [B, H]`` with ``H % Hk == 0`` (head ``h`` reads the

@@ -2,7 +2,7 @@
 // as small matrix products on the tensor cores (mma.sync m16n8k8, TF32 operands split in three
 // for fp32 accuracy), one or two chunks a pass over the state (SUBS).  Either state layout; the
 // state is read once, stays in registers across the T tokens and is written once, as in
-// delta_rule.cu.
+// token_loop.cu.
 //
 // Math.  A chunk of C = 8 tokens from the state S0 (K x V); G_t = e_0 ... e_t, r(j, t) = e_{j+1}
 // ... e_t (r(t, t) = 1); fq, fk, fp the L2-norm factors (1 without use_qk_l2norm).  Tokens past
@@ -15,7 +15,7 @@
 //   O^T = scale (Rq diag(G fq) + U^T Bq),      Bq[j][t] = r(j, t) fk_j fq_t (k_j . q_t), j <= t
 //   S^T = G_7 S0^T + (U^T diag(w)) [k_0 .. k_7]^T,   w_j = r(j, 7) fk_j
 //
-// -- the token recurrence of delta_rule.cu unrolled over the chunk (u_t is column t of U^T),
+// -- the token recurrence of token_loop.cu unrolled over the chunk (u_t is column t of U^T),
 // exact algebra.  Every product with a K or V dimension runs on the tensor cores: the four above
 // and the chunk's dot products, which are Gram products of the staged fragments ([p; q] k^T, and
 // for use_qk_l2norm the norms); only the 8 x 8 solve for M and the factors run on CUDA cores (fp32).
@@ -51,7 +51,7 @@
 // as a 64-column slab at K = 128: one CTA a V = 128 head stages and solves each chunk once).  The
 // K-reduction of a warp stays in its mma.sync accumulators; the K / 64 key parts of a value group
 // add their partial [Rp | Rq] through shared memory.  The stage (MmaStage) is dynamic shared memory
-// of cupy_comba.tiling.mma_stage_bytes.  At the start each thread asks L2 for a line of the state
+// of cupy_comba.families.mma_stage_bytes.  At the start each thread asks L2 for a line of the state
 // of the CTA a wave later.  Per pass (one chunk, or two with SUBS = 2: their solves on warps 0-1 and
 // 2-3 at once, their Gram products over the value groups), four CTA barriers:
 //   1. every thread stages 4 consecutive keys of one token of q, k, p (one 8- or 16-byte load
@@ -71,17 +71,10 @@
 // with an fp32 among q, k, p).  A two-chunk pass holds only the 16-bit path (registers: the
 // launch runs an fp32 among q, k, p with one chunk a pass).
 //
-// Where it stands (docs/benchmarks.md, "Multi-token" and "Tilings"): with few heads (B*H <= 128)
-// the GPU waits on each token's latency and this kernel, 8 or 16 tokens a step, is the fastest from
-// T = 5 on; with many heads a pass costs about the same whatever its fill, and
-// cupy_comba.tiling.choose takes it there from T = 5, 16 tokens a pass where fewer passes pay for
-// their cost (1.7 passes of 8).  B*H = 8192, K = V = 128, T = 16: 512.4 us "kv", 511.6 us "vk", x1.96
-// and x1.92 of the decode step, against 980 us for the token loop; at K = 64, 128-column slabs:
-// 246.8 us "kv", 251.7 us "vk" (x1.86), against 270.9 / 270.5 us in 64-column slabs.  In-kernel clocks
-// (16-token passes, sixth session, before the kv loads of 4 bytes and the solve's reads ahead of its
-// stores; medians, cycles) put a CTA at 16400, two CTAs an SM: setup and staging 6600 (4300 without
-// the state), the read 2300, the Gram products 950, the solve 1750, U, O and the write 3300, the
-// final stores 1100.
+// Why: with few heads (B*H <= 128) the GPU waits on each token's latency, and this kernel, 8 or 16
+// tokens a step, is the fastest from T = 5 on; with many heads a pass costs about the same whatever
+// its fill, so cupy_comba/tiling.py takes it from T = 5 (16 tokens a pass where fewer passes pay for
+// their 5/3 cost).  Measured figures: docs/benchmarks.md, "Forward passes".
 #include "common.cuh"
 #include "params.cuh"
 #include "mma_ops.cuh"
@@ -106,7 +99,7 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
     static_assert(K % 64 == 0 && SLAB % 16 == 0 && (C * K) % NT == 0 && (C * SLAB) % NT == 0, "bad mma tiling");
     static_assert(SUBS == 1 || SUBS == 2, "one or two sub-chunks a pass over the state");
     // The stage is dynamic shared memory (over 48 KB with two sub-chunks): the launch passes
-    // sizeof(Stage) (cupy_comba.tiling.mma_stage_bytes, checked against this struct by test_build).
+    // sizeof(Stage) (cupy_comba.families.mma_stage_bytes, checked against this struct by test_build).
     extern __shared__ __align__(16) unsigned char mma_smem[];
     Stage& st = *reinterpret_cast<Stage*>(mma_smem);
 
@@ -391,7 +384,7 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
         else if (exact) chunks(Constant<true>{}, Constant<kRegs>{});
         else chunks(Constant<false>{}, Constant<kRegs>{});
     } else {
-        // 16-bit q, k, p only: cupy_comba.tiling.launch runs an fp32 among them with 8-token chunks.
+        // 16-bit q, k, p only: cupy_comba.families.kernel runs an fp32 among them with 8-token chunks.
         chunks(Constant<true>{}, Constant<kEither>{});
     }
 

@@ -1,8 +1,8 @@
 // params.cuh -- the launch parameters every delta-rule kernel takes, in one struct passed by value.
 //
 // Strides are in elements and may be anything (activations are often slices of a packed
-// projection); a decode step is the T = 1 case with zero T strides.  Must match FIELDS in
-// cupy_comba/_params.py (all int64, same order).
+// projection); a decode step is the T = 1 case with zero T strides.  Must match
+// PARAMS_FIELDS in cupy_comba/_plan.py (all int64, same order).
 #pragma once
 
 #include "common.cuh"

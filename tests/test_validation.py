@@ -96,7 +96,7 @@ def test_scale_must_be_finite_in_float32(scale):
     ("gate", {"log": 1}, "gate must be 'log' or 'linear'"),
     ("use_qk_l2norm", "yes", "use_qk_l2norm must be a bool"),
     ("variant", "kv99x9", "variant must name a 'kv' tiling at K=64"),
-    ("variant", "kv64tc", "cannot run a 'kv' state with K=64, V=64 for one step"),
+    ("variant", "kv128tc16", "cannot run a 'kv' state with K=64, V=64 over T tokens"),
     ("variant", 3, "variant must be a variant name"),
 ])
 def test_option_errors(option, value, match):
