@@ -19,9 +19,10 @@ import statistics
 import sys
 
 import cupy
+import numpy
 
 from cupy_comba import bfloat16, comba_decode_step, gated_delta_decode_step
-from cupy_comba._plan import PLANS, _check_overlaps
+from cupy_comba._plan import PLANS, _check_pointers, _kernel_pointers
 from cupy_comba.bench import host_overhead, parse_shapes
 from cupy_comba.inputs import decode_inputs
 
@@ -46,21 +47,21 @@ def report(shape):
     B, H, K, V = shape
     state, q, k, v, p, beta, g = args = decode_inputs(B, H, K, V, xp=cupy, seed=0, warm_steps=1)
     out, state_out = cupy.empty((B, H, V), bfloat16), cupy.empty_like(state)
-    arrays = (q, k, v, p, beta, g, state, out, state_out)
+    arrays = (q, k, v, p, beta, g, state, out, state_out, None, None, None)
     PLANS.clear()
     comba_decode_step(*args, out=out, state_out=state_out)  # the one plan, under the key the op built
     ((key, plan),) = PLANS.items()
     fresh = [decode_inputs(B, H, K, V, xp=cupy, seed=i + 1)[1:] for i in range(8)]
     turn = iter(range(1 << 62))
-    pointers = tuple(a.data.ptr for a in arrays)
-    kernel_ptrs = (state.data.ptr, state_out.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr, p.data.ptr,
-                   beta.data.ptr, g.data.ptr, out.data.ptr)
+    pointers = tuple(None if a is None else a.data.ptr for a in arrays)
+    kernel_ptrs = _kernel_pointers(pointers)
     stream = cupy.cuda.get_current_stream().ptr
     device = plan.device
     launch = plan.launcher
     swapped = (kernel_ptrs[1], kernel_ptrs[0]) + kernel_ptrs[2:]  # state and state_out trade places
     alternate = iter(range(1 << 62))
-    raw_args = (state, state_out, q, k, v, p, beta, g, out, launch.params, launch.scale)
+    null = numpy.uint64(0)  # the serving pointers, absent
+    raw_args = (state, state_out, q, k, v, p, beta, g, out, null, null, null, launch.params, launch.scale)
     empty = cupy.RawModule(code=EMPTY).get_function("empty")
     blob = launch.params.tobytes()
     param_buf = ctypes.create_string_buffer(blob, len(blob))
@@ -87,15 +88,16 @@ def report(shape):
         "launch floor: driver launch of an empty kernel, one 8-byte argument":
             lambda: cupy.cuda.driver.launchKernel(empty_ptr.kernel.ptr, 1, 1, 1, 32, 1, 1, 0, stream,
                                                   ctypes.addressof(argv_ptr), 0),
-        "piece: shape, strides, dtype of 9 arrays": lambda: [(a.shape, a.strides, a.dtype) for a in arrays],
-        "piece: data pointer and device of 9 arrays": lambda: [(a.data.ptr, a.data.device_id) for a in arrays],
+        "piece: shape, strides, dtype of 9 arrays": lambda: [(a.shape, a.strides, a.dtype) for a in arrays[:9]],
+        "piece: data pointer and device of 9 arrays": lambda: [(a.data.ptr, a.data.device_id) for a in arrays[:9]],
         "piece: plan cache hit": lambda: PLANS.get(key),
-        "piece: overlap check": lambda: _check_overlaps(pointers, plan.pairs),
+        "piece: pointer checks (device, overlaps, alignment)":
+            lambda: _check_pointers(arrays, pointers, device, plan.pairs),
         "piece: current stream handle": lambda: cupy.cuda.get_current_stream().ptr,
         "piece: is the stream capturing (cudaStreamIsCapturing)": lambda: cupy.cuda.runtime.streamIsCapturing(stream),
         "piece: current device (cudaGetDevice)": lambda: cupy.cuda.runtime.getDevice(),
-        "piece: .data of 9 arrays": lambda: [a.data for a in arrays],
-        "piece: the plan's 9 pointer slots written": lambda: launch._slots.__setitem__(slice(None), kernel_ptrs),
+        "piece: .data of 9 arrays": lambda: [a.data for a in arrays[:9]],
+        "piece: the plan's 12 pointer slots written": lambda: launch._slots.__setitem__(slice(None), kernel_ptrs),
     }
     print(f"host time per call, {shape}, bf16:")
     for name, fn in rows.items():

@@ -20,23 +20,3 @@ def gpu_available():
         return cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:  # no driver, driver too old, ...
         return False
-
-
-def is_cupy_array(x):
-    return cupy is not None and isinstance(x, cupy.ndarray)
-
-
-def array_namespace(*arrays):
-    """``cupy`` if any argument is a CuPy array, else ``numpy``."""
-    for a in arrays:
-        if is_cupy_array(a):
-            return cupy
-    return numpy
-
-
-def deliver(value, buffer, dtype):
-    """``value`` cast to ``dtype``: into ``buffer`` when the caller handed one over, else a new array."""
-    if buffer is None:
-        return value.astype(dtype)
-    buffer[...] = value.astype(dtype)
-    return buffer

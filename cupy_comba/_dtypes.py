@@ -25,7 +25,7 @@ def parse_dtype(name):
     table = {
         "bf16": bfloat16, "bfloat16": bfloat16,
         "fp16": float16, "f16": float16, "float16": float16, "half": float16,
-        "fp32": float32, "f32": float32, "float32": float32, "float": float32,
+        "fp32": float32, "f32": float32, "float32": float32,
     }
     try:
         return table[str(name).lower()]

@@ -1,9 +1,9 @@
 """Kernel launches from an argument block packed once per plan, replayed as a one-node CUDA graph.
 
 CuPy's ``RawKernel`` call inspects every argument again on every launch: about 8 us for the
-eleven arguments of the delta-rule kernels on an H200 host.  A :class:`Launcher`
-lays out one plan's arguments once -- nine device-pointer slots, the ``Params`` struct and the
-scale -- so a call writes the nine pointers and hands them to the driver.
+delta-rule kernels' arguments on an H200 host.  A :class:`Launcher`
+lays out one plan's arguments once -- twelve device-pointer slots, the ``Params`` struct
+(:func:`pack_params`) and the scale -- so a call writes the pointers and hands them to the driver.
 
 How it hands them over: on the H200 hosts measured (virtual machines) ``cuLaunchKernel``
 takes 3.6-5.7 us of host time even for an empty kernel, ``cudaGraphLaunch`` of a one-node graph
@@ -26,9 +26,69 @@ import os
 import sys
 import threading
 
-from ._backend import cupy
+import numpy
 
-N_POINTERS = 9  # state, state_out, q, k, v, p, beta, g, o: the kernels' pointer arguments, in order
+from ._backend import cupy
+from ._dtypes import ACTIVATION_CODES
+from ._validate import INDEX_CODES
+
+#: The kernels' pointer arguments, in order: state, state_out, q, k, v, p, beta, g, o, state_indices,
+#: A_log, dt_bias.
+N_POINTERS = 12
+
+#: Field order of ``struct Params`` (kernels_cu/params.cuh); every field is int64.
+PARAMS_FIELDS = (
+    "B", "T", "H", "group", "V",
+    "q_sb", "q_st", "q_sh", "q_sk",
+    "k_sb", "k_st", "k_sh", "k_sk",
+    "p_sb", "p_st", "p_sh", "p_sk",
+    "v_sb", "v_st", "v_sh", "v_sv",
+    "beta_sb", "beta_st", "beta_sh",
+    "g_sb", "g_st", "g_sh",
+    "o_sb", "o_st", "o_sh", "o_sv",
+    "q_t", "k_t", "p_t", "v_t", "beta_t", "g_t", "o_t",
+    "gate_linear", "l2norm", "has_initial", "write_final",
+    "N", "slot_t", "slot_s", "gate_softplus", "beta_sigmoid",
+)
+PARAMS = numpy.dtype([(name, numpy.int64) for name in PARAMS_FIELDS], align=True)
+
+def pack_params(sig):
+    """``struct Params`` of a signature, as a ``numpy.void`` scalar."""
+    a, step = sig.arrays, sig.step
+
+    def strides(s):  # element strides, with a length-1 T axis inserted for steps
+        es = s.element_strides()
+        return es if not step else es[:1] + (0,) + es[1:]
+
+    o = a["out"]
+    o_es = strides(o) if o is not None else _c_strides(sig.o_shape, 1, step)
+    values = {"B": sig.B, "T": sig.T, "H": sig.H, "group": sig.H // sig.Hk, "V": sig.V}
+    for name in ("q", "k", "p", "v"):
+        src = a[name] if a[name] is not None else a["k"]
+        last = "v" if name == "v" else "k"
+        values.update(zip((f"{name}_sb", f"{name}_st", f"{name}_sh", f"{name}_s{last}"), strides(src)))
+        values[f"{name}_t"] = ACTIVATION_CODES[src.dtype]
+    for name in ("beta", "g"):
+        values.update(zip((f"{name}_sb", f"{name}_st", f"{name}_sh"), strides(a[name])))
+        values[f"{name}_t"] = ACTIVATION_CODES[a[name].dtype]
+    values.update(zip(("o_sb", "o_st", "o_sh", "o_sv"), o_es))
+    values.update(o_t=ACTIVATION_CODES[sig.o_dtype], gate_linear=sig.gate == "linear", l2norm=sig.l2norm,
+                  has_initial=a["state"] is not None, write_final=sig.write_final, N=sig.N,
+                  slot_t=INDEX_CODES[a["state_indices"].dtype] if sig.pool else 0,
+                  slot_s=a["state_indices"].element_strides()[0] if sig.pool else 0,
+                  gate_softplus=sig.gating, beta_sigmoid=sig.beta_sigmoid)
+    return numpy.array(tuple(int(values[n]) for n in PARAMS_FIELDS), dtype=PARAMS)[()]
+
+
+def _c_strides(shape, itemsize, step):
+    """Element strides of a C-contiguous array (a zero T stride inserted for steps)."""
+    strides, acc = [], itemsize
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    es = tuple(reversed(strides))
+    return es if not step else es[:1] + (0,) + es[1:]
+
 
 #: Streams a Launch keeps a graph for (a caller cycling through more streams captures again).
 MAX_STREAM_GRAPHS = 8
@@ -81,7 +141,7 @@ class Launcher:
     grid, block : int
         One-dimensional launch geometry: CTAs, and threads a CTA.
     params : numpy.void
-        The packed ``struct Params`` (:mod:`cupy_comba._plan`).
+        The packed ``struct Params`` (:func:`pack_params`).
     scale : numpy.float32
     shared_bytes : int
         Dynamic shared memory of each CTA (the kernel's attribute already allows it).
@@ -111,8 +171,8 @@ class Launcher:
         self._graphs = {}  # stream handle -> _StreamGraph, or None after the stream's first launch
 
     def __call__(self, pointers, device):
-        """Launch on the current stream of ``device`` (the kernel's) with the nine device pointers,
-        a tuple, in order."""
+        """Launch on the current stream of ``device`` (the kernel's) with the :data:`N_POINTERS`
+        device pointers, a tuple, in order."""
         if cupy.cuda.runtime.getDevice() == device:
             self._launch(pointers, cupy.cuda.get_current_stream().ptr)
         else:

@@ -3,7 +3,8 @@
 All of it runs before any work.  :func:`signature` checks one call signature -- each array's
 shape, strides and dtype, the options -- and returns what the plan is built from; the plan
 module caches it, so a decode loop pays for these checks once.  What depends on the data
-pointers (overlaps, alignment, one device) is checked per call by :mod:`cupy_comba._plan`.
+pointers (one device, overlaps, alignment, the pool updated in place) is checked per call by
+:mod:`cupy_comba._plan`, against the pairs of arrays :func:`signature` lists.
 """
 
 import collections
@@ -20,7 +21,15 @@ from . import families
 _FLOAT32_MAX = float(numpy.finfo(numpy.float32).max)
 
 INPUTS = ("q", "k", "v", "p", "beta", "g")
-ARRAYS = INPUTS + ("state", "out", "state_out")
+#: Every array argument, in the order the plan keeps them; the last three are the serving options
+#: (docs/serving.md).
+ARRAYS = INPUTS + ("state", "out", "state_out", "state_indices", "A_log", "dt_bias")
+#: Those that may be None.
+OPTIONAL = ("p", "state", "out", "state_out", "state_indices", "A_log", "dt_bias")
+#: Positions of the state, out and state_out in :data:`ARRAYS`.
+STATE, OUT, STATE_OUT = 6, 7, 8
+#: dtypes of ``state_indices`` and their kernel codes (``Params::slot_t``; 0: no pool).
+INDEX_CODES = {numpy.dtype(numpy.int32): 1, numpy.dtype(numpy.int64): 2}
 
 
 class ArraySig:
@@ -52,7 +61,8 @@ class Signature:
     """One validated call signature: sizes, resolved options and each array's :class:`ArraySig`."""
 
     __slots__ = ("step", "comba", "layout", "gate", "l2norm", "write_final", "B", "T", "H", "Hk", "K", "V",
-                 "scale", "o_dtype", "o_shape", "state_shape", "arrays", "variant", "multi")
+                 "scale", "o_dtype", "o_shape", "state_shape", "arrays", "variant", "multi", "pool", "N",
+                 "gating", "beta_sigmoid", "pairs")
 
 
 # -- options ---------------------------------------------------------------------------------------
@@ -94,8 +104,9 @@ def output_dtype(o_dtype):
     return dt
 
 
-def options(scale, write_final, state_out, o_dtype, state_layout, gate, l2norm, variant):
-    """Every option checked: ``(scale, write_final, o_dtype, state_layout, gate, l2norm, variant)``."""
+def options(scale, write_final, state_out, o_dtype, state_layout, gate, l2norm, variant, beta_sigmoid):
+    """Every option checked: ``(scale, write_final, o_dtype, state_layout, gate, l2norm, variant,
+    beta_sigmoid)``, each of a type the plan key hashes (Python bools and floats, a numpy dtype)."""
     scale = None if scale is None else real_scalar("scale", scale)
     write_final = flag("output_final_state", write_final)
     if not write_final and state_out is not None:
@@ -103,23 +114,24 @@ def options(scale, write_final, state_out, o_dtype, state_layout, gate, l2norm, 
     if variant is not None and not isinstance(variant, str):
         raise TypeError(f"variant must be a variant name (str) or None, got {type(variant).__name__}")
     return (scale, write_final, output_dtype(o_dtype), choice("state_layout", state_layout, ("kv", "vk")),
-            choice("gate", gate, ("log", "linear")), flag("use_qk_l2norm", l2norm), variant)
+            choice("gate", gate, ("log", "linear")), flag("use_qk_l2norm", l2norm), variant,
+            flag("use_beta_sigmoid", beta_sigmoid))
 
 
 # -- array types -----------------------------------------------------------------------------------
 
 def namespace(named):
-    """``(xp, {name: array})`` for ``{name: array or None}``: ``numpy`` or ``cupy``, NumPy subclasses
+    """``(xp, {name: array})`` for ``{name: array or None}``: ``numpy`` or ``cupy``, subclasses
     (``numpy.memmap``, ...) as plain ndarray views; TypeError on anything else, masked arrays and
-    a mix of NumPy and CuPy.  ``None`` is allowed for p, state (forward passes: no initial state),
-    out and state_out."""
+    a mix of NumPy and CuPy.  ``None`` is allowed for the :data:`OPTIONAL` arrays."""
     kinds, plain = {}, {}
     for name, a in named.items():
-        if a is None and name in ("p", "state", "out", "state_out"):
+        if a is None and name in OPTIONAL:
             plain[name] = None
             continue
         if cupy is not None and isinstance(a, cupy.ndarray):
             kinds.setdefault("cupy", name)
+            a = a.view(cupy.ndarray) if type(a) is not cupy.ndarray else a
         elif isinstance(a, numpy.ndarray):
             if isinstance(a, numpy.ma.MaskedArray):
                 raise TypeError(f"{name} is a masked array: its mask would be ignored; pass {name}.filled(...) "
@@ -213,11 +225,47 @@ def check_head_sizes(K, V):
         raise NotImplementedError(f"value head size V={V} is not supported: V must be a positive multiple of 32")
 
 
-def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, gate, l2norm, variant):
+def _check_pool(sigs, B, N):
+    """``state_indices``: one int32 / int64 slot per batch row (any stride)."""
+    idx = sigs["state_indices"]
+    if idx.dtype not in INDEX_CODES:
+        raise TypeError(f"state_indices must be int32 or int64, got {_describe(idx.dtype)}")
+    _expect_shape("state_indices", idx.shape, (B,), "(B,): one pool slot a batch row,")
+    if any(st % idx.itemsize for st in idx.strides):
+        raise ValueError(f"state_indices has strides {idx.strides} that are not a multiple of its itemsize")
+    if N >= 2 ** 31:
+        raise ValueError(f"the pool holds {N} states; at most 2**31 - 1 are addressed")
+
+
+def _check_gating(sigs, H, gate):
+    """``A_log`` and ``dt_bias``: both or neither, float32 ``(H,)``, contiguous; a log gate."""
+    a_log, dt_bias = sigs["A_log"], sigs["dt_bias"]
+    if (a_log is None) != (dt_bias is None):
+        given, missing = ("A_log", "dt_bias") if dt_bias is None else ("dt_bias", "A_log")
+        raise ValueError(f"{given} was given without {missing}: in-kernel gating takes both "
+                         "(g = -exp(A_log) * softplus(g + dt_bias))")
+    if a_log is None:
+        return False
+    if gate != "log":
+        raise ValueError("A_log and dt_bias compute a log-decay (g = -exp(A_log) * softplus(a + dt_bias)): "
+                         f"they take gate='log', got gate={gate!r}")
+    for name, s in (("A_log", a_log), ("dt_bias", dt_bias)):
+        _expect_shape(name, s.shape, (H,), "(H,): one value a value head,")
+        if s.dtype != float32:
+            raise TypeError(f"{name} must be float32, got {_describe(s.dtype)}")
+        if H > 1 and s.strides[0] != s.itemsize:
+            raise ValueError(f"{name} must be contiguous, got strides {s.strides}")
+    return True
+
+
+def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, gate, l2norm, variant, beta_sigmoid):
     """Validate one call: ``arrays`` is ``{name: array or None}`` in :data:`ARRAYS` order (plain
     ndarrays), the options as :func:`options` returned them.  Returns a :class:`Signature`."""
     sigs = {n: None if a is None else ArraySig(a) for n, a in arrays.items()}
-    state_meaning = "(B, H, K, V)" if state_layout == "kv" else "(B, H, V, K)"
+    pool = sigs["state_indices"] is not None
+    state_name = "state" if step else "initial_state"
+    lead_state = "N" if pool else "B"
+    state_meaning = f"({lead_state}, H, K, V)" if state_layout == "kv" else f"({lead_state}, H, V, K)"
     lead = ("B",) if step else ("B", "T")
     lead_text = "(" + ", ".join(lead) + ", "
     keys = [n for n in ("q", "k", "p") if sigs[n] is not None]
@@ -227,22 +275,31 @@ def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, ga
     for n in ("beta", "g"):
         _expect_ndim(n, sigs[n], len(lead) + 1, lead_text + "H)")
     tokens = keys + ["v", "beta", "g"]
+    if pool and sigs["state"] is None:
+        raise ValueError("state_indices names slots of a state pool: pass the pool as initial_state "
+                         f"{state_meaning}")
     if step:  # a step's sizes come from its state
         _expect_ndim("state", sigs["state"], 4, state_meaning)
         s = sigs["state"].shape
-        B, H, K, V = s if state_layout == "kv" else (s[0], s[1], s[3], s[2])
+        N, H, K, V = s if state_layout == "kv" else (s[0], s[1], s[3], s[2])
         head_k, head_v = sigs["q"].shape[-1], sigs["v"].shape[-1]
         if (K, V) != (head_k, head_v) and (V, K) == (head_k, head_v):
-            want = (B, H, V, K) if state_layout == "kv" else (B, H, K, V)
+            want = (N, H, V, K) if state_layout == "kv" else (N, H, K, V)
             raise ValueError(f"state must have shape {state_meaning} for state_layout={state_layout!r} = {want}, "
                              f"got {s} (a state in the other layout?)")
         T = 1
-        _agree("batch B", {n: sigs[n].shape[0] for n in tokens} | {"state": B})
+        if pool:
+            B = _agree("batch B", {n: sigs[n].shape[0] for n in tokens})
+        else:
+            B = _agree("batch B", {n: sigs[n].shape[0] for n in tokens} | {"state": N})
     else:
         B, T = _agree("(B, T)", {n: sigs[n].shape[:2] for n in tokens})
         H = _agree("value heads H", {n: sigs[n].shape[2] for n in ("v", "beta", "g")})
         K = _agree("head size K", {n: sigs[n].shape[-1] for n in keys})
         V = sigs["v"].shape[-1]
+        if pool:
+            _expect_ndim(state_name, sigs["state"], 4, state_meaning)
+        N = sigs["state"].shape[0] if pool else B
     Hk = _agree("key heads Hk", {n: sigs[n].shape[len(lead)] for n in keys})
     if Hk < 1 or H % Hk:
         raise ValueError(f"value heads H={H} must be a multiple of key heads Hk={Hk} (q, k, p have Hk heads)")
@@ -259,10 +316,12 @@ def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, ga
             raise TypeError(f"{n} must be {ACTIVATION_NAMES}, got {_describe(s.dtype)}")
         if any(st % s.itemsize for st in s.strides):
             raise ValueError(f"{n} has strides {s.strides} that are not a multiple of its itemsize")
-    state_shape = (B, H, K, V) if state_layout == "kv" else (B, H, V, K)
+    state_shape = (N, H, K, V) if state_layout == "kv" else (N, H, V, K)
     if sigs["state"] is not None:
-        _check_state("state" if step else "initial_state", sigs["state"], state_shape,
-                     f"{state_meaning} for state_layout={state_layout!r}")
+        _check_state(state_name, sigs["state"], state_shape, f"{state_meaning} for state_layout={state_layout!r}")
+    if pool:
+        _check_pool(sigs, B, N)
+    gating = _check_gating(sigs, H, gate)
     if sigs["state_out"] is not None:
         _check_output("state_out", arrays["state_out"], sigs["state_out"], state_shape, "the state's shape")
         _check_state("state_out", sigs["state_out"], state_shape, "the state's shape")
@@ -286,8 +345,27 @@ def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, ga
     sig = Signature()
     sig.step, sig.comba, sig.layout, sig.gate, sig.l2norm, sig.write_final = (step, comba, state_layout, gate, l2norm,
                                                                               write_final)
-    sig.B, sig.T, sig.H, sig.Hk, sig.K, sig.V = B, T, H, Hk, K, V
+    sig.B, sig.T, sig.H, sig.Hk, sig.K, sig.V, sig.N = B, T, H, Hk, K, V, N
+    sig.pool, sig.gating, sig.beta_sigmoid = pool, gating, beta_sigmoid
     sig.scale = K ** -0.5 if scale is None else scale
     sig.o_dtype = sigs["v"].dtype if o_dtype is None else o_dtype
     sig.o_shape, sig.state_shape, sig.arrays, sig.variant, sig.multi = o_shape, state_shape, sigs, variant, multi
+    sig.pairs = _overlap_pairs(tuple(None if a is None else a.span() for a in sigs.values()), pool)
     return sig
+
+
+def _overlap_pairs(spans, pool):
+    """What the plan's pointer check tests, worked out once per signature: ``(o, i, olo, ohi, lo, hi)``
+    for every output ``o`` and array ``i`` it must not share memory with, both present and non-empty
+    (``state_out`` against the inputs, ``out`` against everything else), in :data:`ARRAYS` order,
+    with the byte spans of :meth:`ArraySig.span`; with a pool, ``(STATE_OUT, STATE, None, ...)``
+    asks that state_out be the state itself."""
+    pairs = []
+    for o in (STATE_OUT, OUT):
+        if spans[o] is None or spans[o][0] >= spans[o][1]:
+            continue
+        pairs.extend((o, i, *spans[o], *spans[i]) for i in range(len(ARRAYS))
+                     if i != o and not (o == STATE_OUT and i == OUT) and spans[i] is not None and spans[i][0] < spans[i][1])
+    if pool and spans[STATE_OUT] is not None:
+        pairs.append((STATE_OUT, STATE, None, None, None, None))
+    return tuple(pairs)

@@ -7,11 +7,12 @@ the library (docs/api.md): ``state_layout``, ``gate``, ``use_qk_l2norm``, ``out`
 ``o_dtype`` and ``variant``.
 """
 
-from ._plan import run
+from ._plan import run, serving
 
 
-def comba_decode_step(state, q, k, v, p, beta, g, scale=None, *, out=None, state_out=None, o_dtype=None,
-                      state_layout="kv", gate="log", use_qk_l2norm=False, variant=None):
+def comba_decode_step(state, q, k, v, p, beta, g, scale=None, *, state_indices=None, A_log=None, dt_bias=None,
+                      use_beta_sigmoid=False, out=None, state_out=None, o_dtype=None, state_layout="kv", gate="log",
+                      use_qk_l2norm=False, variant=None):
     """One Comba recurrent step for every sequence of a decode batch.
 
     Per ``(b, h)``, with ``S = state[b, h]`` and ``e = exp(g[b, h])``::
@@ -92,11 +93,12 @@ def comba_decode_step(state, q, k, v, p, beta, g, scale=None, *, out=None, state
         raise TypeError("p must be a cupy.ndarray or numpy.ndarray, got NoneType (for p = k use "
                         "gated_delta_decode_step)")
     return run(True, state, q, k, v, p, beta, g, scale, True, out, state_out, o_dtype, state_layout, gate,
-               use_qk_l2norm, variant)
+               use_qk_l2norm, variant, serving(state_indices, A_log, dt_bias, use_beta_sigmoid))
 
 
-def gated_delta_decode_step(state, q, k, v, beta, g, scale=None, *, out=None, state_out=None, o_dtype=None,
-                            state_layout="kv", gate="log", use_qk_l2norm=False, variant=None):
+def gated_delta_decode_step(state, q, k, v, beta, g, scale=None, *, state_indices=None, A_log=None, dt_bias=None,
+                            use_beta_sigmoid=False, out=None, state_out=None, o_dtype=None, state_layout="kv",
+                            gate="log", use_qk_l2norm=False, variant=None):
     """One Gated DeltaNet step (:func:`comba_decode_step` with ``p = k``) for a decode batch.
 
     Parameters
@@ -129,4 +131,4 @@ def gated_delta_decode_step(state, q, k, v, beta, g, scale=None, *, out=None, st
     (True, True)
     """
     return run(True, state, q, k, v, None, beta, g, scale, True, out, state_out, o_dtype, state_layout, gate,
-               use_qk_l2norm, variant)
+               use_qk_l2norm, variant, serving(state_indices, A_log, dt_bias, use_beta_sigmoid))

@@ -23,14 +23,15 @@ variant                   kernel (``comba::``)        a CTA holds
 ========================  ==========================  ============================================
 
 The token-loop kernels have two builds: the decode step (one token from a given state to a
-written state, no token loop) and the T-token build (``multi``).
+written state, no token loop) and the T-token build (``multi``).  Every build has a twin with the
+serving options (``serving``: a state pool, in-kernel gating), compiled when a call uses them.
 
 >>> from cupy_comba import families
 >>> families.variants("kv", 128, 128)
 ('kv64x8', 'kv64x4', 'kv32x8', 'kv32x16')
 >>> k = families.kernel("kv", "kv64x8", K=128, separate_p=True, multi=False)
 >>> k.expression, k.block, k.grid(heads=512, V=128)
-('comba::delta_rule_kv<128, 64, 8, true, false>', 128, 1024)
+('comba::delta_rule_kv<128, 64, 8, true, false, false>', 128, 1024)
 """
 
 from typing import NamedTuple
@@ -132,13 +133,15 @@ def tiling(layout, K, variant):
     return t
 
 
-def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False):
+def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=False):
     """The specialisation that runs ``variant``.
 
     ``separate_p``: Comba (a read key p apart from k); ``multi``: the T-token build (the chunked
     and tensor-core families have only that one); ``f32_keys``: an fp32 among q, k, p, which the
     16-token tensor-core variants run in 8-token passes (their build holds the 16-bit path only:
-    both paths in one kernel spill), the 128-column slab as 64-column ones.
+    both paths in one kernel spill), the 128-column slab as 64-column ones; ``serving``: the build
+    with the serving options (a state pool, in-kernel gating; kernels_cu/params.cuh), every
+    family's last template flag, so that calls without them run code that holds none of them.
     """
     t = tiling(layout, K, variant)
     if t.family == "delta_rule_mma":
@@ -146,9 +149,10 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False):
         if f32_keys and tokens == 16:
             slab, tokens = slab if (K, slab, 8) in MMA_BUILDS else 64, 8
         expression = (f"comba::delta_rule_mma<{K}, {slab}, {_flag(separate_p)}, {_flag(layout == 'vk')}, "
-                      f"{tokens // 8}>")
+                      f"{tokens // 8}, {_flag(serving)}>")
         return Kernel(t.source, expression, slab, 2 * slab * K // 64, mma_stage_bytes(K, slab, separate_p, tokens))
     flags = _flag(separate_p) if t.passes_only else f"{_flag(separate_p)}, {_flag(multi)}"
+    flags += f", {_flag(serving)}"
     args = ", ".join(str(a) for a in (K, *t.args))
     return Kernel(t.source, f"comba::{t.family}<{args}, {flags}>", t.slab, t.threads, 0)
 
@@ -156,13 +160,14 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False):
 def specialisations():
     """``{source file: (name expression, ...)}``: everything that is built, each once."""
     out = {}
-    for t in TILINGS:
-        for separate_p in (True, False):
-            for multi in ((True,) if t.passes_only else (False, True)):
-                k = kernel(t.layout, t.variant, K=t.K, separate_p=separate_p, multi=multi)
-                exprs = out.setdefault(k.source, [])
-                if k.expression not in exprs:
-                    exprs.append(k.expression)
+    for serving in (False, True):
+        for t in TILINGS:
+            for separate_p in (True, False):
+                for multi in ((True,) if t.passes_only else (False, True)):
+                    k = kernel(t.layout, t.variant, K=t.K, separate_p=separate_p, multi=multi, serving=serving)
+                    exprs = out.setdefault(k.source, [])
+                    if k.expression not in exprs:
+                        exprs.append(k.expression)
     out["copy.cu"] = ["comba::copy_float4"]
     return {source: tuple(e) for source, e in out.items()}
 

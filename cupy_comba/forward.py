@@ -7,11 +7,12 @@ written per token.  :mod:`cupy_comba.tiling` picks the kernel by T and batch: th
 those of the decode steps.
 """
 
-from ._plan import run
+from ._plan import run, serving
 
 
-def comba_forward(q, k, v, p, beta, g, scale=None, *, initial_state=None, output_final_state=True, out=None,
-                  state_out=None, o_dtype=None, state_layout="kv", gate="log", use_qk_l2norm=False, variant=None):
+def comba_forward(q, k, v, p, beta, g, scale=None, *, initial_state=None, output_final_state=True, state_indices=None,
+                  A_log=None, dt_bias=None, use_beta_sigmoid=False, out=None, state_out=None, o_dtype=None,
+                  state_layout="kv", gate="log", use_qk_l2norm=False, variant=None):
     """T Comba tokens in one launch: the state is read once, kept on chip, written once.
 
     Equal to T calls of :func:`cupy_comba.comba_decode_step`, token t's state feeding token
@@ -52,10 +53,12 @@ def comba_forward(q, k, v, p, beta, g, scale=None, *, initial_state=None, output
     if p is None:
         raise TypeError("p must be a cupy.ndarray or numpy.ndarray, got NoneType (for p = k use gated_delta_forward)")
     return run(False, initial_state, q, k, v, p, beta, g, scale, output_final_state, out, state_out, o_dtype,
-               state_layout, gate, use_qk_l2norm, variant)
+               state_layout, gate, use_qk_l2norm, variant,
+               serving(state_indices, A_log, dt_bias, use_beta_sigmoid))
 
 
-def gated_delta_forward(q, k, v, beta, g, scale=None, *, initial_state=None, output_final_state=True, out=None,
+def gated_delta_forward(q, k, v, beta, g, scale=None, *, initial_state=None, output_final_state=True,
+                        state_indices=None, A_log=None, dt_bias=None, use_beta_sigmoid=False, out=None,
                         state_out=None, o_dtype=None, state_layout="kv", gate="log", use_qk_l2norm=False,
                         variant=None):
     """T Gated DeltaNet tokens in one launch (:func:`comba_forward` with ``p = k``; k is read once).
@@ -84,4 +87,5 @@ def gated_delta_forward(q, k, v, beta, g, scale=None, *, initial_state=None, out
     1.0
     """
     return run(False, initial_state, q, k, v, None, beta, g, scale, output_final_state, out, state_out, o_dtype,
-               state_layout, gate, use_qk_l2norm, variant)
+               state_layout, gate, use_qk_l2norm, variant,
+               serving(state_indices, A_log, dt_bias, use_beta_sigmoid))

@@ -7,10 +7,21 @@ float64 and the math is written exactly as docs/design.md states it.
 
 Shapes follow the library: ``state [B, H, K, V]``, ``q, k, p [B, Hk, K]``,
 ``v [B, H, V]``, ``beta, g [B, H]`` with ``H % Hk == 0`` (head ``h`` reads the
-keys of head ``h // (H // Hk)``).
+keys of head ``h // (H // Hk)``).  The serving options (docs/serving.md) are
+here too: a state pool addressed by ``state_indices`` and the gates computed
+from raw projections (``A_log``, ``dt_bias``, ``use_beta_sigmoid``).
 """
 
-from ._backend import array_namespace
+from ._backend import cupy as _cupy
+
+import numpy as _numpy
+
+
+def array_namespace(*arrays):
+    """``cupy`` if any argument is a CuPy array, else ``numpy``."""
+    if _cupy is not None and any(isinstance(a, _cupy.ndarray) for a in arrays):
+        return _cupy
+    return _numpy
 
 
 def _f64(xp, x):
@@ -21,6 +32,41 @@ def _expand_heads(xp, x, heads):
     """Repeat key heads ``[B, Hk, K]`` to ``[B, H, K]`` (grouped value attention)."""
     group = heads // x.shape[1]
     return x if group == 1 else xp.repeat(x, group, axis=1)
+
+
+#: Above this, softplus(x) is x (float32 rounds log1p(exp(x)) to x there), as the engines compute it.
+SOFTPLUS_THRESHOLD = 20.0
+
+
+def softplus(x):
+    """``log(1 + exp(x))``, and ``x`` itself above :data:`SOFTPLUS_THRESHOLD`."""
+    xp = array_namespace(x)
+    return xp.where(x > SOFTPLUS_THRESHOLD, x, xp.log1p(xp.exp(xp.minimum(x, SOFTPLUS_THRESHOLD))))
+
+
+def gates(beta, g, A_log=None, dt_bias=None, use_beta_sigmoid=False):
+    """The step size and log-decay the recurrence uses, in float64, from the ops' ``beta`` and ``g``.
+
+    With ``A_log`` and ``dt_bias`` (``[H]``), ``g`` holds the raw gate input ``a`` and the
+    log-decay is ``-exp(A_log) * softplus(a + dt_bias)`` (Qwen3-Next's gating); with
+    ``use_beta_sigmoid``, ``beta`` holds the logit ``b`` and the step size is ``sigmoid(b)``.
+    ``beta, g [..., H]``.
+    """
+    xp = array_namespace(beta, g)
+    beta, g = _f64(xp, beta), _f64(xp, g)
+    if use_beta_sigmoid:
+        beta = 1.0 / (1.0 + xp.exp(-beta))
+    if A_log is not None:
+        g = -xp.exp(_f64(xp, A_log)) * softplus(g + _f64(xp, dt_bias))
+    return beta, g
+
+
+def live_slots(state_indices, N):
+    """The pool slots a batch reads and writes: the entries of ``state_indices`` in ``0 .. N - 1``
+    (negative ones and those >= N mark padding rows)."""
+    xp = array_namespace(state_indices)
+    idx = xp.asarray(state_indices).astype(xp.int64)
+    return idx[(idx >= 0) & (idx < N)]
 
 
 #: L2-normalisation epsilon of ``use_qk_l2norm``: ``x / sqrt(sum(x**2) + L2NORM_EPS)``.
@@ -40,7 +86,8 @@ def _check_options(state_layout, gate):
         raise ValueError(f"gate must be 'log' or 'linear', got {gate!r}")
 
 
-def comba_step(state, q, k, v, p, beta, g, scale=None, *, state_layout="kv", gate="log", use_qk_l2norm=False):
+def comba_step(state, q, k, v, p, beta, g, scale=None, *, state_layout="kv", gate="log", use_qk_l2norm=False,
+               state_indices=None, A_log=None, dt_bias=None, use_beta_sigmoid=False):
     """One Comba step in float64: decay, correction read with ``p``, write with ``k``.
 
     Parameters
@@ -54,10 +101,17 @@ def comba_step(state, q, k, v, p, beta, g, scale=None, *, state_layout="kv", gat
         Query scale, ``K ** -0.5`` when None.
     use_qk_l2norm : bool
         L2-normalise q, k and p along K first (:data:`L2NORM_EPS`).
+    state_indices : int array, shape (B,), optional
+        ``state`` is a pool ``(N, H, K, V)``: row b reads slot ``state_indices[b]`` and its new
+        state replaces that slot; a negative index or one >= N marks a padding row (o zeros,
+        no slot read or written).  A slot named by two rows ends undefined on the GPU (the
+        rows race); here it takes one of their states.
+    A_log, dt_bias, use_beta_sigmoid
+        The gates from raw projections (:func:`gates`).
 
     Returns
     -------
-    state_new : float64 array, the layout of ``state``
+    state_new : float64 array, the layout of ``state`` (with a pool: the whole pool)
     o : float64 array, shape (B, H, V)
 
     Examples
@@ -71,6 +125,11 @@ def comba_step(state, q, k, v, p, beta, g, scale=None, *, state_layout="kv", gat
     """
     _check_options(state_layout, gate)
     xp = array_namespace(state, q, k, v, p, beta, g)
+    if state_indices is not None:
+        return _pooled(comba_step, state, state_indices, (q, k, v, p, beta, g), scale,
+                       state_layout=state_layout, gate=gate, use_qk_l2norm=use_qk_l2norm, A_log=A_log,
+                       dt_bias=dt_bias, use_beta_sigmoid=use_beta_sigmoid)
+    beta, g = gates(beta, g, A_log, dt_bias, use_beta_sigmoid)
     S = _f64(xp, state)
     if state_layout == "vk":
         S = xp.swapaxes(S, -1, -2)
@@ -80,7 +139,7 @@ def comba_step(state, q, k, v, p, beta, g, scale=None, *, state_layout="kv", gat
     q, k, p = (_expand_heads(xp, _f64(xp, x), H) for x in (q, k, p))
     if use_qk_l2norm:
         q, k, p = l2_normalize(q), l2_normalize(k), l2_normalize(p)
-    v, beta, g = _f64(xp, v), _f64(xp, beta), _f64(xp, g)
+    v = _f64(xp, v)
     gate_value = xp.exp(g) if gate == "log" else g
 
     S = gate_value[..., None, None] * S                       # decay first
@@ -97,13 +156,16 @@ def gated_delta_step(state, q, k, v, beta, g, scale=None, **options):
     return comba_step(state, q, k, v, k, beta, g, scale, **options)
 
 
-def comba_loop(state, q, k, v, p, beta, g, scale=None, **options):
+def comba_loop(state, q, k, v, p, beta, g, scale=None, *, state_indices=None, **options):
     """``T`` Comba steps: ``q, k, p [B, T, Hk, K]``, ``v [B, T, H, V]``, ``beta, g [B, T, H]``.
 
-    Returns the final state (the layout of ``state``) and ``o [B, T, H, V]``, float64.
-    Takes the options of :func:`comba_step`.
+    Returns the final state (the layout of ``state``; with ``state_indices`` the whole pool, each
+    row's slot replaced by its final state) and ``o [B, T, H, V]``, float64.  Takes the options of
+    :func:`comba_step`.
     """
     xp = array_namespace(state, q, k, v, p, beta, g)
+    if state_indices is not None:
+        return _pooled(comba_loop, state, state_indices, (q, k, v, p, beta, g), scale, **options)
     S, outs = _f64(xp, state), []
     for t in range(q.shape[1]):
         S, o = comba_step(S, q[:, t], k[:, t], v[:, t], p[:, t], beta[:, t], g[:, t], scale, **options)
@@ -112,6 +174,21 @@ def comba_loop(state, q, k, v, p, beta, g, scale=None, **options):
         B, _, H, V = v.shape
         return S, xp.zeros((B, 0, H, V), dtype=xp.float64)
     return S, xp.stack(outs, axis=1)
+
+
+def _pooled(op, pool, state_indices, acts, scale, **options):
+    """``op`` over the live rows of a batch: gather their slots, run, scatter; padding rows get o = 0."""
+    xp = array_namespace(pool, *acts)
+    pool = _f64(xp, pool)
+    idx = xp.asarray(state_indices).astype(xp.int64)
+    live = xp.nonzero((idx >= 0) & (idx < pool.shape[0]))[0]
+    v = acts[2]
+    o = xp.zeros(v.shape, dtype=xp.float64)
+    if live.size:
+        S, o_live = op(pool[idx[live]], *(a[live] for a in acts), scale, **options)
+        o[live] = o_live
+        pool[idx[live]] = S
+    return pool, o
 
 
 def gated_delta_loop(state, q, k, v, beta, g, scale=None, **options):

@@ -238,9 +238,9 @@ struct ChunkLoads {
         gates = issue_chunk_gates<kChunk>(beta, g, prm, tid, b, h, t0, c);
     }
 
-    template <class Stage, class At>
+    template <class Stage, bool SERVING, class At>
     __device__ __forceinline__ void stage(Stage& st, const Params& prm, int tid, int warp, int lane, int c,
-                                          At&& at) const {
+                                          HeadGating<SERVING> hg, At&& at) const {
         float x[32];
 #pragma unroll
         for (int i = 0; i < 32; ++i) x[i] = 0.f;
@@ -251,7 +251,7 @@ struct ChunkLoads {
 #pragma unroll
         for (int t = 0; t < kChunk; ++t)
             if (tid < NV) reinterpret_cast<float*>(st.v[t])[tid] = bits_to_float(v[t], prm.v_t);
-        stage_chunk_gates<kChunk>(st.e, st.beta, gates, prm, tid, c);
+        stage_chunk_gates<kChunk>(st.e, st.beta, gates, prm, tid, c, hg);
         butterfly<16>(x, lane);  // lane i ends with this warp's sum of slot i
         st.dots[warp][lane] = x[0];
     }
@@ -262,19 +262,26 @@ struct ChunkLoads {
 // each token's column sums where they are used (LAZY below); three for Comba, whose p adds to the
 // staging; six 64-thread CTAs (168 registers) for 32-column slabs.  (Summed lazily, the 32-column
 // slabs spill at 168 registers and ran 1.15-1.2x slower at 255, four CTAs an SM.)
-template <int K, int COLS, int RG, bool SEPARATE_P>
+template <int K, int COLS, int RG, bool SEPARATE_P, bool SERVING>
 __global__ void __launch_bounds__(COLS / 4 * RG, COLS == 64 && !SEPARATE_P ? 4 : 384 / (COLS / 4 * RG))
 delta_rule_kv_chunked(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
                       const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
-                      const void* __restrict__ g, void* __restrict__ o, const Params prm, const float scale) {
+                      const void* __restrict__ g, void* __restrict__ o, const void* __restrict__ slots,
+                      const float* __restrict__ A_log, const float* __restrict__ dt_bias, const Params prm,
+                      const float scale) {
     constexpr int LC = COLS / 4, NT = LC * RG, R = K / RG, NW = NT / 32, C = kChunk;
     static_assert(NT % 32 == 0 && K % RG == 0 && COLS <= NT && 2 * C <= NT, "bad kv tiling");
     __shared__ ChunkStage<K, COLS, NW> stage[2];
     __shared__ float4 red[NW][2 * C][LC];  // per-warp partial S0^T p_t, S0^T q_t
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, T = static_cast<int>(prm.T);
-    const KvSlab<K, COLS, RG> slab(prm, tid);
+    const KvSlab<K, COLS, RG, SERVING> slab(prm, tid, slots);
     const int lc = slab.lc, rg = slab.rg, b = slab.b, h = slab.h, hk = slab.hk, col0 = slab.col0, col = slab.col;
+    if (SERVING && slab.slot < 0) {  // a padding row
+        zero_o(o, prm, b, h, col0, COLS, T, tid, NT);
+        return;
+    }
+    const HeadGating gating = head_gating<SERVING>(A_log, dt_bias, h);
 
     float4 s[R];
     slab.load(s, state, prm.has_initial);
@@ -286,7 +293,7 @@ delta_rule_kv_chunked(const float* state, float* state_out, const void* __restri
         ChunkLoads<K, NT, COLS, SEPARATE_P> loads;
         loads.issue(q, k, v, p, beta, g, prm, tid, b, h, hk, col0, t0, c);
         // 2. Stage the chunk; this thread's share of the 28 dot products on the way.
-        loads.stage(st, prm, tid, warp, lane, c, [](int j) { return j; });
+        loads.stage(st, prm, tid, warp, lane, c, gating, [](int j) { return j; });
         __syncthreads();
         if (warp == 0) {
             float sum = st.dots[0][lane];
@@ -387,7 +394,7 @@ delta_rule_kv_chunked(const float* state, float* state_out, const void* __restri
         }
     }
 
-    if (prm.write_final) slab.store(s, state_out);
+    if (prm.write_final) slab.store(s, state_out, slots, prm);
 }
 
 
@@ -416,11 +423,13 @@ struct VkChunkScratch {
 
 __device__ __forceinline__ int vk_chunk_slot(int key) { return (key & ~31) | ((key & 3) << 3) | ((key >> 2) & 7); }
 
-template <int K, int ROWS, bool SEPARATE_P>
+template <int K, int ROWS, bool SEPARATE_P, bool SERVING>
 __global__ void __launch_bounds__(ROWS * 2, ROWS == 64 && !SEPARATE_P ? 4 : 384 / (ROWS * 2))
 delta_rule_vk_chunked(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
                       const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
-                      const void* __restrict__ g, void* __restrict__ o, const Params prm, const float scale) {
+                      const void* __restrict__ g, void* __restrict__ o, const void* __restrict__ slots,
+                      const float* __restrict__ A_log, const float* __restrict__ dt_bias, const Params prm,
+                      const float scale) {
     constexpr int NW = ROWS / 16, NT = NW * 32, RL = 4, KF = 4, C = kChunk;
     static_assert(K == 128 && ROWS % 16 == 0 && 2 * C <= NT && ROWS <= NT, "bad vk chunked tiling");
     __shared__ ChunkStage<K, ROWS, NW> stage[2];
@@ -432,17 +441,25 @@ delta_rule_vk_chunked(const float* state, float* state_out, const void* __restri
     const int bh = static_cast<int>(blockIdx.x) / slabs;
     const int slab0 = (static_cast<int>(blockIdx.x) - bh * slabs) * ROWS;
     const int b = bh / H, h = bh - b * H, hk = h / static_cast<int>(prm.group);
+    const long long slot = state_slot<SERVING>(slots, prm, b);
+    if (SERVING && slot < 0) {  // a padding row
+        zero_o(o, prm, b, h, slab0, ROWS, T, tid, NT);
+        return;
+    }
+    const HeadGating gating = head_gating<SERVING>(A_log, dt_bias, h);
     VkChunkScratch& sc = scratch[warp];
     // Row i of this lane within the slab; float4 m of it holds keys 32 m + 4 kl .. + 3.
     auto row = [&](int i) { return warp * 16 + i * 4 + rgp; };
-    const long long head = static_cast<long long>(bh) * V * K + static_cast<long long>(slab0) * K + 4 * kl;
+    const long long head = (SERVING ? slot * H + h : static_cast<long long>(bh)) * V * K +
+                           static_cast<long long>(slab0) * K + 4 * kl;
 
     float4 s[RL][KF];
     if (prm.has_initial) {
+        const float* src = state + head;
 #pragma unroll
         for (int i = 0; i < RL; ++i)
 #pragma unroll
-            for (int m = 0; m < KF; ++m) s[i][m] = load_state(state + head + row(i) * K + 32 * m);
+            for (int m = 0; m < KF; ++m) s[i][m] = load_state(src + row(i) * K + 32 * m);
     } else {
 #pragma unroll
         for (int i = 0; i < RL; ++i)
@@ -457,7 +474,7 @@ delta_rule_vk_chunked(const float* state, float* state_out, const void* __restri
         ChunkLoads<K, NT, ROWS, SEPARATE_P> loads;
         loads.issue(q, k, v, p, beta, g, prm, tid, b, h, hk, slab0, t0, c);
         // 2. Stage the chunk (keys at vk_chunk_slot); this thread's share of the dot products on the way.
-        loads.stage(st, prm, tid, warp, lane, c, vk_chunk_slot);
+        loads.stage(st, prm, tid, warp, lane, c, gating, vk_chunk_slot);
         __syncthreads();
         {
             float sum = st.dots[0][lane];
@@ -548,10 +565,11 @@ delta_rule_vk_chunked(const float* state, float* state_out, const void* __restri
     }
 
     if (prm.write_final) {
+        float* dst = state_out + (SERVING ? pool_head<K>(slots, prm, b, h) + slab0 * K + 4 * kl : head);
 #pragma unroll
         for (int i = 0; i < RL; ++i)
 #pragma unroll
-            for (int m = 0; m < KF; ++m) store_state(state_out + head + row(i) * K + 32 * m, s[i][m]);
+            for (int m = 0; m < KF; ++m) store_state(dst + row(i) * K + 32 * m, s[i][m]);
     }
 }
 

@@ -86,11 +86,12 @@ namespace comba {
 // Where a chunk loop stages its chunks from (delta_rule_mma's `chunks`).
 enum MmaStaging { kRing, kRegs, kEither };
 
-template <int K, int SLAB, bool SEPARATE_P, bool VK, int SUBS>
+template <int K, int SLAB, bool SEPARATE_P, bool VK, int SUBS, bool SERVING>
 __global__ void __launch_bounds__(MmaShape<K, SLAB>::NT, MmaShape<K, SLAB>::MIN_CTAS)
 delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
                const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
-               const void* __restrict__ g, void* __restrict__ o, const Params prm, const float scale) {
+               const void* __restrict__ g, void* __restrict__ o, const void* __restrict__ slots,
+               const float* __restrict__ A_log, const float* __restrict__ dt_bias, const Params prm, const float scale) {
     using Shape = MmaShape<K, SLAB>;
     using Bits = MmaBits<K, SLAB, SUBS>;
     using Stage = MmaStage<K, SLAB, SEPARATE_P, SUBS>;
@@ -110,7 +111,13 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
     const int bh = static_cast<int>(blockIdx.x) / slabs;
     const int slab0 = (static_cast<int>(blockIdx.x) - bh * slabs) * SLAB;
     const int b = bh / H, h = bh - b * H, hk = h / static_cast<int>(prm.group);
-    const long long head = static_cast<long long>(bh) * K * V;
+    const long long slot = state_slot<SERVING>(slots, prm, b);
+    const long long head = (SERVING ? slot * H + h : static_cast<long long>(bh)) * K * V;
+    if (SERVING && slot < 0) {  // a padding row
+        zero_o(o, prm, b, h, slab0, SLAB, T, tid, NT);
+        return;
+    }
+    const HeadGating gating = head_gating<SERVING>(A_log, dt_bias, h);
     const int vl = 16 * vgroup + 2 * lg;  // this lane's value columns vl, vl + 1 within the slab
     // A lane's state pairs: in tile n, kv keeps (value vl, vl + 1) at rows kk, kk + 1 (kk = 8n + 2 lj)
     // of S[kk][v]; vk keeps (kk, kk + 1) at rows vl, vl + 1 of S[v][kk].  Addresses are walked
@@ -168,9 +175,11 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
         if (later < gridDim.x) {
             static_assert(K * SLAB == 32 * NT, "one line a thread");
             const int bh2 = static_cast<int>(later) / slabs, s2 = (static_cast<int>(later) - bh2 * slabs) * SLAB;
-            const float* line = state + static_cast<long long>(bh2) * K * V +
+            const int b2 = bh2 / H;
+            const long long slot2 = !SERVING ? 0 : b2 == b ? slot : state_slot<SERVING>(slots, prm, b2);
+            const float* line = state + (SERVING ? slot2 * H + bh2 - b2 * H : static_cast<long long>(bh2)) * K * V +
                                 (VK ? s2 * K + 32 * tid : (tid / (SLAB / 32)) * V + s2 + 32 * (tid % (SLAB / 32)));
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
+            if (slot2 >= 0) asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
         }
     }
 
@@ -205,8 +214,11 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
     // is formed, so that the stores drain while the others are (a warp exits only when its stores
     // have).  With the single-chain sum below: B*H = 8192, kv T = 16, 558.3-558.5 against 567.5-568.6 us
     // storing after the chunk loop (vk within 0.5 %).
-    auto store_tile = [&](int n) {
-        float* dst = state_out + head + first + n * next_tile;
+    // `final_state` is this lane's first value of it (with SERVING the head found again: no 64-bit
+    // offset is held across the chunk loop).
+    auto final_state = [&]() { return state_out + (SERVING ? pool_head<K>(slots, prm, b, h) : head) + first; };
+    auto store_tile = [&](float* final, int n) {
+        float* dst = (SERVING ? final : state_out + head + first) + n * next_tile;
         store_state(dst, make_float2(acc[n][0], acc[n][1]));
         store_state(dst + next_row, make_float2(acc[n][2], acc[n][3]));
     };
@@ -225,12 +237,12 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
             const int c = min(C, T - t0);
             __syncthreads();  // the previous chunk's readers are done with the stage
             if (FROM == kRing || (FROM == kEither && fast)) {
-                const int slot = (t0 / C) & 1;
+                const int ring_slot = (t0 / C) & 1;
                 copy_async_wait<1>();  // this chunk's copies have landed; the next chunk's may still fly
                 static_for<Bits::PASSES>([&](auto pass) {
                     constexpr int P = decltype(pass)::value;
-                    ring_bits<K, SLAB, SEPARATE_P, SUBS, P>(bits, st.ring, slot, tid);
-                    stage_chunk<K, SLAB, SEPARATE_P, SUBS, P, true>(st, bits, prm, vec, tid, c);
+                    ring_bits<K, SLAB, SEPARATE_P, SUBS, P>(bits, st.ring, ring_slot, tid);
+                    stage_chunk<K, SLAB, SEPARATE_P, SUBS, P, true, SERVING>(st, bits, prm, vec, tid, c, gating);
                 });
                 issue_ring(t0 + 2 * C);  // into the slot this thread has just read
                 bits.gate = gate_next;
@@ -240,7 +252,7 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
                 static_for<Bits::PASSES>([&](auto pass) {
                     constexpr int P = decltype(pass)::value;
                     if constexpr (P > 0 || SUBS > 1) issue(Constant<P>{}, t0, c);
-                    stage_chunk<K, SLAB, SEPARATE_P, SUBS, P, false>(st, bits, prm, vec, tid, c);
+                    stage_chunk<K, SLAB, SEPARATE_P, SUBS, P, false, SERVING>(st, bits, prm, vec, tid, c, gating);
                 });
                 if (SUBS == 1 && t0 + C < T) issue(Constant<0>{}, t0 + C, min(C, T - t0 - C));
             }
@@ -353,12 +365,13 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
                 // step measured 3 % slower over 16 heads (kv, T = 512 / 4096: 123.7-124.3 / 968.9-972.3
                 // against 120.4-120.9 / 941.4-945.2 us), though 1 % faster over 8192 (T = 16).
                 auto write = [&](auto store) {
+                    float* final = SERVING && decltype(store)::value ? final_state() : nullptr;
 #pragma unroll
                     for (int n = 0; n < NKW; ++n) {
 #pragma unroll
                         for (int i = 0; i < 4; ++i) acc[n][i] *= gl;
                         mma3_state<VK, EXACT>(acc[n], uh, ul, st.template kw<EXACT>(s, n0 + n, kw_lane(lg, lj)));
-                        if constexpr (decltype(store)::value) store_tile(n);
+                        if constexpr (decltype(store)::value) store_tile(final, n);
                     }
                 };
                 if (s + 1 == SUBS && t0 + C >= T && prm.write_final) write(Constant<true>{});
@@ -389,8 +402,9 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
     }
 
     if (prm.write_final && T <= 0) {  // no token: the state passes through
+        float* final = SERVING ? final_state() : nullptr;
 #pragma unroll
-        for (int n = 0; n < NKW; ++n) store_tile(n);
+        for (int n = 0; n < NKW; ++n) store_tile(final, n);
     }
 }
 

@@ -8,25 +8,29 @@
 namespace comba {
 
 // One CTA of the kv tiling: head bh = (b, h) and the slab of COLS columns it owns; thread tid owns
-// the float4 of columns col .. col + 3 in rows rg, rg + RG, ...  32-bit index math (the grid and
-// the row offsets of one head fit), 64-bit addresses.
-template <int K, int COLS, int RG>
+// the float4 of columns col .. col + 3 in rows rg, rg + RG, ...  The head's state is at `head`; with
+// SERVING in slot `slot` of a pool (state_slot; -1: a padding row, nothing there), found again
+// where it is stored.
+// 32-bit index math (the grid and the row offsets of one head fit), 64-bit addresses.
+template <int K, int COLS, int RG, bool SERVING>
 struct KvSlab {
     static constexpr int LC = COLS / 4, R = K / RG;
-    int lc, rg, V, b, h, hk, col0, col;
-    long long head;
-    __device__ __forceinline__ KvSlab(const Params& prm, int tid) {
+    int lc, rg, V, H, b, h, hk, col0, col;
+    long long slot, head;
+    __device__ __forceinline__ KvSlab(const Params& prm, int tid, const void* slots) {
         lc = tid % LC;
         rg = tid / LC;
         V = static_cast<int>(prm.V);
-        const int H = static_cast<int>(prm.H), slabs = V / COLS;
+        H = static_cast<int>(prm.H);
+        const int slabs = V / COLS;
         const int bh = static_cast<int>(blockIdx.x) / slabs;
         col0 = (static_cast<int>(blockIdx.x) - bh * slabs) * COLS;
         col = col0 + lc * 4;
         b = bh / H;
         h = bh - b * H;
         hk = h / static_cast<int>(prm.group);
-        head = static_cast<long long>(bh) * K * V;
+        slot = state_slot<SERVING>(slots, prm, b);
+        head = SERVING ? (slot * H + h) * K * V : static_cast<long long>(bh) * K * V;
     }
     // Every state load of the thread at once (zeros when there is no initial state).
     __device__ __forceinline__ void load(float4 (&s)[R], const float* state, bool has_initial) const {
@@ -39,13 +43,12 @@ struct KvSlab {
             for (int i = 0; i < R; ++i) s[i] = make_float4(0.f, 0.f, 0.f, 0.f);
         }
     }
-    __device__ __forceinline__ void store(const float4 (&s)[R], float* state_out) const {
-        float* dst = state_out + head + col;
+    __device__ __forceinline__ void store(const float4 (&s)[R], float* state_out, const void* slots,
+                                          const Params& prm) const {
+        float* dst = state_out + (SERVING ? pool_head<K>(slots, prm, b, h) : head) + col;
 #pragma unroll
         for (int i = 0; i < R; ++i) store_state(dst + (rg + i * RG) * V, s[i]);
     }
 };
-
-// One token's staged activations (two of these alternate by token parity).
 
 }  // namespace comba

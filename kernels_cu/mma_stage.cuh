@@ -210,9 +210,9 @@ __device__ __forceinline__ void issue_chunk(MmaBits<K, SLAB, SUBS>& x, const voi
 // Stage one pass of a chunk from its raw bits.  FAST: the bits came from the ring (ring_bits), every
 // one of q, k, p, v bf16 with vector rows (the kernel's `fast`), v packed two values a word, so no
 // dtype or stride branch is taken per element.
-template <int K, int SLAB, bool SEPARATE_P, int SUBS, int PASS, bool FAST>
+template <int K, int SLAB, bool SEPARATE_P, int SUBS, int PASS, bool FAST, bool SERVING>
 __device__ __forceinline__ void stage_chunk(MmaStage<K, SLAB, SEPARATE_P, SUBS>& st, const MmaBits<K, SLAB, SUBS>& x,
-                                            const Params& prm, bool vec, int tid, int c) {
+                                            const Params& prm, bool vec, int tid, int c, HeadGating<SERVING> hg) {
     constexpr int NT = MmaShape<K, SLAB>::NT;
     using Bits = MmaBits<K, SLAB, SUBS>;
     // Token tc of the chunk is token t of sub-chunk s.
@@ -242,7 +242,7 @@ __device__ __forceinline__ void stage_chunk(MmaStage<K, SLAB, SEPARATE_P, SUBS>&
             st.v[iv / SLAB][iv % SLAB + e] =
                 FAST ? __uint_as_float(e % 2 ? w & 0xffff0000u : w << 16) : bits_to_float(w, prm.v_t);
         }
-        stage_chunk_gates<kMmaChunk * SUBS>(st.e, st.beta, x.gate, prm, tid, c);
+        stage_chunk_gates<kMmaChunk * SUBS>(st.e, st.beta, x.gate, prm, tid, c, hg);
     }
 }
 

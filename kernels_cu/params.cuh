@@ -1,8 +1,14 @@
-// params.cuh -- the launch parameters every delta-rule kernel takes, in one struct passed by value.
+// params.cuh -- the launch parameters every delta-rule kernel takes, in one struct passed by value,
+// and what every kernel does with the serving options (docs/serving.md).
 //
 // Strides are in elements and may be anything (activations are often slices of a packed
 // projection); a decode step is the T = 1 case with zero T strides.  Must match
-// PARAMS_FIELDS in cupy_comba/_plan.py (all int64, same order).
+// PARAMS_FIELDS in cupy_comba/_launcher.py (all int64, same order).
+//
+// Every kernel takes twelve pointers: state, state_out, q, k, v, p, beta, g, o, then
+//   slots    state_indices [B] (int32 or int64, stride slot_s; read when slot_t != 0): state and
+//            state_out are a pool [N, H, ...] and row b's state is slot slots[b] of it;
+//   A_log, dt_bias   [H] float32 (read when gate_softplus): in-kernel gating.
 #pragma once
 
 #include "common.cuh"
@@ -20,15 +26,101 @@ struct Params {
     long long o_sb, o_st, o_sh, o_sv;
     long long q_t, k_t, p_t, v_t, beta_t, g_t, o_t;   // dtype codes (common.cuh)
     long long gate_linear, l2norm, has_initial, write_final;
+    long long N, slot_t, slot_s;              // pool slots; slot_t: 0 no pool, 1 int32, 2 int64 indices
+    long long gate_softplus, beta_sigmoid;    // in-kernel gating (gate_of, beta_of)
 };
 
 constexpr float kL2NormEps = 1e-6f;
 
-__device__ __forceinline__ float gate_of(float g, long long linear) { return linear ? g : expf(g); }
+// Loads the compiler issues where they are written: small per-CTA values re-read (from L1) where
+// they are used rather than held in a register by every thread across the token loop, where the
+// state takes the registers.
+__device__ __forceinline__ float reload(const float* p) {
+    float x;
+    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(x) : "l"(p));
+    return x;
+}
+__device__ __forceinline__ long long reload(const long long* p) {
+    long long x;
+    asm volatile("ld.global.nc.s64 %0, [%1];" : "=l"(x) : "l"(p));
+    return x;
+}
+__device__ __forceinline__ long long reload(const int* p) {
+    int x;
+    asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(x) : "l"(p));
+    return x;
+}
+
+// The state slot of batch row b: b itself without a pool, else slots[b] -- or -1 when that is
+// negative or >= N: a padding row, whose state is neither read nor written and whose o is zeros
+// (zero_o).  The bounds check is the kernel's: no index value makes it touch memory outside the
+// pool, and checking on the host would cost a device synchronisation.  The kernels call it where
+// they load the state and again where they store it (head_offset), so that no 64-bit offset
+// stays live across the token loop.
+//
+// SERVING is every kernel's last template flag: the builds without it (the dense calls) hold no
+// code for the serving options, so that those keep the registers and the code they have without
+// them; Params says which of the options a serving build uses.
+template <bool SERVING>
+__device__ __forceinline__ long long state_slot(const void* slots, const Params& prm, int b) {
+    if (!SERVING || !prm.slot_t) return b;
+    const long long at = b * prm.slot_s;
+    const long long i = prm.slot_t == 1 ? reload(static_cast<const int*>(slots) + at)
+                                        : reload(static_cast<const long long*>(slots) + at);
+    return i >= 0 && i < prm.N ? i : -1;
+}
+
+// With SERVING, the offset of the state of head h of row b (K x V floats) in the pool, found again
+// (-1 slot: a padding row, which returned before any access).
+template <int K>
+__device__ __forceinline__ long long pool_head(const void* slots, const Params& prm, int b, int h) {
+    return (state_slot<true>(slots, prm, b) * prm.H + h) * K * prm.V;
+}
+// o of a padding row: columns c0 .. c0 + n - 1 of head (b, h), every token, set to zero by the nt
+// threads of the CTA that owns them.
+__device__ __forceinline__ void zero_o(void* o, const Params& prm, int b, int h, int c0, int n, int T, int tid,
+                                       int nt) {
+    const long long ob = b * prm.o_sb + h * prm.o_sh;
+    for (int t = 0; t < T; ++t)
+        for (int c = tid; c < n; c += nt) store_act(o, ob + t * prm.o_st + (c0 + c) * prm.o_sv, prm.o_t, 0.f);
+}
+
+// The gate options of a build: in-kernel gating (Qwen3-Next's; head h's A_log and dt_bias, read
+// where a gate is formed) and the sigmoid of beta, with SERVING; neither without.
+template <bool SERVING>
+struct HeadGating {
+    const float* A_log;
+    const float* dt_bias;
+    int h;
+};
+
+template <bool SERVING>
+__device__ __forceinline__ HeadGating<SERVING> head_gating(const float* A_log, const float* dt_bias, int h) {
+    return HeadGating<SERVING>{A_log, dt_bias, h};
+}
+
+// The decay factor e of a token from its g: exp(g) ("log"), g ("linear"), or, with in-kernel
+// gating, exp(-exp(A_log) * softplus(g + dt_bias)) with softplus(x) = x above 20 (where float32
+// rounds log1p(exp(x)) to x), as vLLM's and SGLang's gating kernels compute it.
+template <bool SERVING>
+__device__ __forceinline__ float gate_of(float g, const Params& prm, HeadGating<SERVING> hg) {
+    if (SERVING && prm.gate_softplus) {
+        const float x = g + reload(hg.dt_bias + hg.h);
+        return expf(-expf(reload(hg.A_log + hg.h)) * (x > 20.f ? x : log1pf(expf(x))));
+    }
+    return prm.gate_linear ? g : expf(g);
+}
+
+// The step size of a token from its beta: beta, or sigmoid(beta) with use_beta_sigmoid.
+template <bool SERVING>
+__device__ __forceinline__ float beta_of(float beta, const Params& prm, HeadGating<SERVING>) {
+    return SERVING && prm.beta_sigmoid ? 1.f / (1.f + expf(-beta)) : beta;
+}
 
 // The gates of a chunk of C tokens (the chunked kernels): threads 2t and 2t + 1 load the raw bits
 // of beta_t and g_t for the c tokens present; `stage_chunk_gates` writes beta_t and the decay
-// factor e_t (1 for tokens past the end: no decay).
+// factor e_t through beta_of and gate_of (beta 0 and e 1 for tokens past the end: they leave the
+// state as it is).
 template <int C>
 __device__ __forceinline__ unsigned issue_chunk_gates(const void* beta, const void* g, const Params& prm, int tid,
                                                       int b, int h, int t0, int c) {
@@ -41,13 +133,13 @@ __device__ __forceinline__ unsigned issue_chunk_gates(const void* beta, const vo
     return bits;
 }
 
-template <int C>
+template <int C, bool SERVING>
 __device__ __forceinline__ void stage_chunk_gates(float* e, float* beta, unsigned bits, const Params& prm, int tid,
-                                                  int c) {
+                                                  int c, HeadGating<SERVING> hg) {
     const int gt = tid >> 1;
     if (tid < 2 * C) {
-        if (tid & 1) e[gt] = gt < c ? gate_of(bits_to_float(bits, prm.g_t), prm.gate_linear) : 1.f;
-        else beta[gt] = bits_to_float(bits, prm.beta_t);
+        if (tid & 1) e[gt] = gt < c ? gate_of(bits_to_float(bits, prm.g_t), prm, hg) : 1.f;
+        else beta[gt] = gt < c ? beta_of(bits_to_float(bits, prm.beta_t), prm, hg) : 0.f;  // past the end: no write
     }
 }
 

@@ -93,11 +93,12 @@ __device__ __forceinline__ void issue_token(TokenBits<K, NT, NV>& x, const void*
 }
 
 // The token's beta and gate factor e into gates[0], gates[1].
-template <int K, int NT, int NV>
-__device__ __forceinline__ void stage_gates(float* gates, TokenBits<K, NT, NV>& x, const Params& prm, int tid) {
+template <int K, int NT, int NV, bool SERVING>
+__device__ __forceinline__ void stage_gates(float* gates, TokenBits<K, NT, NV>& x, const Params& prm, int tid,
+                                            HeadGating<SERVING> hg) {
     using Bits = TokenBits<K, NT, NV>;
-    if (tid == Bits::G_TID) gates[1] = gate_of(bits_to_float(x.gate(), prm.g_t), prm.gate_linear);
-    if (tid == Bits::G_TID + 1) gates[0] = bits_to_float(x.gate(), prm.beta_t);
+    if (tid == Bits::G_TID) gates[1] = gate_of(bits_to_float(x.gate(), prm.g_t), prm, hg);
+    if (tid == Bits::G_TID + 1) gates[0] = beta_of(bits_to_float(x.gate(), prm.beta_t), prm, hg);
 }
 
 template <int K, int COLS, int NW>
@@ -116,19 +117,25 @@ struct VkStage {
     float gates[2];    // beta, e
 };
 
-template <int K, int COLS, int RG, bool SEPARATE_P, bool MULTI>
+template <int K, int COLS, int RG, bool SEPARATE_P, bool MULTI, bool SERVING>
 __global__ void __launch_bounds__(COLS / 4 * RG)
 delta_rule_kv(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
               const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
-              const void* __restrict__ g, void* __restrict__ o, const Params prm, const float scale) {
+              const void* __restrict__ g, void* __restrict__ o, const void* __restrict__ slots,
+              const float* __restrict__ A_log, const float* __restrict__ dt_bias, const Params prm, const float scale) {
     constexpr int LC = COLS / 4, NT = LC * RG, R = K / RG, NW = NT / 32, E = TokenBits<K, NT, COLS>::E;
     static_assert(NT % 32 == 0 && K % RG == 0 && R >= 1, "bad kv tiling");
     __shared__ KvStage<K, COLS, NW> stage[2];
     __shared__ float4 red[2][NW][LC];      // per-warp partial S^T p, S^T q
 
     const int tid = threadIdx.x, warp = tid >> 5, T = MULTI ? static_cast<int>(prm.T) : 1;
-    const KvSlab<K, COLS, RG> slab(prm, tid);
+    const KvSlab<K, COLS, RG, SERVING> slab(prm, tid, slots);
     const int lc = slab.lc, rg = slab.rg, b = slab.b, h = slab.h, hk = slab.hk, col0 = slab.col0, col = slab.col;
+    if (SERVING && slab.slot < 0) {  // a padding row
+        zero_o(o, prm, b, h, col0, COLS, T, tid, NT);
+        return;
+    }
+    const HeadGating gating = head_gating<SERVING>(A_log, dt_bias, h);
 
     // 1. Every state load of the thread before anything else.
     float4 s[R];
@@ -155,7 +162,7 @@ delta_rule_kv(const float* state, float* state_out, const void* __restrict__ q, 
             }
         }
         if (tid < COLS) reinterpret_cast<float*>(st.v)[tid] = bits_to_float(x.v, prm.v_t);
-        stage_gates(st.gates, x, prm, tid);
+        stage_gates(st.gates, x, prm, tid, gating);
         if (MULTI && t + 1 < T)
             issue_token<K, NT, COLS, SEPARATE_P>(x, q, k, v, p, beta, g, prm, tid, b, h, hk, col0, t + 1);
         d.x = lane_sum(d.x, 1, 16);
@@ -221,18 +228,19 @@ delta_rule_kv(const float* state, float* state_out, const void* __restrict__ q, 
     }
 
     // 5. The state leaves exactly once.
-    if (!MULTI || prm.write_final) slab.store(s, state_out);
+    if (!MULTI || prm.write_final) slab.store(s, state_out, slots, prm);
 }
 
 __device__ __forceinline__ float dot4(float4 a, float4 b) {
     return fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, a.w * b.w)));
 }
 
-template <int K, int R, int NW, bool SEPARATE_P, bool MULTI>
+template <int K, int R, int NW, bool SEPARATE_P, bool MULTI, bool SERVING>
 __global__ void __launch_bounds__(NW * 32)
 delta_rule_vk(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
               const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
-              const void* __restrict__ g, void* __restrict__ o, const Params prm, const float scale) {
+              const void* __restrict__ g, void* __restrict__ o, const void* __restrict__ slots,
+              const float* __restrict__ A_log, const float* __restrict__ dt_bias, const Params prm, const float scale) {
     constexpr int LK = K / 4, RPW = 32 / LK, HALF = LK / 2, ROWS = R * NW * RPW, NB = R / HALF, NT = NW * 32;
     constexpr int E = TokenBits<K, NT, ROWS>::E;
     static_assert(R % HALF == 0, "bad vk tiling: a lane's rows must fill whole butterflies");
@@ -246,7 +254,13 @@ delta_rule_vk(const float* state, float* state_out, const void* __restrict__ q, 
     const int bh = static_cast<int>(blockIdx.x) / slabs;
     const int slab0 = (static_cast<int>(blockIdx.x) - bh * slabs) * ROWS;
     const int b = bh / H, h = bh - b * H, hk = h / static_cast<int>(prm.group);
-    const long long head = static_cast<long long>(bh) * V * K;
+    const long long slot = state_slot<SERVING>(slots, prm, b);
+    if (SERVING && slot < 0) {  // a padding row
+        zero_o(o, prm, b, h, slab0, ROWS, T, tid, NT);
+        return;
+    }
+    const long long head = SERVING ? (slot * H + h) * V * K : static_cast<long long>(bh) * V * K;
+    const HeadGating gating = head_gating<SERVING>(A_log, dt_bias, h);
     // Row i of this lane within the slab; the RPW row groups of a warp read consecutive rows.
     auto local = [&](int i) { return (i * NW + warp) * RPW + hg; };
 
@@ -277,7 +291,7 @@ delta_rule_vk(const float* state, float* state_out, const void* __restrict__ q, 
             }
         }
         if (tid < ROWS) st.v[tid] = bits_to_float(x.v, prm.v_t);
-        stage_gates(st.gates, x, prm, tid);
+        stage_gates(st.gates, x, prm, tid, gating);
         if (MULTI && t + 1 < T)
             issue_token<K, NT, ROWS, SEPARATE_P>(x, q, k, v, p, beta, g, prm, tid, b, h, hk, slab0, t + 1);
         __syncthreads();
@@ -325,7 +339,7 @@ delta_rule_vk(const float* state, float* state_out, const void* __restrict__ q, 
 
     // 5. The state leaves exactly once.
     if (!MULTI || prm.write_final) {
-        float* dst = state_out + head + slab0 * K + kg * 4;
+        float* dst = state_out + (SERVING ? pool_head<K>(slots, prm, b, h) : head) + slab0 * K + kg * 4;
 #pragma unroll
         for (int i = 0; i < R; ++i) store_state(dst + local(i) * K, s[i]);
     }

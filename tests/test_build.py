@@ -28,14 +28,24 @@ def test_includes_are_expanded_once():
 def test_the_registry_lists_every_build_once():
     counts = {source: len(e) for source, e in SPECIALISATIONS.items()}
     # token loop: 2 K x (4 kv + 2 vk tilings) x p or not x decode or T tokens; chunked: 2 K x 2 kv + 2 vk at
-    # K = 128, x p or not; tensor cores: 9 builds (K, slab, tokens) x p or not x layout
-    assert counts == {"token_loop.cu": 48, "chunked.cu": 12, "delta_rule_mma.cu": 36, "copy.cu": 1}
+    # K = 128, x p or not; tensor cores: 9 builds (K, slab, tokens) x p or not x layout; each with and without
+    # the serving options
+    assert counts == {"token_loop.cu": 96, "chunked.cu": 24, "delta_rule_mma.cu": 72, "copy.cu": 1}
     for source, expressions in SPECIALISATIONS.items():
         assert len(set(expressions)) == len(expressions), source
-    reached = {families.kernel(t.layout, t.variant, K=t.K, separate_p=sep, multi=multi, f32_keys=f32).expression
+    reached = {families.kernel(t.layout, t.variant, K=t.K, separate_p=sep, multi=multi, f32_keys=f32,
+                               serving=serving).expression
                for t in families.TILINGS for sep in (True, False) for multi in (False, True) for f32 in (False, True)
-               if multi or not t.passes_only}
+               for serving in (False, True) if multi or not t.passes_only}
     assert reached == {e for s, exprs in SPECIALISATIONS.items() if s != "copy.cu" for e in exprs}
+
+
+#: Serving builds that ptxas gives a small stack frame (at the 128-register cap of two CTAs an SM), and its
+#: most bytes.  Every other build, and every build without the serving options, has none.
+SERVING_STACK = {"comba::delta_rule_mma<128, 64, true, true, 1, true>": 24,
+                 "comba::delta_rule_mma<128, 64, false, false, 2, true>": 8,
+                 "comba::delta_rule_mma<128, 64, true, true, 2, true>": 8,
+                 "comba::delta_rule_mma<128, 64, false, true, 2, true>": 8}
 
 
 @pytest.mark.parametrize("source", [s for s in SPECIALISATIONS if s != "copy.cu"])
@@ -45,7 +55,8 @@ def test_nvrtc_compiles_every_specialisation_for_sm90(source):
         spill = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
         regs = re.search(r"Used (\d+) registers", report)
         assert spill and regs, f"no resource report for {expression}:\n{report}"
-        assert spill.groups() == ("0", "0", "0"), f"{expression} spills or uses a stack frame:\n{report}"
+        allowed = SERVING_STACK.get(expression, 0)
+        assert all(int(x) <= allowed for x in spill.groups()), f"{expression} spills or uses a stack frame:\n{report}"
         assert int(regs.group(1)) <= 255
         # Every 8- or 16-byte state load has a store of the same width: NVRTC splits C++ float4 / float2
         # state stores into 4-byte ones (four times the L2 requests), which common.cuh's PTX stores prevent.
@@ -68,7 +79,7 @@ def _pre_hopper_spread():
         for e in expressions:
             args = _template_args(e) if "<" in e else []
             family = e.split("<")[0]
-            flags = tuple(a for a in args if a in ("true", "false")) + ((args[-1],) if "mma" in family else ())
+            flags = tuple(a for a in args if a in ("true", "false")) + ((args[4],) if "mma" in family else ())
             if (family, flags) not in seen:
                 seen.add((family, flags))
                 picks.append((source, e))
@@ -78,7 +89,7 @@ def _pre_hopper_spread():
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89"])
 def test_every_family_also_builds_for_pre_hopper_gpus(arch):
     picks = _pre_hopper_spread()
-    assert len(picks) == 21  # 4 + 4 token loop, 2 + 2 chunked, 8 tensor cores, the copy
+    assert len(picks) == 41  # 8 + 8 token loop, 4 + 4 chunked, 16 tensor cores (each with and without serving), the copy
     for source in SPECIALISATIONS:
         expressions = [e for s, e in picks if s == source]
         assert set(_build.compile_for_arch(source, expressions, arch)) == set(expressions)
@@ -102,7 +113,9 @@ def test_mma_stage_bytes_is_the_struct_size():
     memory."""
     checks = []
     for expression in SPECIALISATIONS["delta_rule_mma.cu"]:
-        K, slab, sep, _, subs = _template_args(expression)
+        K, slab, sep, _, subs, serving = _template_args(expression)
+        if serving == "true":
+            continue  # the same stages
         n = families.mma_stage_bytes(int(K), int(slab), sep == "true", 8 * int(subs))
         checks.append(f'static_assert(sizeof(comba::MmaStage<{K}, {slab}, {sep}, {subs}>) == {n}, "{expression}");')
     assert len(checks) == 36

@@ -189,7 +189,7 @@ def test_cupy_contiguity_flag_stands_for_the_strides():
     addresses are never touched, so this runs without a GPU."""
     cupy = pytest.importorskip("cupy")
     from cupy_comba._validate import ArraySig, _is_c_contiguous
-    from cupy_comba._plan import _c_strides
+    from cupy_comba._launcher import _c_strides
 
     memory = cupy.cuda.UnownedMemory(0x7F0000000000, 1 << 20, None, device_id=0)
     base = cupy.ndarray((4, 6, 8, 16), numpy.float32, memptr=cupy.cuda.MemoryPointer(memory, 0))

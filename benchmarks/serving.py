@@ -1,0 +1,106 @@
+"""The serving options against the dense calls and the copy, measured in one run (CUDA-graph replay).
+
+    PYTHONPATH=. python benchmarks/serving.py [--json FILE] [--decode B,H,K,V ...] [--forward B,T,H,K,V ...]
+
+Per shape and layout, Comba decode steps (in place: the state read once and written once):
+``dense`` the batch's own states; ``pool`` through ``state_indices`` -- a random permutation of
+slots of a pool twice the batch; ``half padding`` the same with every other row a padding row;
+``gating`` the pool with ``A_log``/``dt_bias``/``use_beta_sigmoid``.  Forward passes likewise
+(dense, pool, pool + gating).  ``of copy`` is the bytes each call must move (states read and
+written, activations, o) over its time, as a fraction of the device copy measured first.
+"""
+
+import argparse
+import json
+
+import cupy
+import numpy
+
+from cupy_comba import bfloat16, comba_decode_step, comba_forward
+from cupy_comba.bench import environment, measure_copy, parse_shapes, time_graph
+
+
+def _acts(rng, lead, H, K, V):
+    q, k, p = (rng.standard_normal(lead + (H, K), dtype=cupy.float32).astype(bfloat16) / 8 for _ in range(3))
+    v = rng.standard_normal(lead + (H, V), dtype=cupy.float32).astype(bfloat16)
+    beta = rng.random(lead + (H,), dtype=cupy.float32).astype(bfloat16)
+    g = (-rng.random(lead + (H,), dtype=cupy.float32) / 4).astype(bfloat16)
+    return q, k, v, p, beta, g
+
+
+def _row(kind, layout, shape, t, nbytes, copy_gbps, **extra):
+    frac = nbytes / t.median_us / 1e3 / copy_gbps
+    print(f"{kind:<28} {layout} {str(shape):<26} {t.median_us:9.1f} us  [{t.min_us:.1f}, {t.max_us:.1f}]  "
+          f"{frac:.3f} of copy", flush=True)
+    return dict(kind=kind, layout=layout, shape=list(shape), median_us=round(t.median_us, 2),
+                min_us=round(t.min_us, 2), max_us=round(t.max_us, 2), bytes=nbytes, of_copy=round(frac, 4), **extra)
+
+
+def decode(shape, layout, copy_gbps):
+    B, H, K, V = shape
+    rng = cupy.random.default_rng(0)
+    q, k, v, p, beta, g = _acts(rng, (B,), H, K, V)
+    sshape = (H, K, V) if layout == "kv" else (H, V, K)
+    state = (rng.standard_normal((B,) + sshape, dtype=cupy.float32) / 8)
+    pool = (rng.standard_normal((2 * B,) + sshape, dtype=cupy.float32) / 8)
+    slots = cupy.asarray(numpy.random.default_rng(1).permutation(2 * B)[:B].astype(numpy.int32))
+    half = slots.copy()
+    half[1::2] = -1
+    gates = dict(A_log=cupy.zeros(H, cupy.float32), dt_bias=cupy.ones(H, cupy.float32), use_beta_sigmoid=True)
+    out = cupy.empty((B, H, V), bfloat16)
+    act = sum(a.nbytes for a in (q, k, v, p, beta, g)) + out.nbytes
+    per_row = 2 * state.nbytes // B
+    opts = dict(out=out, state_layout=layout)
+    cases = [
+        ("decode dense", lambda: comba_decode_step(state, q, k, v, p, beta, g, state_out=state, **opts), B),
+        ("decode pool", lambda: comba_decode_step(pool, q, k, v, p, beta, g, state_indices=slots, **opts), B),
+        ("decode pool, half padding",
+         lambda: comba_decode_step(pool, q, k, v, p, beta, g, state_indices=half, **opts), (B + 1) // 2),
+        ("decode pool + gating",
+         lambda: comba_decode_step(pool, q, k, v, p, beta, g, state_indices=slots, **opts, **gates), B),
+    ]
+    return [_row(kind, layout, shape, time_graph(fn), rows * per_row + act, copy_gbps) for kind, fn, rows in cases]
+
+
+def forward(shape, layout, copy_gbps):
+    B, T, H, K, V = shape
+    rng = cupy.random.default_rng(0)
+    q, k, v, p, beta, g = _acts(rng, (B, T), H, K, V)
+    sshape = (H, K, V) if layout == "kv" else (H, V, K)
+    state = (rng.standard_normal((B,) + sshape, dtype=cupy.float32) / 8)
+    pool = (rng.standard_normal((2 * B,) + sshape, dtype=cupy.float32) / 8)
+    slots = cupy.asarray(numpy.random.default_rng(1).permutation(2 * B)[:B].astype(numpy.int32))
+    gates = dict(A_log=cupy.zeros(H, cupy.float32), dt_bias=cupy.ones(H, cupy.float32), use_beta_sigmoid=True)
+    out = cupy.empty((B, T, H, V), bfloat16)
+    nbytes = sum(a.nbytes for a in (q, k, v, p, beta, g)) + out.nbytes + 2 * state.nbytes
+    opts = dict(out=out, state_layout=layout)
+    cases = [
+        ("forward dense", lambda: comba_forward(q, k, v, p, beta, g, initial_state=state, state_out=state, **opts)),
+        ("forward pool", lambda: comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=slots, **opts)),
+        ("forward pool + gating", lambda: comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=slots,
+                                                        **opts, **gates)),
+    ]
+    return [_row(kind, layout, shape, time_graph(fn), nbytes, copy_gbps) for kind, fn in cases]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--decode", nargs="*", default=["measure", "64,16,128,128"])
+    ap.add_argument("--forward", nargs="*", default=["512,4,16,128,128", "512,16,16,128,128", "1,4096,16,128,128"])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    roof = measure_copy()
+    print(f"copy {roof.copy_gbps:.0f} GB/s", flush=True)
+    rows = []
+    for layout in ("kv", "vk"):
+        for shape in parse_shapes(args.decode):
+            rows += decode(shape, layout, roof.copy_gbps)
+        for shape in parse_shapes(args.forward, dims=("B", "T", "H", "K", "V")):
+            rows += forward(shape, layout, roof.copy_gbps)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(environment=environment(), copy_gbps=roof.copy_gbps, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""Pooled decode steps and forward passes with hostile state_indices on every variant, small shapes: run
+under compute-sanitizer by test_sanitizer_gpu.py (any access outside an array fails it)."""
+
+import cupy
+import numpy
+
+from cupy_comba import comba_decode_step, comba_forward, families, gated_delta_forward
+from cupy_comba.inputs import forward_inputs
+
+HOSTILE = numpy.array([2 ** 62, -2 ** 63, 3, 1, -1, 1, 2 ** 31 - 1, 2], numpy.int64)  # N = 3
+
+
+def main():
+    launches = 0
+    for layout in ("kv", "vk"):
+        for K, V in ((64, 64), (128, 128)):
+            q, k, v, p, beta, g, _ = forward_inputs(8, 9, 2, K, V, xp=cupy, state_layout=layout, warm_steps=0)
+            shape = (3, 2, K, V) if layout == "kv" else (3, 2, V, K)
+            A_log, dt_bias = cupy.zeros(2, cupy.float32), cupy.ones(2, cupy.float32)
+            for dtype in (cupy.int64, cupy.int32):
+                idx = cupy.asarray(HOSTILE.clip(numpy.iinfo(dtype).min, numpy.iinfo(dtype).max).astype(dtype))
+                for variant in families.variants(layout, K, V, multi=True):
+                    pool = cupy.zeros(shape, cupy.float32)
+                    comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=idx, state_layout=layout,
+                                  variant=variant, A_log=A_log, dt_bias=dt_bias)
+                    gated_delta_forward(q, k, v, beta, g, initial_state=pool, state_indices=idx, state_layout=layout,
+                                        variant=variant, output_final_state=False)
+                    launches += 2
+                for variant in families.variants(layout, K, V):
+                    pool = cupy.zeros(shape, cupy.float32)
+                    comba_decode_step(pool, *(a[:, 0] for a in (q, k, v, p, beta, g)), state_indices=idx,
+                                      state_layout=layout, variant=variant, use_beta_sigmoid=True)
+                    launches += 1
+            cupy.cuda.Device().synchronize()
+            cupy.get_default_memory_pool().free_all_blocks()  # the sanitizer's shadow memory needs the room
+    print(f"{launches} launches with hostile indices")
+
+
+if __name__ == "__main__":
+    main()

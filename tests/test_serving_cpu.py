@@ -1,0 +1,184 @@
+"""The serving options on the NumPy path: state pools (``state_indices``) and in-kernel gating
+(``A_log``, ``dt_bias``, ``use_beta_sigmoid``), against compositions of simpler calls and an
+independent loop for the gate math."""
+
+import math
+
+import numpy
+import pytest
+
+from cupy_comba import comba_decode_step, comba_forward, gated_delta_decode_step, gated_delta_forward, reference
+from cupy_comba.inputs import decode_inputs, forward_inputs
+
+F32 = numpy.dtype(numpy.float32)
+
+
+def gating_inputs(rng, lead, H, xp=numpy):
+    """Raw gate inputs ``a`` and logits ``b`` of shape ``lead + (H,)``, with A_log and dt_bias [H]; one
+    ``a`` above the softplus threshold."""
+    a = (3.0 * rng.standard_normal(lead + (H,))).astype(F32)
+    a.reshape(-1)[0] = 25.0
+    b = rng.standard_normal(lead + (H,)).astype(F32)
+    A_log = rng.uniform(-2.0, 1.0, H).astype(F32)
+    dt_bias = rng.uniform(-1.0, 1.0, H).astype(F32)
+    return tuple(xp.asarray(x) for x in (a, b, A_log, dt_bias))
+
+
+def naive_gates(a, b, A_log, dt_bias):
+    """float64 ``(beta, g)`` element by element with the math module."""
+    g = numpy.empty(a.shape)
+    beta = numpy.empty(b.shape)
+    for i in numpy.ndindex(a.shape):
+        x = float(a[i]) + float(dt_bias[i[-1]])
+        softplus = x if x > 20.0 else math.log1p(math.exp(x))
+        g[i] = -math.exp(float(A_log[i[-1]])) * softplus
+        beta[i] = 1.0 / (1.0 + math.exp(-float(b[i])))
+    return beta, g
+
+
+def test_reference_gates_match_a_naive_loop(rng):
+    a, b, A_log, dt_bias = gating_inputs(rng, (3, 5), 4)
+    beta, g = reference.gates(b, a, A_log, dt_bias, use_beta_sigmoid=True)
+    beta_n, g_n = naive_gates(a, b, A_log, dt_bias)
+    numpy.testing.assert_allclose(g, g_n, rtol=1e-14, atol=0)
+    numpy.testing.assert_allclose(beta, beta_n, rtol=1e-14, atol=0)
+    assert reference.gates(b, a)[0] is not b  # no options: the inputs as float64
+    numpy.testing.assert_array_equal(reference.gates(b, a)[1], a.astype(numpy.float64))
+
+
+@pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
+@pytest.mark.parametrize("step", [True, False], ids=["decode", "forward"])
+def test_in_kernel_gating_equals_the_gates_computed_outside(rng, comba, step):
+    B, T, H, K, V = 3, 4, 4, 64, 32
+    if step:
+        S, q, k, v, p, _, _ = decode_inputs(B, H, K, V, Hk=2, warm_steps=1, seed=3)
+        lead = (B,)
+    else:
+        q, k, v, p, _, _, S = forward_inputs(B, T, H, K, V, Hk=2, warm_steps=1, seed=3)
+        lead = (B, T)
+    a, b, A_log, dt_bias = gating_inputs(rng, lead, H)
+    beta, g = (x.astype(F32) for x in naive_gates(a, b, A_log, dt_bias))  # as an engine hands them over
+    gated = dict(A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid=True)
+    if step:
+        call = (lambda **kw: comba_decode_step(S, q, k, v, p, **kw)) if comba else \
+            (lambda **kw: gated_delta_decode_step(S, q, k, v, **kw))
+        S1, o1 = call(beta=b, g=a, **gated)
+        S2, o2 = call(beta=beta, g=g)
+    else:
+        call = (lambda **kw: comba_forward(q, k, v, p, initial_state=S, **kw)) if comba else \
+            (lambda **kw: gated_delta_forward(q, k, v, initial_state=S, **kw))
+        o1, S1 = call(beta=b, g=a, **gated)
+        o2, S2 = call(beta=beta, g=g)
+    # the reference both ways: the outside gates differ by their float32 rounding
+    assert reference.relative_error(S1, S2) < 1e-6 and reference.relative_error(o1.astype(F32), o2.astype(F32)) < 1e-2
+
+
+def _pool(rng, N, H, K, V):
+    return rng.standard_normal((N, H, K, V)).astype(F32) / 4
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
+def test_decode_through_a_pool_is_gather_step_scatter(rng, layout, comba):
+    N, H, K, V = 9, 4, 64, 32
+    _, q, k, v, p, beta, g = decode_inputs(6, H, K, V, Hk=2, warm_steps=0, seed=5)
+    pool = _pool(rng, N, H, K, V) if layout == "kv" else _pool(rng, N, H, V, K)
+    idx = numpy.array([7, 0, -1, 3, 9, 5], numpy.int64)  # -1 and 9 (>= N) are padding rows
+    live = numpy.array([0, 1, 3, 5])
+    before = pool.copy()
+    opts = dict(state_layout=layout)
+    if comba:
+        dense_S, dense_o = comba_decode_step(pool[idx[live]], q[live], k[live], v[live], p[live], beta[live],
+                                             g[live], **opts)
+        S, o = comba_decode_step(pool, q, k, v, p, beta, g, state_indices=idx, **opts)
+    else:
+        dense_S, dense_o = gated_delta_decode_step(pool[idx[live]], q[live], k[live], v[live], beta[live], g[live],
+                                                   **opts)
+        S, o = gated_delta_decode_step(pool, q, k, v, beta, g, state_indices=idx.astype(numpy.int32), **opts)
+    assert S is pool
+    numpy.testing.assert_array_equal(pool[idx[live]], dense_S)
+    numpy.testing.assert_array_equal(o[live], dense_o)
+    assert not o[[2, 4]].astype(F32).any()
+    untouched = numpy.setdiff1d(numpy.arange(N), idx[live])
+    numpy.testing.assert_array_equal(pool[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("write_final", [True, False])
+def test_forward_through_a_pool_reads_and_writes_its_slots(rng, write_final):
+    N, B, T, H, K, V = 6, 3, 5, 2, 64, 32
+    q, k, v, p, beta, g, _ = forward_inputs(B, T, H, K, V, warm_steps=0, seed=8)
+    pool = _pool(rng, N, H, K, V)
+    before = pool.copy()
+    idx = numpy.array([4, -7, 1], numpy.int32)
+    o, S = comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=idx, output_final_state=write_final)
+    o_dense, S_dense = comba_forward(q[[0, 2]], k[[0, 2]], v[[0, 2]], p[[0, 2]], beta[[0, 2]], g[[0, 2]],
+                                     initial_state=before[[4, 1]])
+    numpy.testing.assert_array_equal(o[[0, 2]], o_dense)
+    assert not o[1].astype(F32).any()
+    if write_final:
+        assert S is pool
+        numpy.testing.assert_array_equal(pool[[4, 1]], S_dense)
+        numpy.testing.assert_array_equal(pool[[0, 2, 3, 5]], before[[0, 2, 3, 5]])
+    else:
+        assert S is None
+        numpy.testing.assert_array_equal(pool, before)
+
+
+def test_reference_pool_matches_gather_scatter(rng):
+    N, H, K, V = 5, 2, 8, 4
+    pool = rng.standard_normal((N, H, K, V))
+    q, k, v, p = (rng.standard_normal((3, H, n)) for n in (K, K, V, K))
+    beta, g = rng.random((3, H)), -rng.random((3, H))
+    idx = numpy.array([2, -1, 4])
+    S, o = reference.comba_step(pool, q, k, v, p, beta, g, state_indices=idx)
+    S2, o2 = reference.comba_step(pool[[2, 4]], q[[0, 2]], k[[0, 2]], v[[0, 2]], p[[0, 2]], beta[[0, 2]], g[[0, 2]])
+    numpy.testing.assert_array_equal(S[[2, 4]], S2)
+    numpy.testing.assert_array_equal(S[[0, 1, 3]], pool[[0, 1, 3]])
+    numpy.testing.assert_array_equal(o[[0, 2]], o2)
+    assert not o[1].any()
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+
+def _decode_args():
+    return list(decode_inputs(3, 4, 64, 32, warm_steps=1, seed=2))
+
+
+@pytest.mark.parametrize("idx,error,match", [
+    (numpy.zeros(3, numpy.float32), TypeError, "state_indices must be int32 or int64, got float32"),
+    (numpy.zeros(2, numpy.int32), ValueError, r"state_indices must have shape \(B,\).* = \(3,\), got \(2,\)"),
+    (numpy.zeros((3, 1), numpy.int32), ValueError, "state_indices must have shape"),
+    ([0, 1, 2], TypeError, "state_indices must be a cupy.ndarray or numpy.ndarray, got list"),
+])
+def test_bad_state_indices(idx, error, match):
+    with pytest.raises(error, match=match):
+        comba_decode_step(*_decode_args(), state_indices=idx)
+
+
+def test_a_pool_is_updated_in_place_only():
+    args = _decode_args()
+    with pytest.raises(ValueError, match="state_out must be the pool itself"):
+        comba_decode_step(*args, state_indices=numpy.arange(3), state_out=args[0].copy())
+
+
+def test_a_forward_pool_needs_the_pool():
+    q, k, v, p, beta, g, _ = forward_inputs(2, 3, 2, 64, 32, warm_steps=0)
+    with pytest.raises(ValueError, match="pass the pool as initial_state"):
+        comba_forward(q, k, v, p, beta, g, state_indices=numpy.arange(2))
+
+
+def test_gating_options():
+    args = _decode_args()
+    A = numpy.zeros(4, F32)
+    with pytest.raises(ValueError, match="A_log was given without dt_bias"):
+        comba_decode_step(*args, A_log=A)
+    with pytest.raises(ValueError, match="gate='log', got gate='linear'"):
+        comba_decode_step(*args, A_log=A, dt_bias=A, gate="linear")
+    with pytest.raises(ValueError, match=r"dt_bias must have shape \(H,\)"):
+        comba_decode_step(*args, A_log=A, dt_bias=numpy.zeros(3, F32))
+    with pytest.raises(TypeError, match="A_log must be float32, got float64"):
+        comba_decode_step(*args, A_log=A.astype(numpy.float64), dt_bias=A)
+    with pytest.raises(ValueError, match="A_log must be contiguous"):
+        comba_decode_step(*args, A_log=numpy.zeros(8, F32)[::2], dt_bias=A)
+    with pytest.raises(TypeError, match="use_beta_sigmoid must be a bool"):
+        comba_decode_step(*args, use_beta_sigmoid=1)
