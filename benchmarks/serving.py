@@ -6,7 +6,8 @@ Per shape and layout, Comba decode steps (in place: the state read once and writ
 ``dense`` the batch's own states; ``pool`` through ``state_indices`` -- a random permutation of
 slots of a pool twice the batch; ``half padding`` the same with every other row a padding row;
 ``gating`` the pool with ``A_log``/``dt_bias``/``use_beta_sigmoid``.  Forward passes likewise
-(dense, pool, pool + gating).  ``of copy`` is the bytes each call must move (states read and
+(dense, pool, pool + gating), and ``ragged``: the same tokens packed as B sequences of T with
+``cu_seqlens``.  ``of copy`` is the bytes each call must move (states read and
 written, activations, o) over its time, as a fraction of the device copy measured first.
 """
 
@@ -74,11 +75,15 @@ def forward(shape, layout, copy_gbps):
     out = cupy.empty((B, T, H, V), bfloat16)
     nbytes = sum(a.nbytes for a in (q, k, v, p, beta, g)) + out.nbytes + 2 * state.nbytes
     opts = dict(out=out, state_layout=layout)
+    packed = [a.reshape((1, B * T) + a.shape[2:]) for a in (q, k, v, p, beta, g, out)]
+    cu = cupy.arange(0, B * T + 1, T, dtype=cupy.int32)
     cases = [
         ("forward dense", lambda: comba_forward(q, k, v, p, beta, g, initial_state=state, state_out=state, **opts)),
         ("forward pool", lambda: comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=slots, **opts)),
         ("forward pool + gating", lambda: comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=slots,
                                                         **opts, **gates)),
+        ("forward ragged", lambda: comba_forward(*packed[:6], initial_state=state, state_out=state, cu_seqlens=cu,
+                                                 out=packed[6], state_layout=layout)),
     ]
     return [_row(kind, layout, shape, time_graph(fn), nbytes, copy_gbps) for kind, fn in cases]
 

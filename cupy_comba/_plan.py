@@ -9,7 +9,7 @@ when the set of data pointers changes, missing outputs are allocated, and the pl
 through the same checks; anything else is answered by a TypeError.
 
 The kernels take their shapes, strides and options in one ``struct Params`` (packed once per
-plan by :func:`cupy_comba._launcher.pack_params`) and twelve pointers (:func:`_kernel_pointers`).
+plan by :func:`cupy_comba._launcher.pack_params`) and thirteen pointers (:func:`_kernel_pointers`).
 """
 
 import numpy
@@ -22,6 +22,9 @@ from . import _validate
 from ._validate import ARRAYS, STATE, STATE_OUT
 
 _ND = None if cupy is None else cupy.ndarray
+
+#: The serving arrays' pointers of a call without them.
+_NO_SERVING = (None, None, None, None)
 
 #: Plans by key (see :func:`run`); cleared when it outgrows PLANS_MAX.
 PLANS = {}
@@ -49,11 +52,13 @@ class Plan:
 
     def _prepare_launch(self, sig):
         a = sig.arrays
-        self.variant = sig.variant or tiling.choose(sig.layout, sig.K, sig.V, sig.comba, sig.multi, sig.T,
-                                                    sig.B * sig.H)
+        # a ragged batch by its mean length: the kernel is chosen before its lengths are known
+        T = max(1, sig.T // max(sig.B, 1)) if sig.ragged else sig.T
+        self.variant = sig.variant or tiling.choose(sig.layout, sig.K, sig.V, sig.comba, sig.multi, T, sig.B * sig.H)
         f32_keys = any(a[n] is not None and a[n].dtype == float32 for n in ("q", "k", "p"))
         self.kernel = families.kernel(sig.layout, self.variant, K=sig.K, separate_p=sig.comba, multi=sig.multi,
-                                      f32_keys=f32_keys, serving=sig.pool or sig.gating or sig.beta_sigmoid)
+                                      f32_keys=f32_keys,
+                                      serving=sig.pool or sig.gating or sig.beta_sigmoid or sig.ragged)
         if not sig.B * sig.H:
             return
         with cupy.cuda.Device(self.device):
@@ -74,20 +79,20 @@ def run(step, state, q, k, v, p, beta, g, scale, write_final, out, state_out, o_
 
     ``step``: a decode step (``state`` required, T = 1 axes absent); ``p`` None for Gated
     DeltaNet.  The options as the public ops take them; ``serving`` None or ``(state_indices,
-    A_log, dt_bias, use_beta_sigmoid)`` (docs/serving.md).
+    A_log, dt_bias, use_beta_sigmoid, cu_seqlens)`` (docs/serving.md).
     """
     nd = _ND
     if serving is None:
-        idx = a_log = dt_bias = None
+        idx = a_log = dt_bias = cu = None
         beta_sigmoid = False
     else:
-        idx, a_log, dt_bias, beta_sigmoid = serving
+        idx, a_log, dt_bias, beta_sigmoid, cu = serving
     if (type(q) is nd and type(k) is nd and type(v) is nd and type(beta) is nd and type(g) is nd
             and (p is None or type(p) is nd) and (state is None or type(state) is nd)
             and (out is None or type(out) is nd) and (state_out is None or type(state_out) is nd)
             and (write_final is True or write_final is False) and (l2norm is True or l2norm is False)
             and (serving is None or ((idx is None or type(idx) is nd) and (a_log is None or type(a_log) is nd)
-                                     and (dt_bias is None or type(dt_bias) is nd)
+                                     and (dt_bias is None or type(dt_bias) is nd) and (cu is None or type(cu) is nd)
                                      and (beta_sigmoid is True or beta_sigmoid is False)))):
         if scale is not None:
             scale = _validate.real_scalar("scale", scale)
@@ -109,8 +114,8 @@ def run(step, state, q, k, v, p, beta, g, scale, write_final, out, state_out, o_
                None if nso else state_out.shape, None if nso else state_out._c_contiguous or state_out.strides,
                None if nso else state_out.dtype,
                o_dtype, scale, write_final, state_layout, gate, l2norm, step, qd.device_id, variant,
-               None if serving is None else _serving_key(idx, a_log, dt_bias, beta_sigmoid))
-        arrays = (q, k, v, p, beta, g, state, out, state_out, idx, a_log, dt_bias)
+               None if serving is None else _serving_key(idx, a_log, dt_bias, beta_sigmoid, cu))
+        arrays = (q, k, v, p, beta, g, state, out, state_out, idx, a_log, dt_bias, cu)
         try:
             plan = PLANS.get(key)
         except TypeError:  # an unhashable option: the checks name it
@@ -123,7 +128,10 @@ def run(step, state, q, k, v, p, beta, g, scale, write_final, out, state_out, o_
                 PLANS.clear()
             if key is not None:
                 PLANS[key] = plan
-        pointers = tuple(None if a is None else a.data.ptr for a in arrays)
+        pointers = (qd.ptr, k.data.ptr, v.data.ptr, None if np_ else p.data.ptr, beta.data.ptr, g.data.ptr,
+                    None if ns else state.data.ptr, None if no else out.data.ptr,
+                    None if nso else state_out.data.ptr) + \
+            (_NO_SERVING if serving is None else tuple(None if a is None else a.data.ptr for a in arrays[9:]))
         if pointers != plan.verified:  # a decode loop often reuses one set of buffers: checked once
             _check_pointers(arrays, pointers, plan.device, plan.pairs)
             plan.verified = pointers
@@ -132,21 +140,23 @@ def run(step, state, q, k, v, p, beta, g, scale, write_final, out, state_out, o_
         if plan.launcher is not None:
             plan.launcher(_kernel_pointers(pointers), plan.device)
         return (state_out, out) if step else (out, state_out)
-    return _run_general(step, (q, k, v, p, beta, g, state, out, state_out, idx, a_log, dt_bias), scale, write_final,
-                        o_dtype, state_layout, gate, l2norm, variant, beta_sigmoid)
+    return _run_general(step, (q, k, v, p, beta, g, state, out, state_out, idx, a_log, dt_bias, cu), scale,
+                        write_final, o_dtype, state_layout, gate, l2norm, variant, beta_sigmoid)
 
 
-def serving(state_indices, A_log, dt_bias, use_beta_sigmoid):
+def serving(state_indices, A_log, dt_bias, use_beta_sigmoid, cu_seqlens=None):
     """The serving options as :func:`run` takes them: None when none is used."""
-    if state_indices is None and A_log is None and dt_bias is None and use_beta_sigmoid is False:
+    if (state_indices is None and A_log is None and dt_bias is None and use_beta_sigmoid is False
+            and cu_seqlens is None):
         return None
-    return state_indices, A_log, dt_bias, use_beta_sigmoid
+    return state_indices, A_log, dt_bias, use_beta_sigmoid, cu_seqlens
 
 
-def _serving_key(idx, a_log, dt_bias, beta_sigmoid):
+def _serving_key(idx, a_log, dt_bias, beta_sigmoid, cu):
     return (None if idx is None else (idx.shape, idx.strides, idx.dtype),
             None if a_log is None else (a_log.shape, a_log.strides, a_log.dtype),
-            None if dt_bias is None else (dt_bias.shape, dt_bias.strides, dt_bias.dtype), beta_sigmoid)
+            None if dt_bias is None else (dt_bias.shape, dt_bias.strides, dt_bias.dtype), beta_sigmoid,
+            None if cu is None else (cu.shape, cu.strides, cu.dtype))
 
 
 def _new_plan(step, arrays, scale, write_final, o_dtype, state_layout, gate, l2norm, variant, beta_sigmoid, device):
@@ -167,13 +177,13 @@ def _run_general(step, arrays, scale, write_final, o_dtype, state_layout, gate, 
     opts = _validate.options(scale, write_final, named["state_out"], o_dtype, state_layout, gate, l2norm, variant,
                              beta_sigmoid)
     scale, write_final, o_dtype, state_layout, gate, l2norm, variant, beta_sigmoid = opts
-    q, k, v, p, beta, g, state, out, state_out, idx, a_log, dt_bias = named.values()
+    q, k, v, p, beta, g, state, out, state_out, idx, a_log, dt_bias, cu = named.values()
     if xp is cupy:  # plain arrays and options now: the fast path takes them
         return run(step, state, q, k, v, p, beta, g, scale, write_final, out, state_out, o_dtype, state_layout, gate,
-                   l2norm, variant, (idx, a_log, dt_bias, beta_sigmoid))
+                   l2norm, variant, (idx, a_log, dt_bias, beta_sigmoid, cu))
     if idx is not None and state_out is None and write_final:
         state_out = state
-    arrays = (q, k, v, p, beta, g, state, out, state_out, idx, a_log, dt_bias)
+    arrays = (q, k, v, p, beta, g, state, out, state_out, idx, a_log, dt_bias, cu)
     plan = _new_plan(step, arrays, *opts, None)
     _check_pointers(arrays, tuple(None if a is None else a.__array_interface__["data"][0] for a in arrays), None,
                     plan.pairs)
@@ -183,10 +193,10 @@ def _run_general(step, arrays, scale, write_final, o_dtype, state_layout, gate, 
 def _kernel_pointers(pointers):
     """The kernels' pointer arguments: state (o when there is no initial state: never read),
     state_out (o when none: never written), q, k, v, p (k for Gated DeltaNet), beta, g, o,
-    state_indices, A_log, dt_bias (0 when absent: never read)."""
-    q, k, v, p, beta, g, s, o, so, idx, a_log, dt_bias = pointers
+    state_indices, A_log, dt_bias, cu_seqlens (0 when absent: never read)."""
+    q, k, v, p, beta, g, s, o, so, idx, a_log, dt_bias, cu = pointers
     return (o if s is None else s, o if so is None else so, q, k, v, k if p is None else p, beta, g, o,
-            idx or 0, a_log or 0, dt_bias or 0)
+            idx or 0, a_log or 0, dt_bias or 0, cu or 0)
 
 
 def _fresh_outputs(plan, out, state_out, pointers):
@@ -203,10 +213,12 @@ def _fresh_outputs(plan, out, state_out, pointers):
 def _run_reference(sig, arrays):
     """The float64 reference on NumPy arrays, delivered into the outputs (or new arrays) in the
     dtypes the kernels would return; with a pool only the slots of the batch's rows are written."""
-    q, k, v, p, beta, g, state, out, state_out, idx, a_log, dt_bias = arrays
+    q, k, v, p, beta, g, state, out, state_out, idx, a_log, dt_bias, cu = arrays
     p = k if p is None else p
     options = dict(state_layout=sig.layout, gate=sig.gate, use_qk_l2norm=sig.l2norm, state_indices=idx, A_log=a_log,
                    dt_bias=dt_bias, use_beta_sigmoid=sig.beta_sigmoid)
+    if cu is not None:
+        options["cu_seqlens"] = cu
     if state is None:
         state = numpy.zeros(sig.state_shape)
     op = reference.comba_step if sig.step else reference.comba_loop

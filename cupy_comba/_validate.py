@@ -21,14 +21,15 @@ from . import families
 _FLOAT32_MAX = float(numpy.finfo(numpy.float32).max)
 
 INPUTS = ("q", "k", "v", "p", "beta", "g")
-#: Every array argument, in the order the plan keeps them; the last three are the serving options
+#: Every array argument, in the order the plan keeps them; the last four are the serving options
 #: (docs/serving.md).
-ARRAYS = INPUTS + ("state", "out", "state_out", "state_indices", "A_log", "dt_bias")
+ARRAYS = INPUTS + ("state", "out", "state_out", "state_indices", "A_log", "dt_bias", "cu_seqlens")
 #: Those that may be None.
-OPTIONAL = ("p", "state", "out", "state_out", "state_indices", "A_log", "dt_bias")
+OPTIONAL = ("p", "state", "out", "state_out", "state_indices", "A_log", "dt_bias", "cu_seqlens")
 #: Positions of the state, out and state_out in :data:`ARRAYS`.
 STATE, OUT, STATE_OUT = 6, 7, 8
-#: dtypes of ``state_indices`` and their kernel codes (``Params::slot_t``; 0: no pool).
+#: dtypes of ``state_indices`` and ``cu_seqlens`` and their kernel codes (``Params::slot_t``,
+#: ``Params::cu_t``; 0: none).
 INDEX_CODES = {numpy.dtype(numpy.int32): 1, numpy.dtype(numpy.int64): 2}
 
 
@@ -62,7 +63,7 @@ class Signature:
 
     __slots__ = ("step", "comba", "layout", "gate", "l2norm", "write_final", "B", "T", "H", "Hk", "K", "V",
                  "scale", "o_dtype", "o_shape", "state_shape", "arrays", "variant", "multi", "pool", "N",
-                 "gating", "beta_sigmoid", "pairs")
+                 "gating", "beta_sigmoid", "pairs", "ragged")
 
 
 # -- options ---------------------------------------------------------------------------------------
@@ -237,6 +238,23 @@ def _check_pool(sigs, B, N):
         raise ValueError(f"the pool holds {N} states; at most 2**31 - 1 are addressed")
 
 
+def _check_ragged(sigs, tokens):
+    """``cu_seqlens``: int32 / int64 ``(N + 1,)``, N >= 1, with packed activations ``(1, total_T, ...)``.
+    Returns N."""
+    cu = sigs["cu_seqlens"]
+    if cu.dtype not in INDEX_CODES:
+        raise TypeError(f"cu_seqlens must be int32 or int64, got {_describe(cu.dtype)}")
+    if len(cu.shape) != 1 or cu.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must have shape (N + 1,) with N >= 1 sequences, got {cu.shape}")
+    if any(st % cu.itemsize for st in cu.strides):
+        raise ValueError(f"cu_seqlens has strides {cu.strides} that are not a multiple of its itemsize")
+    for n in tokens:
+        if sigs[n].shape[0] != 1:
+            raise ValueError(f"with cu_seqlens the sequences are packed along T: {n} must have shape (1, total_T, ...), "
+                             f"got {sigs[n].shape}")
+    return cu.shape[0] - 1
+
+
 def _check_gating(sigs, H, gate):
     """``A_log`` and ``dt_bias``: both or neither, float32 ``(H,)``, contiguous; a log gate."""
     a_log, dt_bias = sigs["A_log"], sigs["dt_bias"]
@@ -297,13 +315,16 @@ def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, ga
         H = _agree("value heads H", {n: sigs[n].shape[2] for n in ("v", "beta", "g")})
         K = _agree("head size K", {n: sigs[n].shape[-1] for n in keys})
         V = sigs["v"].shape[-1]
+        if sigs["cu_seqlens"] is not None:
+            B = _check_ragged(sigs, tokens)  # the sequences: rows of the state and of state_indices
         if pool:
             _expect_ndim(state_name, sigs["state"], 4, state_meaning)
         N = sigs["state"].shape[0] if pool else B
     Hk = _agree("key heads Hk", {n: sigs[n].shape[len(lead)] for n in keys})
     if Hk < 1 or H % Hk:
         raise ValueError(f"value heads H={H} must be a multiple of key heads Hk={Hk} (q, k, p have Hk heads)")
-    tok = (B,) if step else (B, T)
+    ragged = sigs["cu_seqlens"] is not None
+    tok = (B,) if step else ((1,) if ragged else (B,)) + (T,)
     for n in keys:
         _expect_shape(n, sigs[n].shape, tok + (Hk, K), lead_text + "Hk, K)")
     _expect_shape("v", sigs["v"].shape, tok + (H, V), lead_text + "H, V)")
@@ -325,7 +346,7 @@ def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, ga
     if sigs["state_out"] is not None:
         _check_output("state_out", arrays["state_out"], sigs["state_out"], state_shape, "the state's shape")
         _check_state("state_out", sigs["state_out"], state_shape, "the state's shape")
-    o_shape = tok + (H, V)
+    o_shape = tok + (H, V)  # (1, total_T, H, V) for a ragged batch
     if sigs["out"] is not None:
         out = sigs["out"]
         _check_output("out", arrays["out"], out, o_shape, lead_text + "H, V)")
@@ -334,7 +355,7 @@ def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, ga
         if o_dtype is not None and o_dtype != out.dtype:
             raise TypeError(f"o_dtype={dtype_name(o_dtype)} disagrees with out.dtype={dtype_name(out.dtype)}")
         o_dtype = out.dtype
-    multi = not (T == 1 and sigs["state"] is not None and write_final)
+    multi = ragged or not (T == 1 and sigs["state"] is not None and write_final)
     if variant is not None:
         # a known name, else ValueError; a variant built for T-token passes only runs one step as one
         multi = multi or families.tiling(state_layout, K, variant).passes_only
@@ -346,7 +367,7 @@ def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, ga
     sig.step, sig.comba, sig.layout, sig.gate, sig.l2norm, sig.write_final = (step, comba, state_layout, gate, l2norm,
                                                                               write_final)
     sig.B, sig.T, sig.H, sig.Hk, sig.K, sig.V, sig.N = B, T, H, Hk, K, V, N
-    sig.pool, sig.gating, sig.beta_sigmoid = pool, gating, beta_sigmoid
+    sig.pool, sig.gating, sig.beta_sigmoid, sig.ragged = pool, gating, beta_sigmoid, ragged
     sig.scale = K ** -0.5 if scale is None else scale
     sig.o_dtype = sigs["v"].dtype if o_dtype is None else o_dtype
     sig.o_shape, sig.state_shape, sig.arrays, sig.variant, sig.multi = o_shape, state_shape, sigs, variant, multi

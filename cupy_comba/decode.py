@@ -4,7 +4,8 @@
 beta, g)`` (the Comba step with the read key ``p = k``).  The fp32 state is read once and written
 once; on NumPy arrays the float64 reference runs instead.  The options are those of every op of
 the library (docs/api.md): ``state_layout``, ``gate``, ``use_qk_l2norm``, ``out``, ``state_out``,
-``o_dtype`` and ``variant``.
+``o_dtype`` and ``variant``, and the serving options (docs/serving.md): ``state_indices``,
+``A_log``, ``dt_bias`` and ``use_beta_sigmoid``.
 """
 
 from ._plan import run, serving
@@ -40,6 +41,17 @@ def comba_decode_step(state, q, k, v, p, beta, g, scale=None, *, state_indices=N
         Log-decay (``exp(g)`` is the forget gate); the gate itself with ``gate="linear"``.
     scale : float, optional
         Query scale; ``K ** -0.5`` when None.
+    state_indices : ndarray, shape (B,), int32 or int64, optional
+        ``state`` is a pool ``(N, H, K, V)`` (``(N, H, V, K)`` for "vk") updated in place: row b
+        reads and writes slot ``state_indices[b]``.  A negative index or one >= N makes row b a
+        padding row: its ``o`` is zeros and no slot is read or written (checked in the kernel,
+        without a device synchronisation).  Two rows naming one slot leave it undefined.
+    A_log, dt_bias : ndarray, shape (H,), float32, optional
+        In-kernel gating (Qwen3-Next): ``g`` holds the raw gate input ``a`` and the step uses the
+        log-decay ``-exp(A_log) * softplus(a + dt_bias)`` (softplus linear above 20).  Both or
+        neither; ``gate="log"``.
+    use_beta_sigmoid : bool
+        ``beta`` holds a logit: the step size is ``sigmoid(beta)``.
     out : ndarray, shape (B, H, V), optional
         Buffer for ``o`` (any strides, bfloat16 / float16 / float32).
     state_out : ndarray, float32, C-contiguous, optional
@@ -63,7 +75,7 @@ def comba_decode_step(state, q, k, v, p, beta, g, scale=None, *, state_indices=N
     Returns
     -------
     state_new : ndarray, float32, the layout of ``state``
-        ``state_out`` when given, else a new array.
+        ``state_out`` when given (with ``state_indices``: the pool itself), else a new array.
     o : ndarray, shape (B, H, V)
         ``out`` when given, else a new array of ``o_dtype``.
 
@@ -110,7 +122,8 @@ def gated_delta_decode_step(state, q, k, v, beta, g, scale=None, *, state_indice
     beta, g : ndarray, shape (B, H)
     scale : float, optional
         Query scale, ``K ** -0.5`` when None (MLX-LM's and the metaltile kernel's convention is 1.0).
-    out, state_out, o_dtype, state_layout, gate, use_qk_l2norm, variant
+    state_indices, A_log, dt_bias, use_beta_sigmoid, out, state_out, o_dtype, state_layout, gate, use_qk_l2norm,
+    variant
         As in :func:`comba_decode_step`.
 
     Returns

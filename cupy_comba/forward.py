@@ -4,15 +4,15 @@
 is read once (or starts at zero), stays on chip across the T tokens and is written once; o is
 written per token.  :mod:`cupy_comba.tiling` picks the kernel by T and batch: the token loop,
 4-token chunks, or 8- and 16-token chunks on the tensor cores (docs/design.md).  The options are
-those of the decode steps.
+those of the decode steps, and ``cu_seqlens`` for ragged batches (docs/serving.md).
 """
 
 from ._plan import run, serving
 
 
 def comba_forward(q, k, v, p, beta, g, scale=None, *, initial_state=None, output_final_state=True, state_indices=None,
-                  A_log=None, dt_bias=None, use_beta_sigmoid=False, out=None, state_out=None, o_dtype=None,
-                  state_layout="kv", gate="log", use_qk_l2norm=False, variant=None):
+                  A_log=None, dt_bias=None, use_beta_sigmoid=False, cu_seqlens=None, out=None, state_out=None,
+                  o_dtype=None, state_layout="kv", gate="log", use_qk_l2norm=False, variant=None):
     """T Comba tokens in one launch: the state is read once, kept on chip, written once.
 
     Equal to T calls of :func:`cupy_comba.comba_decode_step`, token t's state feeding token
@@ -30,6 +30,18 @@ def comba_forward(q, k, v, p, beta, g, scale=None, *, initial_state=None, output
         unless it is also passed as ``state_out``.
     output_final_state : bool
         Return the state after the last token (else ``None``, and no state is written).
+    state_indices : ndarray, shape (B,) (N with ``cu_seqlens``), int32 or int64, optional
+        ``initial_state`` is a pool: sequence b starts from slot ``state_indices[b]`` and, with
+        ``output_final_state``, its final state replaces that slot in place (the pool is
+        returned).  Negative indices and those >= the pool's size mark padding rows, as in
+        :func:`cupy_comba.comba_decode_step`.
+    A_log, dt_bias, use_beta_sigmoid
+        In-kernel gating, as in :func:`cupy_comba.comba_decode_step`.
+    cu_seqlens : ndarray, shape (N + 1,), int32 or int64, optional
+        A ragged batch of N sequences packed along T: q, k, v, p, beta, g are ``(1, total_T, ...)``
+        and sequence n is tokens ``cu_seqlens[n] .. cu_seqlens[n + 1] - 1`` (zero-length ones
+        too); ``o`` is ``(1, total_T, H, V)``, the states ``(N, ...)``.  One launch, read on the
+        device (CUDA-graph capturable); bounds outside ``0 .. total_T`` are clamped.
     out : ndarray, shape (B, T, H, V), optional
     state_out : ndarray, float32, optional
         Buffer for the final state; ``state_out=initial_state`` updates in place.
@@ -54,12 +66,12 @@ def comba_forward(q, k, v, p, beta, g, scale=None, *, initial_state=None, output
         raise TypeError("p must be a cupy.ndarray or numpy.ndarray, got NoneType (for p = k use gated_delta_forward)")
     return run(False, initial_state, q, k, v, p, beta, g, scale, output_final_state, out, state_out, o_dtype,
                state_layout, gate, use_qk_l2norm, variant,
-               serving(state_indices, A_log, dt_bias, use_beta_sigmoid))
+               serving(state_indices, A_log, dt_bias, use_beta_sigmoid, cu_seqlens))
 
 
 def gated_delta_forward(q, k, v, beta, g, scale=None, *, initial_state=None, output_final_state=True,
-                        state_indices=None, A_log=None, dt_bias=None, use_beta_sigmoid=False, out=None,
-                        state_out=None, o_dtype=None, state_layout="kv", gate="log", use_qk_l2norm=False,
+                        state_indices=None, A_log=None, dt_bias=None, use_beta_sigmoid=False, cu_seqlens=None,
+                        out=None, state_out=None, o_dtype=None, state_layout="kv", gate="log", use_qk_l2norm=False,
                         variant=None):
     """T Gated DeltaNet tokens in one launch (:func:`comba_forward` with ``p = k``; k is read once).
 
@@ -68,7 +80,8 @@ def gated_delta_forward(q, k, v, beta, g, scale=None, *, initial_state=None, out
     q, k : ndarray, shape (B, T, Hk, K)
     v : ndarray, shape (B, T, H, V)
     beta, g : ndarray, shape (B, T, H)
-    scale, initial_state, output_final_state, out, state_out, o_dtype, state_layout, gate, use_qk_l2norm, variant
+    scale, initial_state, output_final_state, state_indices, A_log, dt_bias, use_beta_sigmoid, cu_seqlens, out,
+    state_out, o_dtype, state_layout, gate, use_qk_l2norm, variant
         As in :func:`comba_forward`.
 
     Returns
@@ -88,4 +101,4 @@ def gated_delta_forward(q, k, v, beta, g, scale=None, *, initial_state=None, out
     """
     return run(False, initial_state, q, k, v, None, beta, g, scale, output_final_state, out, state_out, o_dtype,
                state_layout, gate, use_qk_l2norm, variant,
-               serving(state_indices, A_log, dt_bias, use_beta_sigmoid))
+               serving(state_indices, A_log, dt_bias, use_beta_sigmoid, cu_seqlens))

@@ -156,14 +156,19 @@ def gated_delta_step(state, q, k, v, beta, g, scale=None, **options):
     return comba_step(state, q, k, v, k, beta, g, scale, **options)
 
 
-def comba_loop(state, q, k, v, p, beta, g, scale=None, *, state_indices=None, **options):
+def comba_loop(state, q, k, v, p, beta, g, scale=None, *, state_indices=None, cu_seqlens=None, **options):
     """``T`` Comba steps: ``q, k, p [B, T, Hk, K]``, ``v [B, T, H, V]``, ``beta, g [B, T, H]``.
 
     Returns the final state (the layout of ``state``; with ``state_indices`` the whole pool, each
     row's slot replaced by its final state) and ``o [B, T, H, V]``, float64.  Takes the options of
-    :func:`comba_step`.
+    :func:`comba_step`, and ``cu_seqlens [N + 1]``: a ragged batch, the activations packed as
+    ``[1, total_T, ...]``, sequence n the tokens ``cu_seqlens[n] .. cu_seqlens[n + 1] - 1`` (each
+    bound clamped to ``0 .. total_T``, the upper one to at least the lower), its state row n of
+    ``state [N, ...]`` (slot ``state_indices[n]`` of a pool); ``o`` is ``[1, total_T, H, V]``.
     """
     xp = array_namespace(state, q, k, v, p, beta, g)
+    if cu_seqlens is not None:
+        return _ragged(state, cu_seqlens, state_indices, (q, k, v, p, beta, g), scale, **options)
     if state_indices is not None:
         return _pooled(comba_loop, state, state_indices, (q, k, v, p, beta, g), scale, **options)
     S, outs = _f64(xp, state), []
@@ -189,6 +194,26 @@ def _pooled(op, pool, state_indices, acts, scale, **options):
         o[live] = o_live
         pool[idx[live]] = S
     return pool, o
+
+
+def _ragged(state, cu_seqlens, state_indices, acts, scale, **options):
+    """:func:`comba_loop` sequence by sequence over a packed batch."""
+    xp = array_namespace(state, *acts)
+    S = _f64(xp, state)
+    total = acts[0].shape[1]
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    slots = None if state_indices is None else [int(x) for x in state_indices.tolist()]
+    o = xp.zeros((1, total) + acts[2].shape[2:], dtype=xp.float64)
+    for n in range(len(bounds) - 1):
+        lo = min(max(bounds[n], 0), total)
+        hi = min(max(bounds[n + 1], lo), total)
+        row = n if slots is None else slots[n]
+        if not 0 <= row < S.shape[0]:
+            continue  # a padding sequence: o zeros, no state
+        S_n, o_n = comba_loop(S[row:row + 1], *(a[:, lo:hi] for a in acts), scale, **options)
+        o[:, lo:hi] = o_n
+        S[row] = S_n[0]
+    return S, o
 
 
 def gated_delta_loop(state, q, k, v, beta, g, scale=None, **options):

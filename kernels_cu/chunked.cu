@@ -267,16 +267,18 @@ __global__ void __launch_bounds__(COLS / 4 * RG, COLS == 64 && !SEPARATE_P ? 4 :
 delta_rule_kv_chunked(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
                       const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
                       const void* __restrict__ g, void* __restrict__ o, const void* __restrict__ slots,
-                      const float* __restrict__ A_log, const float* __restrict__ dt_bias, const Params prm,
+                      const float* __restrict__ A_log, const float* __restrict__ dt_bias,
+                      const void* __restrict__ cu_seqlens, const Params prm,
                       const float scale) {
     constexpr int LC = COLS / 4, NT = LC * RG, R = K / RG, NW = NT / 32, C = kChunk;
     static_assert(NT % 32 == 0 && K % RG == 0 && COLS <= NT && 2 * C <= NT, "bad kv tiling");
     __shared__ ChunkStage<K, COLS, NW> stage[2];
     __shared__ float4 red[NW][2 * C][LC];  // per-warp partial S0^T p_t, S0^T q_t
 
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, T = static_cast<int>(prm.T);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const KvSlab<K, COLS, RG, SERVING> slab(prm, tid, slots);
     const int lc = slab.lc, rg = slab.rg, b = slab.b, h = slab.h, hk = slab.hk, col0 = slab.col0, col = slab.col;
+    const int T = tokens<SERVING>(cu_seqlens, prm, b, q, k, v, p, beta, g, o);
     if (SERVING && slab.slot < 0) {  // a padding row
         zero_o(o, prm, b, h, col0, COLS, T, tid, NT);
         return;
@@ -428,7 +430,8 @@ __global__ void __launch_bounds__(ROWS * 2, ROWS == 64 && !SEPARATE_P ? 4 : 384 
 delta_rule_vk_chunked(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
                       const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
                       const void* __restrict__ g, void* __restrict__ o, const void* __restrict__ slots,
-                      const float* __restrict__ A_log, const float* __restrict__ dt_bias, const Params prm,
+                      const float* __restrict__ A_log, const float* __restrict__ dt_bias,
+                      const void* __restrict__ cu_seqlens, const Params prm,
                       const float scale) {
     constexpr int NW = ROWS / 16, NT = NW * 32, RL = 4, KF = 4, C = kChunk;
     static_assert(K == 128 && ROWS % 16 == 0 && 2 * C <= NT && ROWS <= NT, "bad vk chunked tiling");
@@ -436,11 +439,12 @@ delta_rule_vk_chunked(const float* state, float* state_out, const void* __restri
     __shared__ VkChunkScratch scratch[NW];
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, kl = lane & 7, rgp = lane >> 3;
-    const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H), T = static_cast<int>(prm.T);
+    const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H);
     const int slabs = V / ROWS;
     const int bh = static_cast<int>(blockIdx.x) / slabs;
     const int slab0 = (static_cast<int>(blockIdx.x) - bh * slabs) * ROWS;
     const int b = bh / H, h = bh - b * H, hk = h / static_cast<int>(prm.group);
+    const int T = tokens<SERVING>(cu_seqlens, prm, b, q, k, v, p, beta, g, o);
     const long long slot = state_slot<SERVING>(slots, prm, b);
     if (SERVING && slot < 0) {  // a padding row
         zero_o(o, prm, b, h, slab0, ROWS, T, tid, NT);

@@ -91,7 +91,8 @@ __global__ void __launch_bounds__(MmaShape<K, SLAB>::NT, MmaShape<K, SLAB>::MIN_
 delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
                const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
                const void* __restrict__ g, void* __restrict__ o, const void* __restrict__ slots,
-               const float* __restrict__ A_log, const float* __restrict__ dt_bias, const Params prm, const float scale) {
+               const float* __restrict__ A_log, const float* __restrict__ dt_bias,
+               const void* __restrict__ cu_seqlens, const Params prm, const float scale) {
     using Shape = MmaShape<K, SLAB>;
     using Bits = MmaBits<K, SLAB, SUBS>;
     using Stage = MmaStage<K, SLAB, SEPARATE_P, SUBS>;
@@ -106,11 +107,12 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, lg = lane >> 2, lj = lane & 3;
     const int kpart = warp % KS, vgroup = warp / KS, n0 = kpart * NKW;  // this warp's tiles n0 .. n0 + 7
-    const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H), T = static_cast<int>(prm.T);
+    const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H);
     const int slabs = V / SLAB;
     const int bh = static_cast<int>(blockIdx.x) / slabs;
     const int slab0 = (static_cast<int>(blockIdx.x) - bh * slabs) * SLAB;
     const int b = bh / H, h = bh - b * H, hk = h / static_cast<int>(prm.group);
+    const int T = tokens<SERVING>(cu_seqlens, prm, b, q, k, v, p, beta, g, o);
     const long long slot = state_slot<SERVING>(slots, prm, b);
     const long long head = (SERVING ? slot * H + h : static_cast<long long>(bh)) * K * V;
     if (SERVING && slot < 0) {  // a padding row

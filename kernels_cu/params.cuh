@@ -5,10 +5,12 @@
 // projection); a decode step is the T = 1 case with zero T strides.  Must match
 // PARAMS_FIELDS in cupy_comba/_launcher.py (all int64, same order).
 //
-// Every kernel takes twelve pointers: state, state_out, q, k, v, p, beta, g, o, then
+// Every kernel takes thirteen pointers: state, state_out, q, k, v, p, beta, g, o, then
 //   slots    state_indices [B] (int32 or int64, stride slot_s; read when slot_t != 0): state and
 //            state_out are a pool [N, H, ...] and row b's state is slot slots[b] of it;
-//   A_log, dt_bias   [H] float32 (read when gate_softplus): in-kernel gating.
+//   A_log, dt_bias   [H] float32 (read when gate_softplus): in-kernel gating;
+//   cu_seqlens       [B + 1] (int32 or int64; read when cu_t != 0): a ragged batch, row b the tokens
+//                    cu_seqlens[b] .. cu_seqlens[b + 1] - 1 of packed activations (`tokens`).
 #pragma once
 
 #include "common.cuh"
@@ -27,6 +29,7 @@ struct Params {
     long long q_t, k_t, p_t, v_t, beta_t, g_t, o_t;   // dtype codes (common.cuh)
     long long gate_linear, l2norm, has_initial, write_final;
     long long N, slot_t, slot_s;              // pool slots; slot_t: 0 no pool, 1 int32, 2 int64 indices
+    long long cu_t;                           // cu_seqlens: 0 none (a dense batch), 1 int32, 2 int64
     long long gate_softplus, beta_sigmoid;    // in-kernel gating (gate_of, beta_of)
 };
 
@@ -76,6 +79,36 @@ template <int K>
 __device__ __forceinline__ long long pool_head(const void* slots, const Params& prm, int b, int h) {
     return (state_slot<true>(slots, prm, b) * prm.H + h) * K * prm.V;
 }
+// Moves an activation (or o) pointer to token `first` of its T axis.
+template <class Ptr>
+__device__ __forceinline__ void to_token(Ptr& ptr, long long first, long long stride, long long dtype) {
+    ptr = (Ptr)(reinterpret_cast<const char*>(ptr) + first * stride * (dtype == F32 ? 4 : 2));
+}
+
+// The tokens of CTA row b: prm.T, or in a ragged batch (cu_t != 0, SERVING builds) the
+// cu[b + 1] - cu[b] tokens of sequence b, with the activation and o pointers moved to its first
+// token (the host sets their batch strides to 0).  The bounds are clamped to 0 .. prm.T: no value
+// of cu_seqlens makes a kernel touch memory outside the packed arrays.  The grid is sized by the
+// number of sequences, never by their lengths, so nothing on the host waits for cu_seqlens.
+template <bool SERVING, class In, class Out>
+__device__ __forceinline__ int tokens(const void* cu, const Params& prm, int b, In& q, In& k, In& v, In& p, In& beta,
+                                      In& g, Out& o) {
+    if (!SERVING || !prm.cu_t) return static_cast<int>(prm.T);
+    const long long a = prm.cu_t == 1 ? reload(static_cast<const int*>(cu) + b)
+                                      : reload(static_cast<const long long*>(cu) + b);
+    const long long z = prm.cu_t == 1 ? reload(static_cast<const int*>(cu) + b + 1)
+                                      : reload(static_cast<const long long*>(cu) + b + 1);
+    const long long lo = min(max(a, 0LL), prm.T), hi = min(max(z, lo), prm.T);
+    to_token(q, lo, prm.q_st, prm.q_t);
+    to_token(k, lo, prm.k_st, prm.k_t);
+    to_token(v, lo, prm.v_st, prm.v_t);
+    to_token(p, lo, prm.p_st, prm.p_t);
+    to_token(beta, lo, prm.beta_st, prm.beta_t);
+    to_token(g, lo, prm.g_st, prm.g_t);
+    to_token(o, lo, prm.o_st, prm.o_t);
+    return static_cast<int>(hi - lo);
+}
+
 // o of a padding row: columns c0 .. c0 + n - 1 of head (b, h), every token, set to zero by the nt
 // threads of the CTA that owns them.
 __device__ __forceinline__ void zero_o(void* o, const Params& prm, int b, int h, int c0, int n, int T, int tid,
@@ -139,7 +172,9 @@ __device__ __forceinline__ void stage_chunk_gates(float* e, float* beta, unsigne
     const int gt = tid >> 1;
     if (tid < 2 * C) {
         if (tid & 1) e[gt] = gt < c ? gate_of(bits_to_float(bits, prm.g_t), prm, hg) : 1.f;
-        else beta[gt] = gt < c ? beta_of(bits_to_float(bits, prm.beta_t), prm, hg) : 0.f;  // past the end: no write
+        // past the end the bits are 0, beta 0: no write (the sigmoid of a serving build would give 1/2)
+        else beta[gt] = !SERVING ? bits_to_float(bits, prm.beta_t)
+                                 : gt < c ? beta_of(bits_to_float(bits, prm.beta_t), prm, hg) : 0.f;
     }
 }
 

@@ -122,15 +122,17 @@ __global__ void __launch_bounds__(COLS / 4 * RG)
 delta_rule_kv(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
               const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
               const void* __restrict__ g, void* __restrict__ o, const void* __restrict__ slots,
-              const float* __restrict__ A_log, const float* __restrict__ dt_bias, const Params prm, const float scale) {
+              const float* __restrict__ A_log, const float* __restrict__ dt_bias,
+              const void* __restrict__ cu_seqlens, const Params prm, const float scale) {
     constexpr int LC = COLS / 4, NT = LC * RG, R = K / RG, NW = NT / 32, E = TokenBits<K, NT, COLS>::E;
     static_assert(NT % 32 == 0 && K % RG == 0 && R >= 1, "bad kv tiling");
     __shared__ KvStage<K, COLS, NW> stage[2];
     __shared__ float4 red[2][NW][LC];      // per-warp partial S^T p, S^T q
 
-    const int tid = threadIdx.x, warp = tid >> 5, T = MULTI ? static_cast<int>(prm.T) : 1;
+    const int tid = threadIdx.x, warp = tid >> 5;
     const KvSlab<K, COLS, RG, SERVING> slab(prm, tid, slots);
     const int lc = slab.lc, rg = slab.rg, b = slab.b, h = slab.h, hk = slab.hk, col0 = slab.col0, col = slab.col;
+    const int T = MULTI ? tokens<SERVING>(cu_seqlens, prm, b, q, k, v, p, beta, g, o) : 1;
     if (SERVING && slab.slot < 0) {  // a padding row
         zero_o(o, prm, b, h, col0, COLS, T, tid, NT);
         return;
@@ -240,7 +242,8 @@ __global__ void __launch_bounds__(NW * 32)
 delta_rule_vk(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
               const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
               const void* __restrict__ g, void* __restrict__ o, const void* __restrict__ slots,
-              const float* __restrict__ A_log, const float* __restrict__ dt_bias, const Params prm, const float scale) {
+              const float* __restrict__ A_log, const float* __restrict__ dt_bias,
+              const void* __restrict__ cu_seqlens, const Params prm, const float scale) {
     constexpr int LK = K / 4, RPW = 32 / LK, HALF = LK / 2, ROWS = R * NW * RPW, NB = R / HALF, NT = NW * 32;
     constexpr int E = TokenBits<K, NT, ROWS>::E;
     static_assert(R % HALF == 0, "bad vk tiling: a lane's rows must fill whole butterflies");
@@ -249,11 +252,12 @@ delta_rule_vk(const float* state, float* state_out, const void* __restrict__ q, 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int kg = lane % LK, hg = lane / LK;
     // 32-bit index math (the grid and the row offsets of one head fit), 64-bit addresses.
-    const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H), T = MULTI ? static_cast<int>(prm.T) : 1;
+    const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H);
     const int slabs = V / ROWS;
     const int bh = static_cast<int>(blockIdx.x) / slabs;
     const int slab0 = (static_cast<int>(blockIdx.x) - bh * slabs) * ROWS;
     const int b = bh / H, h = bh - b * H, hk = h / static_cast<int>(prm.group);
+    const int T = MULTI ? tokens<SERVING>(cu_seqlens, prm, b, q, k, v, p, beta, g, o) : 1;
     const long long slot = state_slot<SERVING>(slots, prm, b);
     if (SERVING && slot < 0) {  // a padding row
         zero_o(o, prm, b, h, slab0, ROWS, T, tid, NT);

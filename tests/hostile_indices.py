@@ -1,5 +1,5 @@
-"""Pooled decode steps and forward passes with hostile state_indices on every variant, small shapes: run
-under compute-sanitizer by test_sanitizer_gpu.py (any access outside an array fails it)."""
+"""Pooled decode steps and forward passes with hostile state_indices and cu_seqlens on every variant, small
+shapes: run under compute-sanitizer by test_sanitizer_gpu.py (any access outside an array fails it)."""
 
 import cupy
 import numpy
@@ -8,6 +8,8 @@ from cupy_comba import comba_decode_step, comba_forward, families, gated_delta_f
 from cupy_comba.inputs import forward_inputs
 
 HOSTILE = numpy.array([2 ** 62, -2 ** 63, 3, 1, -1, 1, 2 ** 31 - 1, 2], numpy.int64)  # N = 3
+#: Sequence bounds of a ragged batch of 8 over 9 packed tokens: negative, decreasing, past the end.
+HOSTILE_CU = numpy.array([-2 ** 40, 3, 1, 9, 2 ** 62, 4, 4, -1, 2 ** 31 - 1], numpy.int64)
 
 
 def main():
@@ -25,7 +27,12 @@ def main():
                                   variant=variant, A_log=A_log, dt_bias=dt_bias)
                     gated_delta_forward(q, k, v, beta, g, initial_state=pool, state_indices=idx, state_layout=layout,
                                         variant=variant, output_final_state=False)
-                    launches += 2
+                    cu = cupy.asarray(HOSTILE_CU.clip(numpy.iinfo(dtype).min, numpy.iinfo(dtype).max).astype(dtype))
+                    packed = [a.reshape((1, 8 * 9) + a.shape[2:])[:, :9] for a in (q, k, v, p, beta, g)]
+                    comba_forward(*packed, initial_state=pool, state_indices=idx, cu_seqlens=cu, state_layout=layout,
+                                  variant=variant)
+                    gated_delta_forward(*packed[:3], *packed[4:], cu_seqlens=cu, state_layout=layout, variant=variant)
+                    launches += 4
                 for variant in families.variants(layout, K, V):
                     pool = cupy.zeros(shape, cupy.float32)
                     comba_decode_step(pool, *(a[:, 0] for a in (q, k, v, p, beta, g)), state_indices=idx,

@@ -24,9 +24,10 @@ def test_docstring_examples(module):
     assert result.failed == 0
 
 
-def test_api_page_example():
+@pytest.mark.parametrize("page", ["api.md", "serving.md"])
+def test_page_examples(page):
     from pathlib import Path
 
-    page = Path(__file__).resolve().parents[1] / "docs" / "api.md"
-    result = doctest.testfile(str(page), module_relative=False, optionflags=doctest.NORMALIZE_WHITESPACE)
+    path = Path(__file__).resolve().parents[1] / "docs" / page
+    result = doctest.testfile(str(path), module_relative=False, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0

@@ -182,3 +182,80 @@ def test_gating_options():
         comba_decode_step(*args, A_log=numpy.zeros(8, F32)[::2], dt_bias=A)
     with pytest.raises(TypeError, match="use_beta_sigmoid must be a bool"):
         comba_decode_step(*args, use_beta_sigmoid=1)
+
+
+# -- ragged batches ----------------------------------------------------------------------------------
+
+def ragged_case(lengths, H=4, K=64, V=32, seed=6, layout="kv"):
+    """Packed activations ``[1, total_T, ...]`` of sequences of ``lengths`` and their states ``[N, ...]``."""
+    q, k, v, p, beta, g, _ = forward_inputs(1, sum(lengths), H, K, V, Hk=2, warm_steps=0, seed=seed)
+    rng = numpy.random.default_rng(seed)
+    shape = (len(lengths), H, K, V) if layout == "kv" else (len(lengths), H, V, K)
+    S0 = (rng.standard_normal(shape) / 4).astype(F32)
+    cu = numpy.concatenate([[0], numpy.cumsum(lengths)]).astype(numpy.int32)
+    return (q, k, v, p, beta, g), S0, cu
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
+def test_a_ragged_batch_is_its_sequences_one_by_one(layout, comba):
+    lengths = [3, 0, 5, 1]
+    acts, S0, cu = ragged_case(lengths, layout=layout)
+    q, k, v, p, beta, g = acts
+    opts = dict(state_layout=layout)
+    fwd = (lambda *a, **kw: comba_forward(*a, **kw)) if comba else \
+        (lambda q, k, v, p, beta, g, **kw: gated_delta_forward(q, k, v, beta, g, **kw))
+    o, S = fwd(q, k, v, p, beta, g, initial_state=S0, cu_seqlens=cu, **opts)
+    assert o.shape == v.shape[:3] + (32,) and S.shape == S0.shape
+    for n, (lo, hi) in enumerate(zip(cu[:-1], cu[1:])):
+        o_n, S_n = fwd(*(a[:, lo:hi] for a in acts), initial_state=S0[n:n + 1], **opts)
+        numpy.testing.assert_array_equal(o[:, lo:hi], o_n)
+        numpy.testing.assert_array_equal(S[n:n + 1], S_n)
+    o0, S_none = fwd(q, k, v, p, beta, g, cu_seqlens=cu.astype(numpy.int64), output_final_state=False, **opts)
+    o1, _ = fwd(*(a[:, :3] for a in acts), **opts)  # no initial state: zeros
+    assert S_none is None
+    numpy.testing.assert_array_equal(o0[:, :3], o1)
+
+
+def test_a_ragged_batch_through_a_pool_with_gating(rng):
+    lengths = [2, 4, 0]
+    acts, _, cu = ragged_case(lengths)
+    q, k, v, p, _, _ = acts
+    a, b, A_log, dt_bias = gating_inputs(rng, (1, sum(lengths)), 4)
+    pool = _pool(rng, 5, 4, 64, 32)
+    before = pool.copy()
+    idx = numpy.array([3, -1, 0], numpy.int64)  # sequence 1 is padding
+    gates = dict(A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid=True)
+    o, S = comba_forward(q, k, v, p, b, a, initial_state=pool, state_indices=idx, cu_seqlens=cu, **gates)
+    assert S is pool
+    o_0, S_0 = comba_forward(q[:, :2], k[:, :2], v[:, :2], p[:, :2], b[:, :2], a[:, :2], initial_state=before[3:4],
+                             **gates)
+    numpy.testing.assert_array_equal(o[:, :2], o_0)
+    numpy.testing.assert_array_equal(pool[3:4], S_0)
+    assert not o[:, 2:].astype(F32).any()  # the padding sequence's tokens
+    numpy.testing.assert_array_equal(pool[[0, 1, 2, 4]], before[[0, 1, 2, 4]])  # sequence 2 is empty: slot 0 as it was
+
+
+def test_hostile_cu_seqlens_are_clamped():
+    acts, S0, _ = ragged_case([2, 2, 2])
+    cu = numpy.array([-5, 4, 2, 99], numpy.int64)  # clamped: [0, 4), [4, 4), [2, 6)
+    _, S = comba_forward(*acts, initial_state=S0, cu_seqlens=cu)
+    _, S_a = comba_forward(*(x[:, 0:4] for x in acts), initial_state=S0[0:1])
+    numpy.testing.assert_array_equal(S[0:1], S_a)
+    numpy.testing.assert_array_equal(S[1], S0[1])
+
+
+@pytest.mark.parametrize("cu,error,match", [
+    (numpy.array([0, 3], numpy.float32), TypeError, "cu_seqlens must be int32 or int64, got float32"),
+    (numpy.array([0], numpy.int32), ValueError, r"cu_seqlens must have shape \(N \+ 1,\) with N >= 1"),
+])
+def test_bad_cu_seqlens(cu, error, match):
+    acts, S0, _ = ragged_case([3])
+    with pytest.raises(error, match=match):
+        comba_forward(*acts, cu_seqlens=cu)
+
+
+def test_a_ragged_batch_is_packed_in_one_row():
+    q, k, v, p, beta, g, _ = forward_inputs(2, 3, 4, 64, 32, Hk=2, warm_steps=0)
+    with pytest.raises(ValueError, match=r"packed along T: q must have shape \(1, total_T, ...\)"):
+        comba_forward(q, k, v, p, beta, g, cu_seqlens=numpy.array([0, 3, 6], numpy.int32))

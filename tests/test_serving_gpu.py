@@ -128,3 +128,66 @@ def test_a_pooled_decode_loop_replays_in_a_cuda_graph():
                                          A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid=True)
         assert reference.relative_error(cupy.asnumpy(d_pool), expected) < 2e-6
         assert reference.relative_error(cupy.asnumpy(out), o_ref) < 5e-3
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("K,V", [(64, 64), (128, 128)])
+@pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
+@pytest.mark.parametrize("pool", [False, True], ids=["states", "pool"])
+def test_every_kernel_path_runs_a_ragged_batch(layout, K, V, comba, pool):
+    """Sequences of 0 to 37 tokens packed in one row, on every variant: equal to the reference (NumPy path),
+    which runs them one by one; with a pool, gating and a padding sequence too."""
+    lengths = [5, 0, 37, 1, 16, 9]
+    N, H = len(lengths), 4
+    rng = numpy.random.default_rng(K + V)
+    q, k, v, p, _, _, _ = forward_inputs(1, sum(lengths), H, K, V, Hk=2, warm_steps=0, seed=K)
+    a, b, A_log, dt_bias = gating_inputs(rng, (1, sum(lengths)), H)
+    shape = (H, K, V) if layout == "kv" else (H, V, K)
+    cu = numpy.concatenate([[0], numpy.cumsum(lengths)]).astype(numpy.int32)
+    opts = dict(state_layout=layout, cu_seqlens=cu)
+    if pool:
+        S0 = (rng.standard_normal((N + 3,) + shape) / 4).astype(F32)
+        opts.update(state_indices=numpy.array([7, 2, -1, 0, 8, 4], numpy.int64), A_log=A_log, dt_bias=dt_bias,
+                    use_beta_sigmoid=True)
+    else:
+        S0 = (rng.standard_normal((N,) + shape) / 4).astype(F32)
+    S_ref, o_ref = _op(False, comba, S0.copy(), q, k, v, p, b, a, **opts)
+    dev = [cupy.asarray(x) for x in (q, k, v, p, b, a)]
+    d_opts = {n: cupy.asarray(x) if isinstance(x, numpy.ndarray) else x for n, x in opts.items()}
+    for variant in _variants(False, layout, K, V):
+        d_S0 = cupy.asarray(S0)
+        out = cupy.full(o_ref.shape, cupy.nan, bfloat16)
+        if pool:
+            S, o = _op(False, comba, d_S0, *dev, out=out, variant=variant, **d_opts)
+        else:
+            S, o = _op(False, comba, d_S0, *dev, out=out, state_out=cupy.full(S0.shape, cupy.nan, F32),
+                       variant=variant, **d_opts)
+        assert o is out
+        assert reference.relative_error(S, S_ref) < 2e-6, variant
+        assert reference.relative_error(o, o_ref) < 5e-3, variant
+        if pool:
+            assert not cupy.asnumpy(o)[:, 5:42].astype(F32).any(), variant  # sequence 2 (tokens 5 .. 41) is padding
+
+
+def test_a_ragged_prefill_replays_in_a_cuda_graph_with_new_lengths():
+    """cu_seqlens stays on the device: a captured call follows new lengths written into the same buffer."""
+    H, K, V, total = 4, 128, 128, 48
+    q, k, v, p, beta, g, _ = forward_inputs(1, total, H, K, V, warm_steps=0, seed=2)
+    S0 = (numpy.random.default_rng(3).standard_normal((3, H, K, V)) / 4).astype(F32)
+    d = [cupy.asarray(x) for x in (q, k, v, p, beta, g)]
+    d_S0, cu = cupy.asarray(S0), cupy.asarray([0, 10, 30, 48], cupy.int64)
+    out, S = cupy.empty((1, total, H, V), bfloat16), cupy.empty_like(d_S0)
+    call = dict(initial_state=d_S0, cu_seqlens=cu, out=out, state_out=S)
+    comba_forward(*d, **call)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        comba_forward(*d, **call)
+        graph = stream.end_capture()
+    for bounds in ([0, 10, 30, 48], [0, 1, 2, 48], [0, 48, 48, 48]):
+        cu[...] = cupy.asarray(bounds, cupy.int64)
+        graph.launch(stream)
+        stream.synchronize()
+        o_ref, S_ref = comba_forward(q, k, v, p, beta, g, initial_state=S0, cu_seqlens=numpy.array(bounds))
+        assert reference.relative_error(cupy.asnumpy(S), S_ref) < 2e-6
+        assert reference.relative_error(cupy.asnumpy(out), o_ref) < 5e-3
