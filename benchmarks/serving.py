@@ -1,14 +1,16 @@
 """The serving options against the dense calls and the copy, measured in one run (CUDA-graph replay).
 
     PYTHONPATH=. python benchmarks/serving.py [--json FILE] [--decode B,H,K,V ...] [--forward B,T,H,K,V ...]
+        [--verify B,T,H,K,V ...]
 
 Per shape and layout, Comba decode steps (in place: the state read once and written once):
 ``dense`` the batch's own states; ``pool`` through ``state_indices`` -- a random permutation of
 slots of a pool twice the batch; ``half padding`` the same with every other row a padding row;
 ``gating`` the pool with ``A_log``/``dt_bias``/``use_beta_sigmoid``.  Forward passes likewise
 (dense, pool, pool + gating), and ``ragged``: the same tokens packed as B sequences of T with
-``cu_seqlens``.  ``of copy`` is the bytes each call must move (states read and
-written, activations, o) over its time, as a fraction of the device copy measured first.
+``cu_seqlens``.  Speculative verify writing every token's state, in both conventions.  ``of
+copy`` is the bytes each call must move (states read and written, activations, o) over its time,
+as a fraction of the device copy measured first.
 """
 
 import argparse
@@ -88,10 +90,39 @@ def forward(shape, layout, copy_gbps):
     return [_row(kind, layout, shape, time_graph(fn), nbytes, copy_gbps) for kind, fn in cases]
 
 
+def verify(shape, layout, copy_gbps):
+    """Speculative verify writing every token's state: SGLang's intermediate_states and vLLM's slot per
+    token; the bytes are one state read, T state writes, the activations and o."""
+    B, T, H, K, V = shape
+    rng = cupy.random.default_rng(0)
+    q, k, v, p, beta, g = _acts(rng, (B, T), H, K, V)
+    sshape = (H, K, V) if layout == "kv" else (H, V, K)
+    pool = rng.standard_normal((B * (T + 1),) + sshape, dtype=cupy.float32) / 8
+    perm = numpy.random.default_rng(1).permutation(B * (T + 1))
+    first = cupy.asarray(perm[:B].astype(numpy.int32))
+    per_token = cupy.asarray(perm[B:B * (T + 1)].reshape(B, T).astype(numpy.int32))
+    accepted = cupy.ones(B, cupy.int32)
+    inter = cupy.empty((B, T) + sshape, cupy.float32)
+    out = cupy.empty((B, T, H, V), bfloat16)
+    head = 4 * H * K * V
+    nbytes = sum(a.nbytes for a in (q, k, v, p, beta, g)) + out.nbytes + (1 + T) * B * head
+    opts = dict(out=out, state_layout=layout)
+    cases = [
+        ("verify intermediate_states", lambda: comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=first,
+                                                             intermediate_states=inter, output_final_state=False,
+                                                             **opts)),
+        ("verify slot per token", lambda: comba_forward(q, k, v, p, beta, g, initial_state=pool,
+                                                        state_indices=per_token, num_accepted_tokens=accepted,
+                                                        **opts)),
+    ]
+    return [_row(kind, layout, shape, time_graph(fn), nbytes, copy_gbps) for kind, fn in cases]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--decode", nargs="*", default=["measure", "64,16,128,128"])
     ap.add_argument("--forward", nargs="*", default=["512,4,16,128,128", "512,16,16,128,128", "1,4096,16,128,128"])
+    ap.add_argument("--verify", nargs="*", default=["512,4,16,128,128", "128,16,16,128,128"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     roof = measure_copy()
@@ -102,6 +133,8 @@ def main():
             rows += decode(shape, layout, roof.copy_gbps)
         for shape in parse_shapes(args.forward, dims=("B", "T", "H", "K", "V")):
             rows += forward(shape, layout, roof.copy_gbps)
+        for shape in parse_shapes(args.verify, dims=("B", "T", "H", "K", "V")):
+            rows += verify(shape, layout, roof.copy_gbps)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(environment=environment(), copy_gbps=roof.copy_gbps, rows=rows), f, indent=1)

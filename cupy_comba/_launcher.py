@@ -2,7 +2,7 @@
 
 CuPy's ``RawKernel`` call inspects every argument again on every launch: about 8 us for the
 delta-rule kernels' arguments on an H200 host.  A :class:`Launcher`
-lays out one plan's arguments once -- thirteen device-pointer slots, the ``Params`` struct
+lays out one plan's arguments once -- fifteen device-pointer slots, the ``Params`` struct
 (:func:`pack_params`) and the scale -- so a call writes the pointers and hands them to the driver.
 
 How it hands them over: on the H200 hosts measured (virtual machines) ``cuLaunchKernel``
@@ -33,8 +33,8 @@ from ._dtypes import ACTIVATION_CODES
 from ._validate import INDEX_CODES
 
 #: The kernels' pointer arguments, in order: state, state_out, q, k, v, p, beta, g, o, state_indices,
-#: A_log, dt_bias, cu_seqlens.
-N_POINTERS = 13
+#: A_log, dt_bias, cu_seqlens, intermediate_states, num_accepted_tokens.
+N_POINTERS = 15
 
 #: Field order of ``struct Params`` (kernels_cu/params.cuh); every field is int64.
 PARAMS_FIELDS = (
@@ -48,7 +48,7 @@ PARAMS_FIELDS = (
     "o_sb", "o_st", "o_sh", "o_sv",
     "q_t", "k_t", "p_t", "v_t", "beta_t", "g_t", "o_t",
     "gate_linear", "l2norm", "has_initial", "write_final",
-    "N", "slot_t", "slot_s", "cu_t", "gate_softplus", "beta_sigmoid",
+    "N", "slot_t", "slot_s", "cu_t", "per_token", "slot_st", "na_t", "gate_softplus", "beta_sigmoid",
 )
 PARAMS = numpy.dtype([(name, numpy.int64) for name in PARAMS_FIELDS], align=True)
 
@@ -76,8 +76,13 @@ def pack_params(sig):
                   has_initial=a["state"] is not None, write_final=sig.write_final, N=sig.N,
                   slot_t=INDEX_CODES[a["state_indices"].dtype] if sig.pool else 0,
                   slot_s=a["state_indices"].element_strides()[0] if sig.pool else 0,
+                  slot_st=a["state_indices"].element_strides()[1] if sig.per_token == 2 else 0,
+                  per_token=sig.per_token,
+                  na_t=INDEX_CODES[a["num_accepted_tokens"].dtype] if a["num_accepted_tokens"] is not None else 0,
                   cu_t=INDEX_CODES[a["cu_seqlens"].dtype] if sig.ragged else 0,
                   gate_softplus=sig.gating, beta_sigmoid=sig.beta_sigmoid)
+    if sig.per_token == 2:  # every token's state to its slot: no final store
+        values["write_final"] = 0
     if sig.ragged:  # one packed row: each CTA moves its pointers to its sequence's first token
         values.update({f"{n}_sb": 0 for n in ("q", "k", "p", "v", "beta", "g", "o")})
     return numpy.array(tuple(int(values[n]) for n in PARAMS_FIELDS), dtype=PARAMS)[()]

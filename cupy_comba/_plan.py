@@ -9,7 +9,7 @@ when the set of data pointers changes, missing outputs are allocated, and the pl
 through the same checks; anything else is answered by a TypeError.
 
 The kernels take their shapes, strides and options in one ``struct Params`` (packed once per
-plan by :func:`cupy_comba._launcher.pack_params`) and thirteen pointers (:func:`_kernel_pointers`).
+plan by :func:`cupy_comba._launcher.pack_params`) and fifteen pointers (:func:`_kernel_pointers`).
 """
 
 import numpy
@@ -24,7 +24,7 @@ from ._validate import ARRAYS, STATE, STATE_OUT
 _ND = None if cupy is None else cupy.ndarray
 
 #: The serving arrays' pointers of a call without them.
-_NO_SERVING = (None, None, None, None)
+_NO_SERVING = (None,) * 6
 
 #: Plans by key (see :func:`run`); cleared when it outgrows PLANS_MAX.
 PLANS = {}
@@ -52,13 +52,15 @@ class Plan:
 
     def _prepare_launch(self, sig):
         a = sig.arrays
-        # a ragged batch by its mean length: the kernel is chosen before its lengths are known
-        T = max(1, sig.T // max(sig.B, 1)) if sig.ragged else sig.T
+        # a ragged batch by its mean length: the kernel is chosen before its lengths are known; every
+        # token's state (speculative verify) is formed by the token loop only
+        T = max(1, sig.T // max(sig.B, 1)) if sig.ragged else 1 if sig.per_token else sig.T
         self.variant = sig.variant or tiling.choose(sig.layout, sig.K, sig.V, sig.comba, sig.multi, T, sig.B * sig.H)
         f32_keys = any(a[n] is not None and a[n].dtype == float32 for n in ("q", "k", "p"))
         self.kernel = families.kernel(sig.layout, self.variant, K=sig.K, separate_p=sig.comba, multi=sig.multi,
                                       f32_keys=f32_keys,
-                                      serving=sig.pool or sig.gating or sig.beta_sigmoid or sig.ragged)
+                                      serving=sig.pool or sig.gating or sig.beta_sigmoid or sig.ragged
+                                      or bool(sig.per_token))
         if not sig.B * sig.H:
             return
         with cupy.cuda.Device(self.device):
@@ -79,20 +81,23 @@ def run(step, state, q, k, v, p, beta, g, scale, write_final, out, state_out, o_
 
     ``step``: a decode step (``state`` required, T = 1 axes absent); ``p`` None for Gated
     DeltaNet.  The options as the public ops take them; ``serving`` None or ``(state_indices,
-    A_log, dt_bias, use_beta_sigmoid, cu_seqlens)`` (docs/serving.md).
+    A_log, dt_bias, use_beta_sigmoid, cu_seqlens, intermediate_states, num_accepted_tokens)``
+    (docs/serving.md).
     """
     nd = _ND
     if serving is None:
-        idx = a_log = dt_bias = cu = None
+        idx = a_log = dt_bias = cu = inter = accepted = None
         beta_sigmoid = False
     else:
-        idx, a_log, dt_bias, beta_sigmoid, cu = serving
+        idx, a_log, dt_bias, beta_sigmoid, cu, inter, accepted = serving
     if (type(q) is nd and type(k) is nd and type(v) is nd and type(beta) is nd and type(g) is nd
             and (p is None or type(p) is nd) and (state is None or type(state) is nd)
             and (out is None or type(out) is nd) and (state_out is None or type(state_out) is nd)
             and (write_final is True or write_final is False) and (l2norm is True or l2norm is False)
             and (serving is None or ((idx is None or type(idx) is nd) and (a_log is None or type(a_log) is nd)
                                      and (dt_bias is None or type(dt_bias) is nd) and (cu is None or type(cu) is nd)
+                                     and (inter is None or type(inter) is nd)
+                                     and (accepted is None or type(accepted) is nd)
                                      and (beta_sigmoid is True or beta_sigmoid is False)))):
         if scale is not None:
             scale = _validate.real_scalar("scale", scale)
@@ -114,8 +119,8 @@ def run(step, state, q, k, v, p, beta, g, scale, write_final, out, state_out, o_
                None if nso else state_out.shape, None if nso else state_out._c_contiguous or state_out.strides,
                None if nso else state_out.dtype,
                o_dtype, scale, write_final, state_layout, gate, l2norm, step, qd.device_id, variant,
-               None if serving is None else _serving_key(idx, a_log, dt_bias, beta_sigmoid, cu))
-        arrays = (q, k, v, p, beta, g, state, out, state_out, idx, a_log, dt_bias, cu)
+               None if serving is None else _serving_key(beta_sigmoid, idx, a_log, dt_bias, cu, inter, accepted))
+        arrays = (q, k, v, p, beta, g, state, out, state_out, idx, a_log, dt_bias, cu, inter, accepted)
         try:
             plan = PLANS.get(key)
         except TypeError:  # an unhashable option: the checks name it
@@ -140,23 +145,21 @@ def run(step, state, q, k, v, p, beta, g, scale, write_final, out, state_out, o_
         if plan.launcher is not None:
             plan.launcher(_kernel_pointers(pointers), plan.device)
         return (state_out, out) if step else (out, state_out)
-    return _run_general(step, (q, k, v, p, beta, g, state, out, state_out, idx, a_log, dt_bias, cu), scale,
-                        write_final, o_dtype, state_layout, gate, l2norm, variant, beta_sigmoid)
+    return _run_general(step, (q, k, v, p, beta, g, state, out, state_out, idx, a_log, dt_bias, cu, inter, accepted),
+                        scale, write_final, o_dtype, state_layout, gate, l2norm, variant, beta_sigmoid)
 
 
-def serving(state_indices, A_log, dt_bias, use_beta_sigmoid, cu_seqlens=None):
+def serving(state_indices, A_log, dt_bias, use_beta_sigmoid, cu_seqlens=None, intermediate_states=None,
+            num_accepted_tokens=None):
     """The serving options as :func:`run` takes them: None when none is used."""
     if (state_indices is None and A_log is None and dt_bias is None and use_beta_sigmoid is False
-            and cu_seqlens is None):
+            and cu_seqlens is None and intermediate_states is None and num_accepted_tokens is None):
         return None
-    return state_indices, A_log, dt_bias, use_beta_sigmoid, cu_seqlens
+    return state_indices, A_log, dt_bias, use_beta_sigmoid, cu_seqlens, intermediate_states, num_accepted_tokens
 
 
-def _serving_key(idx, a_log, dt_bias, beta_sigmoid, cu):
-    return (None if idx is None else (idx.shape, idx.strides, idx.dtype),
-            None if a_log is None else (a_log.shape, a_log.strides, a_log.dtype),
-            None if dt_bias is None else (dt_bias.shape, dt_bias.strides, dt_bias.dtype), beta_sigmoid,
-            None if cu is None else (cu.shape, cu.strides, cu.dtype))
+def _serving_key(beta_sigmoid, *arrays):
+    return (beta_sigmoid,) + tuple(None if a is None else (a.shape, a.strides, a.dtype) for a in arrays)
 
 
 def _new_plan(step, arrays, scale, write_final, o_dtype, state_layout, gate, l2norm, variant, beta_sigmoid, device):
@@ -177,13 +180,13 @@ def _run_general(step, arrays, scale, write_final, o_dtype, state_layout, gate, 
     opts = _validate.options(scale, write_final, named["state_out"], o_dtype, state_layout, gate, l2norm, variant,
                              beta_sigmoid)
     scale, write_final, o_dtype, state_layout, gate, l2norm, variant, beta_sigmoid = opts
-    q, k, v, p, beta, g, state, out, state_out, idx, a_log, dt_bias, cu = named.values()
+    q, k, v, p, beta, g, state, out, state_out, idx, a_log, dt_bias, cu, inter, accepted = named.values()
     if xp is cupy:  # plain arrays and options now: the fast path takes them
         return run(step, state, q, k, v, p, beta, g, scale, write_final, out, state_out, o_dtype, state_layout, gate,
-                   l2norm, variant, (idx, a_log, dt_bias, beta_sigmoid, cu))
+                   l2norm, variant, (idx, a_log, dt_bias, beta_sigmoid, cu, inter, accepted))
     if idx is not None and state_out is None and write_final:
         state_out = state
-    arrays = (q, k, v, p, beta, g, state, out, state_out, idx, a_log, dt_bias, cu)
+    arrays = (q, k, v, p, beta, g, state, out, state_out, idx, a_log, dt_bias, cu, inter, accepted)
     plan = _new_plan(step, arrays, *opts, None)
     _check_pointers(arrays, tuple(None if a is None else a.__array_interface__["data"][0] for a in arrays), None,
                     plan.pairs)
@@ -193,10 +196,11 @@ def _run_general(step, arrays, scale, write_final, o_dtype, state_layout, gate, 
 def _kernel_pointers(pointers):
     """The kernels' pointer arguments: state (o when there is no initial state: never read),
     state_out (o when none: never written), q, k, v, p (k for Gated DeltaNet), beta, g, o,
-    state_indices, A_log, dt_bias, cu_seqlens (0 when absent: never read)."""
-    q, k, v, p, beta, g, s, o, so, idx, a_log, dt_bias, cu = pointers
+    state_indices, A_log, dt_bias, cu_seqlens, intermediate_states, num_accepted_tokens (0 when
+    absent: never read)."""
+    q, k, v, p, beta, g, s, o, so, idx, a_log, dt_bias, cu, inter, accepted = pointers
     return (o if s is None else s, o if so is None else so, q, k, v, k if p is None else p, beta, g, o,
-            idx or 0, a_log or 0, dt_bias or 0, cu or 0)
+            idx or 0, a_log or 0, dt_bias or 0, cu or 0, inter or 0, accepted or 0)
 
 
 def _fresh_outputs(plan, out, state_out, pointers):
@@ -213,16 +217,23 @@ def _fresh_outputs(plan, out, state_out, pointers):
 def _run_reference(sig, arrays):
     """The float64 reference on NumPy arrays, delivered into the outputs (or new arrays) in the
     dtypes the kernels would return; with a pool only the slots of the batch's rows are written."""
-    q, k, v, p, beta, g, state, out, state_out, idx, a_log, dt_bias, cu = arrays
+    q, k, v, p, beta, g, state, out, state_out, idx, a_log, dt_bias, cu, inter, accepted = arrays
     p = k if p is None else p
     options = dict(state_layout=sig.layout, gate=sig.gate, use_qk_l2norm=sig.l2norm, state_indices=idx, A_log=a_log,
                    dt_bias=dt_bias, use_beta_sigmoid=sig.beta_sigmoid)
     if cu is not None:
         options["cu_seqlens"] = cu
+    if sig.per_token == 1:
+        options.update(intermediate=True)
+    elif sig.per_token == 2:
+        options.update(num_accepted_tokens=accepted)
     if state is None:
         state = numpy.zeros(sig.state_shape)
     op = reference.comba_step if sig.step else reference.comba_loop
-    S, o = op(state, q, k, v, p, beta, g, sig.scale, **options)
+    S, o, *states = op(state, q, k, v, p, beta, g, sig.scale, **options)
+    if sig.per_token == 1:  # the rows that ran (a padding row's are left as they were, as on the GPU)
+        ran = ~numpy.isnan(states[0]).reshape(states[0].shape[0], -1).any(axis=1)
+        inter[ran] = states[0][ran].astype(float32)
     o = _deliver(o, out, sig.o_dtype)
     if not sig.write_final:
         S = None
@@ -236,9 +247,10 @@ def _run_reference(sig, arrays):
 
 
 def _deliver(value, buffer, dtype):
-    """``value`` cast to ``dtype``: into ``buffer`` when the caller handed one over, else a new array."""
+    """``value`` cast to ``dtype``: into ``buffer`` when the caller handed one over, else a new
+    C-contiguous array (as the kernels return; the reference's "vk" states are transposed views)."""
     if buffer is None:
-        return value.astype(dtype)
+        return numpy.ascontiguousarray(value.astype(dtype))
     buffer[...] = value.astype(dtype)
     return buffer
 

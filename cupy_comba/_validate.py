@@ -21,13 +21,16 @@ from . import families
 _FLOAT32_MAX = float(numpy.finfo(numpy.float32).max)
 
 INPUTS = ("q", "k", "v", "p", "beta", "g")
-#: Every array argument, in the order the plan keeps them; the last four are the serving options
+#: Every array argument, in the order the plan keeps them; from state_indices on the serving options
 #: (docs/serving.md).
-ARRAYS = INPUTS + ("state", "out", "state_out", "state_indices", "A_log", "dt_bias", "cu_seqlens")
+ARRAYS = INPUTS + ("state", "out", "state_out", "state_indices", "A_log", "dt_bias", "cu_seqlens",
+                   "intermediate_states", "num_accepted_tokens")
 #: Those that may be None.
-OPTIONAL = ("p", "state", "out", "state_out", "state_indices", "A_log", "dt_bias", "cu_seqlens")
-#: Positions of the state, out and state_out in :data:`ARRAYS`.
-STATE, OUT, STATE_OUT = 6, 7, 8
+OPTIONAL = ARRAYS[6:] + ("p",)
+#: Positions of the state, the outputs and the serving arrays in :data:`ARRAYS`.
+STATE, OUT, STATE_OUT, INTERMEDIATE = 6, 7, 8, 13
+#: The outputs: what the ops write.
+OUTPUTS = (STATE_OUT, OUT, INTERMEDIATE)
 #: dtypes of ``state_indices`` and ``cu_seqlens`` and their kernel codes (``Params::slot_t``,
 #: ``Params::cu_t``; 0: none).
 INDEX_CODES = {numpy.dtype(numpy.int32): 1, numpy.dtype(numpy.int64): 2}
@@ -63,7 +66,7 @@ class Signature:
 
     __slots__ = ("step", "comba", "layout", "gate", "l2norm", "write_final", "B", "T", "H", "Hk", "K", "V",
                  "scale", "o_dtype", "o_shape", "state_shape", "arrays", "variant", "multi", "pool", "N",
-                 "gating", "beta_sigmoid", "pairs", "ragged")
+                 "gating", "beta_sigmoid", "pairs", "ragged", "per_token")
 
 
 # -- options ---------------------------------------------------------------------------------------
@@ -226,12 +229,16 @@ def check_head_sizes(K, V):
         raise NotImplementedError(f"value head size V={V} is not supported: V must be a positive multiple of 32")
 
 
-def _check_pool(sigs, B, N):
-    """``state_indices``: one int32 / int64 slot per batch row (any stride)."""
+def _check_pool(sigs, B, N, T=None):
+    """``state_indices``: one int32 / int64 slot per batch row (any stride), or with ``T`` one per
+    token, ``(B, T)``."""
     idx = sigs["state_indices"]
     if idx.dtype not in INDEX_CODES:
         raise TypeError(f"state_indices must be int32 or int64, got {_describe(idx.dtype)}")
-    _expect_shape("state_indices", idx.shape, (B,), "(B,): one pool slot a batch row,")
+    if T is None:
+        _expect_shape("state_indices", idx.shape, (B,), "(B,): one pool slot a batch row,")
+    else:
+        _expect_shape("state_indices", idx.shape, (B, T), "(B, T): a pool slot for the state after each token,")
     if any(st % idx.itemsize for st in idx.strides):
         raise ValueError(f"state_indices has strides {idx.strides} that are not a multiple of its itemsize")
     if N >= 2 ** 31:
@@ -253,6 +260,39 @@ def _check_ragged(sigs, tokens):
             raise ValueError(f"with cu_seqlens the sequences are packed along T: {n} must have shape (1, total_T, ...), "
                              f"got {sigs[n].shape}")
     return cu.shape[0] - 1
+
+
+def _check_verify(sigs, step, ragged, write_final, B, T, state_shape):
+    """The speculative-verify options: 0 none, 1 intermediate_states, 2 a slot per token."""
+    idx, inter, accepted = sigs["state_indices"], sigs["intermediate_states"], sigs["num_accepted_tokens"]
+    two_d = idx is not None and len(idx.shape) == 2
+    if accepted is not None and not two_d:
+        raise ValueError("num_accepted_tokens picks each row's initial slot among state_indices (B, T): "
+                         "it takes 2-D state_indices")
+    if inter is None and not two_d:
+        return 0
+    if step or ragged:
+        what = "intermediate_states" if inter is not None else "2-D state_indices"
+        raise ValueError(f"{what} keep the state after every token of a forward pass over (B, T) tokens: "
+                         f"not {'a decode step' if step else 'with cu_seqlens'}")
+    if inter is not None and two_d:
+        raise ValueError("intermediate_states and 2-D state_indices are two conventions for the same states: "
+                         "pass one")
+    if two_d:
+        if not write_final:
+            raise ValueError("2-D state_indices write the state after every token to its slot: "
+                             "output_final_state must be True")
+        if accepted is not None:
+            if accepted.dtype not in INDEX_CODES:
+                raise TypeError(f"num_accepted_tokens must be int32 or int64, got {_describe(accepted.dtype)}")
+            _expect_shape("num_accepted_tokens", accepted.shape, (B,), "(B,)")
+            if any(st % accepted.itemsize for st in accepted.strides):
+                raise ValueError(f"num_accepted_tokens has strides {accepted.strides} that are not a multiple of "
+                                 "its itemsize")
+        return 2
+    shape = (B, T) + state_shape[1:]
+    _check_state("intermediate_states", inter, shape, "(B, T) + the state's head shape")
+    return 1
 
 
 def _check_gating(sigs, H, gate):
@@ -341,8 +381,13 @@ def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, ga
     if sigs["state"] is not None:
         _check_state(state_name, sigs["state"], state_shape, f"{state_meaning} for state_layout={state_layout!r}")
     if pool:
-        _check_pool(sigs, B, N)
+        two_d = not step and len(sigs["state_indices"].shape) == 2
+        _check_pool(sigs, B, N, T if two_d else None)
     gating = _check_gating(sigs, H, gate)
+    per_token = _check_verify(sigs, step, ragged, write_final, B, T, state_shape)
+    if per_token == 1:
+        _check_output("intermediate_states", arrays["intermediate_states"], sigs["intermediate_states"],
+                      (B, T) + state_shape[1:], "(B, T) + the state's head shape")
     if sigs["state_out"] is not None:
         _check_output("state_out", arrays["state_out"], sigs["state_out"], state_shape, "the state's shape")
         _check_state("state_out", sigs["state_out"], state_shape, "the state's shape")
@@ -355,19 +400,21 @@ def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, ga
         if o_dtype is not None and o_dtype != out.dtype:
             raise TypeError(f"o_dtype={dtype_name(o_dtype)} disagrees with out.dtype={dtype_name(out.dtype)}")
         o_dtype = out.dtype
-    multi = ragged or not (T == 1 and sigs["state"] is not None and write_final)
+    multi = ragged or per_token or not (T == 1 and sigs["state"] is not None and write_final)
     if variant is not None:
         # a known name, else ValueError; a variant built for T-token passes only runs one step as one
         multi = multi or families.tiling(state_layout, K, variant).passes_only
-        allowed = families.variants(state_layout, K, V, multi)
+        allowed = families.variants(state_layout, K, V, multi, token_loop=bool(per_token))
         if variant not in allowed:
             raise ValueError(f"variant {variant!r} cannot run a {state_layout!r} state with K={K}, V={V}"
-                             f"{' over T tokens' if multi else ' for one step'}; expected one of {allowed}")
+                             f"{' over T tokens' if multi else ' for one step'}"
+                             f"{' keeping every token' + chr(39) + 's state' if per_token else ''}; "
+                             f"expected one of {allowed}")
     sig = Signature()
     sig.step, sig.comba, sig.layout, sig.gate, sig.l2norm, sig.write_final = (step, comba, state_layout, gate, l2norm,
                                                                               write_final)
     sig.B, sig.T, sig.H, sig.Hk, sig.K, sig.V, sig.N = B, T, H, Hk, K, V, N
-    sig.pool, sig.gating, sig.beta_sigmoid, sig.ragged = pool, gating, beta_sigmoid, ragged
+    sig.pool, sig.gating, sig.beta_sigmoid, sig.ragged, sig.per_token = pool, gating, beta_sigmoid, ragged, per_token
     sig.scale = K ** -0.5 if scale is None else scale
     sig.o_dtype = sigs["v"].dtype if o_dtype is None else o_dtype
     sig.o_shape, sig.state_shape, sig.arrays, sig.variant, sig.multi = o_shape, state_shape, sigs, variant, multi
@@ -378,15 +425,16 @@ def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, ga
 def _overlap_pairs(spans, pool):
     """What the plan's pointer check tests, worked out once per signature: ``(o, i, olo, ohi, lo, hi)``
     for every output ``o`` and array ``i`` it must not share memory with, both present and non-empty
-    (``state_out`` against the inputs, ``out`` against everything else), in :data:`ARRAYS` order,
+    (each output against every other array, each pair of outputs once), in :data:`ARRAYS` order,
     with the byte spans of :meth:`ArraySig.span`; with a pool, ``(STATE_OUT, STATE, None, ...)``
     asks that state_out be the state itself."""
     pairs = []
-    for o in (STATE_OUT, OUT):
+    for o in OUTPUTS:
         if spans[o] is None or spans[o][0] >= spans[o][1]:
             continue
         pairs.extend((o, i, *spans[o], *spans[i]) for i in range(len(ARRAYS))
-                     if i != o and not (o == STATE_OUT and i == OUT) and spans[i] is not None and spans[i][0] < spans[i][1])
+                     if i != o and not (i in OUTPUTS and OUTPUTS.index(i) < OUTPUTS.index(o))  # each pair once
+                     and spans[i] is not None and spans[i][0] < spans[i][1])
     if pool and spans[STATE_OUT] is not None:
         pairs.append((STATE_OUT, STATE, None, None, None, None))
     return tuple(pairs)

@@ -117,11 +117,13 @@ TILINGS = _all_tilings()
 _BY_NAME = {(t.layout, t.K, t.variant): t for t in TILINGS}
 
 
-def variants(layout, K, V, multi=False):
+def variants(layout, K, V, multi=False, token_loop=False):
     """The variants that can run a ``layout`` state with head sizes K, V; ``multi``: T-token passes,
-    which also have the chunked and tensor-core families."""
+    which also have the chunked and tensor-core families; ``token_loop``: only the token-loop
+    family, the one that forms the state after every token (speculative verify keeps them all)."""
     return tuple(t.variant for t in TILINGS
-                 if t.layout == layout and t.K == K and V % t.slab == 0 and (multi or not t.passes_only))
+                 if t.layout == layout and t.K == K and V % t.slab == 0 and (multi or not t.passes_only)
+                 and (not token_loop or t.tokens == 1))
 
 
 def tiling(layout, K, variant):

@@ -11,8 +11,9 @@ from ._plan import run, serving
 
 
 def comba_forward(q, k, v, p, beta, g, scale=None, *, initial_state=None, output_final_state=True, state_indices=None,
-                  A_log=None, dt_bias=None, use_beta_sigmoid=False, cu_seqlens=None, out=None, state_out=None,
-                  o_dtype=None, state_layout="kv", gate="log", use_qk_l2norm=False, variant=None):
+                  A_log=None, dt_bias=None, use_beta_sigmoid=False, cu_seqlens=None, intermediate_states=None,
+                  num_accepted_tokens=None, out=None, state_out=None, o_dtype=None, state_layout="kv", gate="log",
+                  use_qk_l2norm=False, variant=None):
     """T Comba tokens in one launch: the state is read once, kept on chip, written once.
 
     Equal to T calls of :func:`cupy_comba.comba_decode_step`, token t's state feeding token
@@ -30,13 +31,22 @@ def comba_forward(q, k, v, p, beta, g, scale=None, *, initial_state=None, output
         unless it is also passed as ``state_out``.
     output_final_state : bool
         Return the state after the last token (else ``None``, and no state is written).
-    state_indices : ndarray, shape (B,) (N with ``cu_seqlens``), int32 or int64, optional
+    state_indices : ndarray, shape (B,) (N with ``cu_seqlens``; (B, T) for speculative verify), int32 or int64, optional
         ``initial_state`` is a pool: sequence b starts from slot ``state_indices[b]`` and, with
         ``output_final_state``, its final state replaces that slot in place (the pool is
         returned).  Negative indices and those >= the pool's size mark padding rows, as in
         :func:`cupy_comba.comba_decode_step`.
     A_log, dt_bias, use_beta_sigmoid
         In-kernel gating, as in :func:`cupy_comba.comba_decode_step`.
+    intermediate_states : ndarray, shape (B, T) + the state's head shape, float32, optional
+        Speculative verify (SGLang's and FlashInfer's convention): receives the state after every
+        token; with ``output_final_state=False`` nothing else is written (the pool or
+        ``initial_state`` is left as it was).  Runs a token-loop kernel.
+    num_accepted_tokens : ndarray, shape (B,), int32 or int64, optional
+        With a 2-D ``state_indices (B, T)`` (vLLM's convention: the state after token t of row b
+        goes to slot ``state_indices[b, t]``, an index outside the pool skips it): row b starts
+        from slot ``state_indices[b, num_accepted_tokens[b] - 1]`` (slot ``[b, 0]`` when None); a
+        value outside 1 .. T makes row b a padding row.
     cu_seqlens : ndarray, shape (N + 1,), int32 or int64, optional
         A ragged batch of N sequences packed along T: q, k, v, p, beta, g are ``(1, total_T, ...)``
         and sequence n is tokens ``cu_seqlens[n] .. cu_seqlens[n + 1] - 1`` (zero-length ones
@@ -66,13 +76,14 @@ def comba_forward(q, k, v, p, beta, g, scale=None, *, initial_state=None, output
         raise TypeError("p must be a cupy.ndarray or numpy.ndarray, got NoneType (for p = k use gated_delta_forward)")
     return run(False, initial_state, q, k, v, p, beta, g, scale, output_final_state, out, state_out, o_dtype,
                state_layout, gate, use_qk_l2norm, variant,
-               serving(state_indices, A_log, dt_bias, use_beta_sigmoid, cu_seqlens))
+               serving(state_indices, A_log, dt_bias, use_beta_sigmoid, cu_seqlens, intermediate_states,
+                       num_accepted_tokens))
 
 
 def gated_delta_forward(q, k, v, beta, g, scale=None, *, initial_state=None, output_final_state=True,
                         state_indices=None, A_log=None, dt_bias=None, use_beta_sigmoid=False, cu_seqlens=None,
-                        out=None, state_out=None, o_dtype=None, state_layout="kv", gate="log", use_qk_l2norm=False,
-                        variant=None):
+                        intermediate_states=None, num_accepted_tokens=None, out=None, state_out=None,
+                        o_dtype=None, state_layout="kv", gate="log", use_qk_l2norm=False, variant=None):
     """T Gated DeltaNet tokens in one launch (:func:`comba_forward` with ``p = k``; k is read once).
 
     Parameters
@@ -80,8 +91,8 @@ def gated_delta_forward(q, k, v, beta, g, scale=None, *, initial_state=None, out
     q, k : ndarray, shape (B, T, Hk, K)
     v : ndarray, shape (B, T, H, V)
     beta, g : ndarray, shape (B, T, H)
-    scale, initial_state, output_final_state, state_indices, A_log, dt_bias, use_beta_sigmoid, cu_seqlens, out,
-    state_out, o_dtype, state_layout, gate, use_qk_l2norm, variant
+    scale, initial_state, output_final_state, state_indices, A_log, dt_bias, use_beta_sigmoid, cu_seqlens,
+    intermediate_states, num_accepted_tokens, out, state_out, o_dtype, state_layout, gate, use_qk_l2norm, variant
         As in :func:`comba_forward`.
 
     Returns
@@ -101,4 +112,5 @@ def gated_delta_forward(q, k, v, beta, g, scale=None, *, initial_state=None, out
     """
     return run(False, initial_state, q, k, v, None, beta, g, scale, output_final_state, out, state_out, o_dtype,
                state_layout, gate, use_qk_l2norm, variant,
-               serving(state_indices, A_log, dt_bias, use_beta_sigmoid, cu_seqlens))
+               serving(state_indices, A_log, dt_bias, use_beta_sigmoid, cu_seqlens, intermediate_states,
+                       num_accepted_tokens))

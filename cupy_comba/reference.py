@@ -156,44 +156,85 @@ def gated_delta_step(state, q, k, v, beta, g, scale=None, **options):
     return comba_step(state, q, k, v, k, beta, g, scale, **options)
 
 
-def comba_loop(state, q, k, v, p, beta, g, scale=None, *, state_indices=None, cu_seqlens=None, **options):
+def comba_loop(state, q, k, v, p, beta, g, scale=None, *, state_indices=None, cu_seqlens=None,
+               num_accepted_tokens=None, intermediate=False, **options):
     """``T`` Comba steps: ``q, k, p [B, T, Hk, K]``, ``v [B, T, H, V]``, ``beta, g [B, T, H]``.
 
     Returns the final state (the layout of ``state``; with ``state_indices`` the whole pool, each
-    row's slot replaced by its final state) and ``o [B, T, H, V]``, float64.  Takes the options of
-    :func:`comba_step`, and ``cu_seqlens [N + 1]``: a ragged batch, the activations packed as
-    ``[1, total_T, ...]``, sequence n the tokens ``cu_seqlens[n] .. cu_seqlens[n + 1] - 1`` (each
-    bound clamped to ``0 .. total_T``, the upper one to at least the lower), its state row n of
-    ``state [N, ...]`` (slot ``state_indices[n]`` of a pool); ``o`` is ``[1, total_T, H, V]``.
+    row's slot replaced by its final state) and ``o [B, T, H, V]``, float64, and with
+    ``intermediate`` the state after every token, ``[B, T, ...]``.  Takes the options of
+    :func:`comba_step`, and:
+
+    cu_seqlens : int array, shape (N + 1,)
+        A ragged batch: the activations packed as ``[1, total_T, ...]``, sequence n the tokens
+        ``cu_seqlens[n] .. cu_seqlens[n + 1] - 1`` (each bound clamped to ``0 .. total_T``, the
+        upper one to at least the lower), its state row n of ``state [N, ...]`` (slot
+        ``state_indices[n]`` of a pool); ``o`` is ``[1, total_T, H, V]``.
+    state_indices : int array, shape (B, T)
+        vLLM's speculative verify: row b starts from slot ``state_indices[b, a - 1]`` with
+        ``a = num_accepted_tokens[b]`` (1 when None; a row with ``a`` outside ``1 .. T`` is padding)
+        and the state after its token t replaces slot ``state_indices[b, t]`` (skipped for an index
+        outside the pool).
     """
     xp = array_namespace(state, q, k, v, p, beta, g)
+    acts = (q, k, v, p, beta, g)
     if cu_seqlens is not None:
-        return _ragged(state, cu_seqlens, state_indices, (q, k, v, p, beta, g), scale, **options)
+        return _ragged(state, cu_seqlens, state_indices, acts, scale, **options)
     if state_indices is not None:
-        return _pooled(comba_loop, state, state_indices, (q, k, v, p, beta, g), scale, **options)
-    S, outs = _f64(xp, state), []
+        if len(state_indices.shape) == 2:
+            return _slot_per_token(state, state_indices, num_accepted_tokens, acts, scale, **options)
+        return _pooled(comba_loop, state, state_indices, acts, scale, intermediate=intermediate, **options)
+    S, outs, states = _f64(xp, state), [], []
     for t in range(q.shape[1]):
         S, o = comba_step(S, q[:, t], k[:, t], v[:, t], p[:, t], beta[:, t], g[:, t], scale, **options)
         outs.append(o)
-    if not outs:
-        B, _, H, V = v.shape
-        return S, xp.zeros((B, 0, H, V), dtype=xp.float64)
-    return S, xp.stack(outs, axis=1)
+        states.append(S)
+    B, T, H, V = v.shape
+    o = xp.stack(outs, axis=1) if outs else xp.zeros((B, 0, H, V), dtype=xp.float64)
+    if not intermediate:
+        return S, o
+    return S, o, xp.stack(states, axis=1) if states else xp.zeros((B, 0) + S.shape[1:], dtype=xp.float64)
 
 
-def _pooled(op, pool, state_indices, acts, scale, **options):
-    """``op`` over the live rows of a batch: gather their slots, run, scatter; padding rows get o = 0."""
+def _slot_per_token(pool, state_indices, num_accepted_tokens, acts, scale, **options):
+    """vLLM's verify convention (:func:`comba_loop`), row by row."""
+    xp = array_namespace(pool, *acts)
+    pool = _f64(xp, pool)
+    B, T = state_indices.shape
+    idx = [[int(x) for x in row] for row in state_indices.tolist()]
+    accepted = [1] * B if num_accepted_tokens is None else [int(x) for x in num_accepted_tokens.tolist()]
+    o = xp.zeros(acts[2].shape, dtype=xp.float64)
+    for b in range(B):
+        if not 1 <= accepted[b] <= T or not 0 <= idx[b][accepted[b] - 1] < pool.shape[0]:
+            continue  # a padding row
+        first = idx[b][accepted[b] - 1]
+        _, o_b, states = comba_loop(pool[first:first + 1], *(a[b:b + 1] for a in acts), scale, intermediate=True,
+                                    **options)
+        o[b] = o_b[0]
+        for t, slot in enumerate(idx[b]):
+            if 0 <= slot < pool.shape[0]:
+                pool[slot] = states[0, t]
+    return pool, o
+
+
+def _pooled(op, pool, state_indices, acts, scale, intermediate=False, **options):
+    """``op`` over the live rows of a batch: gather their slots, run, scatter; padding rows get o = 0
+    (and NaN intermediate states: the kernels leave them unwritten)."""
     xp = array_namespace(pool, *acts)
     pool = _f64(xp, pool)
     idx = xp.asarray(state_indices).astype(xp.int64)
     live = xp.nonzero((idx >= 0) & (idx < pool.shape[0]))[0]
     v = acts[2]
     o = xp.zeros(v.shape, dtype=xp.float64)
+    extra = dict(intermediate=True) if intermediate else {}
+    states = xp.full(v.shape[:2] + pool.shape[1:], xp.nan) if intermediate else None
     if live.size:
-        S, o_live = op(pool[idx[live]], *(a[live] for a in acts), scale, **options)
+        S, o_live, *inter = op(pool[idx[live]], *(a[live] for a in acts), scale, **extra, **options)
         o[live] = o_live
         pool[idx[live]] = S
-    return pool, o
+        if intermediate:
+            states[live] = inter[0]
+    return (pool, o, states) if intermediate else (pool, o)
 
 
 def _ragged(state, cu_seqlens, state_indices, acts, scale, **options):

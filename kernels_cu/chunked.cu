@@ -268,7 +268,8 @@ delta_rule_kv_chunked(const float* state, float* state_out, const void* __restri
                       const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
                       const void* __restrict__ g, void* __restrict__ o, const void* __restrict__ slots,
                       const float* __restrict__ A_log, const float* __restrict__ dt_bias,
-                      const void* __restrict__ cu_seqlens, const Params prm,
+                      const void* __restrict__ cu_seqlens, float* __restrict__ inter,
+                      const void* __restrict__ accepted, const Params prm,
                       const float scale) {
     constexpr int LC = COLS / 4, NT = LC * RG, R = K / RG, NW = NT / 32, C = kChunk;
     static_assert(NT % 32 == 0 && K % RG == 0 && COLS <= NT && 2 * C <= NT, "bad kv tiling");
@@ -276,7 +277,7 @@ delta_rule_kv_chunked(const float* state, float* state_out, const void* __restri
     __shared__ float4 red[NW][2 * C][LC];  // per-warp partial S0^T p_t, S0^T q_t
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const KvSlab<K, COLS, RG, SERVING> slab(prm, tid, slots);
+    const KvSlab<K, COLS, RG, SERVING> slab(prm, tid, slots, accepted);
     const int lc = slab.lc, rg = slab.rg, b = slab.b, h = slab.h, hk = slab.hk, col0 = slab.col0, col = slab.col;
     const int T = tokens<SERVING>(cu_seqlens, prm, b, q, k, v, p, beta, g, o);
     if (SERVING && slab.slot < 0) {  // a padding row
@@ -431,7 +432,8 @@ delta_rule_vk_chunked(const float* state, float* state_out, const void* __restri
                       const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
                       const void* __restrict__ g, void* __restrict__ o, const void* __restrict__ slots,
                       const float* __restrict__ A_log, const float* __restrict__ dt_bias,
-                      const void* __restrict__ cu_seqlens, const Params prm,
+                      const void* __restrict__ cu_seqlens, float* __restrict__ inter,
+                      const void* __restrict__ accepted, const Params prm,
                       const float scale) {
     constexpr int NW = ROWS / 16, NT = NW * 32, RL = 4, KF = 4, C = kChunk;
     static_assert(K == 128 && ROWS % 16 == 0 && 2 * C <= NT && ROWS <= NT, "bad vk chunked tiling");

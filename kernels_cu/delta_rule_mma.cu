@@ -92,7 +92,8 @@ delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q,
                const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
                const void* __restrict__ g, void* __restrict__ o, const void* __restrict__ slots,
                const float* __restrict__ A_log, const float* __restrict__ dt_bias,
-               const void* __restrict__ cu_seqlens, const Params prm, const float scale) {
+               const void* __restrict__ cu_seqlens, float* __restrict__ inter,
+               const void* __restrict__ accepted, const Params prm, const float scale) {
     using Shape = MmaShape<K, SLAB>;
     using Bits = MmaBits<K, SLAB, SUBS>;
     using Stage = MmaStage<K, SLAB, SEPARATE_P, SUBS>;

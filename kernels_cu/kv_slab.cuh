@@ -11,13 +11,14 @@ namespace comba {
 // the float4 of columns col .. col + 3 in rows rg, rg + RG, ...  The head's state is at `head`; with
 // SERVING in slot `slot` of a pool (state_slot; -1: a padding row, nothing there), found again
 // where it is stored.
-// 32-bit index math (the grid and the row offsets of one head fit), 64-bit addresses.
-template <int K, int COLS, int RG, bool SERVING>
+// VERIFY: the token loop's slot per token (initial_slot).  32-bit index math (the grid and the row
+// offsets of one head fit), 64-bit addresses.
+template <int K, int COLS, int RG, bool SERVING, bool VERIFY = false>
 struct KvSlab {
     static constexpr int LC = COLS / 4, R = K / RG;
     int lc, rg, V, H, b, h, hk, col0, col;
     long long slot, head;
-    __device__ __forceinline__ KvSlab(const Params& prm, int tid, const void* slots) {
+    __device__ __forceinline__ KvSlab(const Params& prm, int tid, const void* slots, const void* accepted) {
         lc = tid % LC;
         rg = tid / LC;
         V = static_cast<int>(prm.V);
@@ -29,7 +30,7 @@ struct KvSlab {
         b = bh / H;
         h = bh - b * H;
         hk = h / static_cast<int>(prm.group);
-        slot = state_slot<SERVING>(slots, prm, b);
+        slot = initial_slot<SERVING, VERIFY>(slots, accepted, prm, b);
         head = SERVING ? (slot * H + h) * K * V : static_cast<long long>(bh) * K * V;
     }
     // Every state load of the thread at once (zeros when there is no initial state).
@@ -46,6 +47,13 @@ struct KvSlab {
     __device__ __forceinline__ void store(const float4 (&s)[R], float* state_out, const void* slots,
                                           const Params& prm) const {
         float* dst = state_out + (SERVING ? pool_head<K>(slots, prm, b, h) : head) + col;
+#pragma unroll
+        for (int i = 0; i < R; ++i) store_state(dst + (rg + i * RG) * V, s[i]);
+    }
+    // The thread's part of the slab into the head state that starts at `head_state` (a token's state
+    // of speculative verify).
+    __device__ __forceinline__ void store_head(const float4 (&s)[R], float* head_state) const {
+        float* dst = head_state + col;
 #pragma unroll
         for (int i = 0; i < R; ++i) store_state(dst + (rg + i * RG) * V, s[i]);
     }

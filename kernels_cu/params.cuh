@@ -5,12 +5,15 @@
 // projection); a decode step is the T = 1 case with zero T strides.  Must match
 // PARAMS_FIELDS in cupy_comba/_launcher.py (all int64, same order).
 //
-// Every kernel takes thirteen pointers: state, state_out, q, k, v, p, beta, g, o, then
+// Every kernel takes fifteen pointers: state, state_out, q, k, v, p, beta, g, o, then
 //   slots    state_indices [B] (int32 or int64, stride slot_s; read when slot_t != 0): state and
 //            state_out are a pool [N, H, ...] and row b's state is slot slots[b] of it;
 //   A_log, dt_bias   [H] float32 (read when gate_softplus): in-kernel gating;
 //   cu_seqlens       [B + 1] (int32 or int64; read when cu_t != 0): a ragged batch, row b the tokens
-//                    cu_seqlens[b] .. cu_seqlens[b + 1] - 1 of packed activations (`tokens`).
+//                    cu_seqlens[b] .. cu_seqlens[b + 1] - 1 of packed activations (`tokens`);
+//   inter            [B, T, H, ...] float32 (per_token == 1): the state after every token;
+//   accepted         num_accepted_tokens [B] (per_token == 2, na_t != 0): row b starts from slot
+//                    slots[b, accepted[b] - 1] (`initial_slot`).
 #pragma once
 
 #include "common.cuh"
@@ -30,6 +33,8 @@ struct Params {
     long long gate_linear, l2norm, has_initial, write_final;
     long long N, slot_t, slot_s;              // pool slots; slot_t: 0 no pool, 1 int32, 2 int64 indices
     long long cu_t;                           // cu_seqlens: 0 none (a dense batch), 1 int32, 2 int64
+    long long per_token, slot_st, na_t;       // verify: 1 intermediate_states, 2 a slot per token (slots[b, t],
+                                              // T stride slot_st; num_accepted_tokens of dtype na_t, 0 none)
     long long gate_softplus, beta_sigmoid;    // in-kernel gating (gate_of, beta_of)
 };
 
@@ -65,12 +70,38 @@ __device__ __forceinline__ long long reload(const int* p) {
 // code for the serving options, so that those keep the registers and the code they have without
 // them; Params says which of the options a serving build uses.
 template <bool SERVING>
-__device__ __forceinline__ long long state_slot(const void* slots, const Params& prm, int b) {
+__device__ __forceinline__ long long state_slot(const void* slots, const Params& prm, int b, int col = 0) {
     if (!SERVING || !prm.slot_t) return b;
-    const long long at = b * prm.slot_s;
+    const long long at = b * prm.slot_s + col * prm.slot_st;
     const long long i = prm.slot_t == 1 ? reload(static_cast<const int*>(slots) + at)
                                         : reload(static_cast<const long long*>(slots) + at);
     return i >= 0 && i < prm.N ? i : -1;
+}
+
+// The slot row b starts from: state_slot, or with a slot per token (vLLM's speculative decoding)
+// slots[b, accepted[b] - 1] -- a padding row (-1) when accepted[b] is outside 1 .. T.
+template <bool SERVING, bool VERIFY>
+__device__ __forceinline__ long long initial_slot(const void* slots, const void* accepted, const Params& prm, int b) {
+    if (!VERIFY || prm.per_token != 2) return state_slot<SERVING>(slots, prm, b);
+    int col = 0;
+    if (prm.na_t) {
+        const long long na = prm.na_t == 1 ? reload(static_cast<const int*>(accepted) + b)
+                                           : reload(static_cast<const long long*>(accepted) + b);
+        if (na < 1 || na > prm.T) return -1;
+        col = static_cast<int>(na - 1);
+    }
+    return state_slot<true>(slots, prm, b, col);
+}
+
+// Where the state after token t of head (b, h) goes with per_token (the token-loop kernels): its
+// place in intermediate_states, or its slot slots[b, t] of the pool (nullptr for an index outside
+// it: that token's state is not kept).
+template <int K>
+__device__ __forceinline__ float* token_state(float* inter, float* pool, const void* slots, const Params& prm, int b,
+                                              int h, int t) {
+    if (prm.per_token == 1) return inter + ((b * prm.T + t) * prm.H + h) * K * prm.V;
+    const long long slot = state_slot<true>(slots, prm, b, t);
+    return slot < 0 ? nullptr : pool + (slot * prm.H + h) * K * prm.V;
 }
 
 // With SERVING, the offset of the state of head h of row b (K x V floats) in the pool, found again

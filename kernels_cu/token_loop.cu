@@ -123,14 +123,15 @@ delta_rule_kv(const float* state, float* state_out, const void* __restrict__ q, 
               const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
               const void* __restrict__ g, void* __restrict__ o, const void* __restrict__ slots,
               const float* __restrict__ A_log, const float* __restrict__ dt_bias,
-              const void* __restrict__ cu_seqlens, const Params prm, const float scale) {
+              const void* __restrict__ cu_seqlens, float* __restrict__ inter,
+              const void* __restrict__ accepted, const Params prm, const float scale) {
     constexpr int LC = COLS / 4, NT = LC * RG, R = K / RG, NW = NT / 32, E = TokenBits<K, NT, COLS>::E;
     static_assert(NT % 32 == 0 && K % RG == 0 && R >= 1, "bad kv tiling");
     __shared__ KvStage<K, COLS, NW> stage[2];
     __shared__ float4 red[2][NW][LC];      // per-warp partial S^T p, S^T q
 
     const int tid = threadIdx.x, warp = tid >> 5;
-    const KvSlab<K, COLS, RG, SERVING> slab(prm, tid, slots);
+    const KvSlab<K, COLS, RG, SERVING, SERVING && MULTI> slab(prm, tid, slots, accepted);
     const int lc = slab.lc, rg = slab.rg, b = slab.b, h = slab.h, hk = slab.hk, col0 = slab.col0, col = slab.col;
     const int T = MULTI ? tokens<SERVING>(cu_seqlens, prm, b, q, k, v, p, beta, g, o) : 1;
     if (SERVING && slab.slot < 0) {  // a padding row
@@ -220,6 +221,12 @@ delta_rule_kv(const float* state, float* state_out, const void* __restrict__ q, 
         // 4. Rank-1 write with the decay folded in, in registers; o of this token.
 #pragma unroll
         for (int i = 0; i < R; ++i) s[i] = decay_write(s[i], e, st.kv[rg + i * RG], uk);
+        if constexpr (SERVING && MULTI) {  // speculative verify: every token's state
+            if (prm.per_token) {
+                float* dst = token_state<K>(inter, state_out, slots, prm, b, h, t);
+                if (dst) slab.store_head(s, dst);
+            }
+        }
         if (rg == 0) {
             const float qs4[4] = {Q.x, Q.y, Q.z, Q.w};
             const long long ob = b * prm.o_sb + t * prm.o_st + h * prm.o_sh;
@@ -243,7 +250,8 @@ delta_rule_vk(const float* state, float* state_out, const void* __restrict__ q, 
               const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
               const void* __restrict__ g, void* __restrict__ o, const void* __restrict__ slots,
               const float* __restrict__ A_log, const float* __restrict__ dt_bias,
-              const void* __restrict__ cu_seqlens, const Params prm, const float scale) {
+              const void* __restrict__ cu_seqlens, float* __restrict__ inter,
+              const void* __restrict__ accepted, const Params prm, const float scale) {
     constexpr int LK = K / 4, RPW = 32 / LK, HALF = LK / 2, ROWS = R * NW * RPW, NB = R / HALF, NT = NW * 32;
     constexpr int E = TokenBits<K, NT, ROWS>::E;
     static_assert(R % HALF == 0, "bad vk tiling: a lane's rows must fill whole butterflies");
@@ -258,7 +266,7 @@ delta_rule_vk(const float* state, float* state_out, const void* __restrict__ q, 
     const int slab0 = (static_cast<int>(blockIdx.x) - bh * slabs) * ROWS;
     const int b = bh / H, h = bh - b * H, hk = h / static_cast<int>(prm.group);
     const int T = MULTI ? tokens<SERVING>(cu_seqlens, prm, b, q, k, v, p, beta, g, o) : 1;
-    const long long slot = state_slot<SERVING>(slots, prm, b);
+    const long long slot = initial_slot<SERVING, SERVING && MULTI>(slots, accepted, prm, b);
     if (SERVING && slot < 0) {  // a padding row
         zero_o(o, prm, b, h, slab0, ROWS, T, tid, NT);
         return;
@@ -338,6 +346,15 @@ delta_rule_vk(const float* state, float* state_out, const void* __restrict__ q, 
             const float ui = __shfl_sync(0xffffffffu, ub[i / HALF], hg * LK + i % HALF);
             s[i] = make_float4(fmaf(e, s[i].x, kn.x * ui), fmaf(e, s[i].y, kn.y * ui), fmaf(e, s[i].z, kn.z * ui),
                                fmaf(e, s[i].w, kn.w * ui));
+        }
+        if constexpr (SERVING && MULTI) {  // speculative verify: every token's state
+            if (prm.per_token) {
+                if (float* dst = token_state<K>(inter, state_out, slots, prm, b, h, t)) {
+                    dst += slab0 * K + kg * 4;
+#pragma unroll
+                    for (int i = 0; i < R; ++i) store_state(dst + local(i) * K, s[i]);
+                }
+            }
         }
     }
 

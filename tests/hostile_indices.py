@@ -33,6 +33,16 @@ def main():
                                   variant=variant)
                     gated_delta_forward(*packed[:3], *packed[4:], cu_seqlens=cu, state_layout=layout, variant=variant)
                     launches += 4
+                slots2 = cupy.asarray(numpy.resize(HOSTILE, 8 * 9).reshape(8, 9).clip(numpy.iinfo(dtype).min,
+                                                                                        numpy.iinfo(dtype).max).astype(dtype))
+                accepted = cupy.asarray(numpy.array([0, 1, 9, 10, -3, 2 ** 31 - 1, 5, 3]).astype(dtype))
+                for variant in families.variants(layout, K, V, multi=True, token_loop=True):
+                    pool = cupy.zeros(shape, cupy.float32)
+                    comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=slots2,
+                                  num_accepted_tokens=accepted, state_layout=layout, variant=variant)
+                    comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=idx, state_layout=layout,
+                                  intermediate_states=cupy.zeros((8, 9) + shape[1:], cupy.float32), variant=variant)
+                    launches += 2
                 for variant in families.variants(layout, K, V):
                     pool = cupy.zeros(shape, cupy.float32)
                     comba_decode_step(pool, *(a[:, 0] for a in (q, k, v, p, beta, g)), state_indices=idx,

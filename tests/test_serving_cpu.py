@@ -259,3 +259,89 @@ def test_a_ragged_batch_is_packed_in_one_row():
     q, k, v, p, beta, g, _ = forward_inputs(2, 3, 4, 64, 32, Hk=2, warm_steps=0)
     with pytest.raises(ValueError, match=r"packed along T: q must have shape \(1, total_T, ...\)"):
         comba_forward(q, k, v, p, beta, g, cu_seqlens=numpy.array([0, 3, 6], numpy.int32))
+
+
+# -- speculative verify ------------------------------------------------------------------------------
+
+def _steps(S, acts, layout="kv"):
+    """The state after each token and o, by decode steps (the composition verify must equal; the steps
+    round the state to float32 after each token, the forward pass does not)."""
+    q, k, v, p, beta, g = acts
+    states, outs = [], []
+    for t in range(q.shape[1]):
+        S, o = comba_decode_step(S, q[:, t], k[:, t], v[:, t], p[:, t], beta[:, t], g[:, t], state_layout=layout)
+        states.append(S)
+        outs.append(o)
+    return numpy.stack(states, axis=1), numpy.stack(outs, axis=1)
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("write_final", [True, False])
+def test_intermediate_states_are_the_states_of_decode_steps(rng, layout, write_final):
+    B, T, H, K, V = 3, 4, 4, 64, 32
+    q, k, v, p, beta, g, S0 = forward_inputs(B, T, H, K, V, Hk=2, warm_steps=1, seed=4, state_layout=layout)
+    before = S0.copy()
+    inter = numpy.full((B, T) + S0.shape[1:], numpy.nan, F32)
+    o, S = comba_forward(q, k, v, p, beta, g, initial_state=S0, intermediate_states=inter, state_layout=layout,
+                         output_final_state=write_final)
+    states, outs = _steps(before, (q, k, v, p, beta, g), layout)
+    assert reference.relative_error(inter, states) < 1e-6
+    assert reference.relative_error(o, outs) < 5e-3
+    numpy.testing.assert_array_equal(S0, before)  # initial_state is never written (no state_out=)
+    if write_final:
+        numpy.testing.assert_array_equal(S, inter[:, -1])
+    else:
+        assert S is None
+
+
+def test_intermediate_states_through_a_pool_skip_padding_rows(rng):
+    B, T, H, K, V = 3, 3, 2, 64, 32
+    q, k, v, p, beta, g, _ = forward_inputs(B, T, H, K, V, warm_steps=0, seed=5)
+    pool = _pool(rng, 4, H, K, V)
+    before = pool.copy()
+    inter = numpy.full((B, T, H, K, V), 7.0, F32)
+    o, S = comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=numpy.array([2, -1, 0]),
+                         intermediate_states=inter, output_final_state=False)
+    assert S is None
+    numpy.testing.assert_array_equal(pool, before)  # output_final_state=False: the pool as it was
+    states, _ = _steps(before[[2, 0]], tuple(a[[0, 2]] for a in (q, k, v, p, beta, g)))
+    assert reference.relative_error(inter[[0, 2]], states) < 1e-6
+    assert (inter[1] == 7.0).all() and not o[1].astype(F32).any()
+
+
+def test_vllm_slots_per_token_with_accepted_counts(rng):
+    B, T, H, K, V, N = 4, 3, 2, 64, 32, 12
+    acts = forward_inputs(B, T, H, K, V, warm_steps=0, seed=6)[:6]
+    pool = _pool(rng, N, H, K, V)
+    before = pool.copy()
+    idx = numpy.array([[0, 1, 2], [3, 4, 5], [6, 7, -1], [9, 10, 11]], numpy.int64)
+    accepted = numpy.array([1, 3, 2, 0], numpy.int32)  # row 3: 0 accepted tokens, a padding row
+    o, S = comba_forward(*acts, initial_state=pool, state_indices=idx, num_accepted_tokens=accepted)
+    assert S is pool
+    for b, first in ((0, 0), (1, 5), (2, 7)):
+        states, outs = _steps(before[first:first + 1], tuple(a[b:b + 1] for a in acts))
+        assert reference.relative_error(o[b], outs[0]) < 5e-3
+        for t in range(T):
+            if idx[b, t] >= 0:
+                assert reference.relative_error(pool[idx[b, t]], states[0, t]) < 1e-6
+    assert not o[3].astype(F32).any()
+    numpy.testing.assert_array_equal(pool[[8, 9, 10, 11]], before[[8, 9, 10, 11]])  # untouched and padding slots
+
+
+def test_verify_options_are_checked():
+    q, k, v, p, beta, g, S0 = forward_inputs(2, 3, 2, 64, 32, warm_steps=0)
+    pool = numpy.zeros((4, 2, 64, 32), F32)
+    idx2 = numpy.zeros((2, 3), numpy.int32)
+    with pytest.raises(ValueError, match="output_final_state must be True"):
+        comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=idx2, output_final_state=False)
+    with pytest.raises(ValueError, match="num_accepted_tokens .* takes 2-D state_indices"):
+        comba_forward(q, k, v, p, beta, g, initial_state=S0, num_accepted_tokens=numpy.ones(2, numpy.int32))
+    with pytest.raises(ValueError, match=r"intermediate_states must have shape"):
+        comba_forward(q, k, v, p, beta, g, initial_state=S0, intermediate_states=numpy.zeros((2, 2, 2, 64, 32), F32))
+    with pytest.raises(ValueError, match=r"state_indices must have shape \(B, T\)"):
+        comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=numpy.zeros((2, 4), numpy.int32))
+    with pytest.raises(ValueError, match="keeping every token's state; expected one of"):
+        comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=idx2, variant="kv64tc16")
+    with pytest.raises(ValueError, match="not with cu_seqlens"):
+        comba_forward(q[:1], k[:1], v[:1], p[:1], beta[:1], g[:1], cu_seqlens=numpy.array([0, 3]),
+                      intermediate_states=numpy.zeros((1, 3, 2, 64, 32), F32))

@@ -191,3 +191,42 @@ def test_a_ragged_prefill_replays_in_a_cuda_graph_with_new_lengths():
         o_ref, S_ref = comba_forward(q, k, v, p, beta, g, initial_state=S0, cu_seqlens=numpy.array(bounds))
         assert reference.relative_error(cupy.asnumpy(S), S_ref) < 2e-6
         assert reference.relative_error(cupy.asnumpy(out), o_ref) < 5e-3
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("K,V", [(64, 64), (128, 128)])
+@pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
+@pytest.mark.parametrize("T", [4, 16])
+def test_every_token_loop_variant_keeps_every_token_s_state(layout, K, V, comba, T):
+    """Both verify conventions on every token-loop variant: SGLang's intermediate_states (a pool with a
+    padding row, output_final_state False: the pool untouched) and vLLM's slot per token with accepted
+    counts (a count of 0 a padding row, a slot of -1 a token whose state is not kept)."""
+    B, H, N = 4, 4, 3 * 4 * T
+    rng = numpy.random.default_rng(K + T)
+    q, k, v, p, beta, g, _ = forward_inputs(B, T, H, K, V, Hk=2, warm_steps=0, seed=T)
+    shape = (H, K, V) if layout == "kv" else (H, V, K)
+    pool = (rng.standard_normal((N,) + shape) / 4).astype(F32)
+    idx1 = numpy.array([5, -1, 0, 9], numpy.int32)
+    idx2 = rng.permutation(N)[:B * T].reshape(B, T).astype(numpy.int64)
+    idx2[0, T - 1] = -1
+    accepted = numpy.array([1, T, 0, 2], numpy.int32)
+    inter_ref = numpy.full((B, T) + shape, 3.0, F32)
+    o1_ref, _ = _op(False, comba, pool.copy(), q, k, v, p, beta, g, state_layout=layout, state_indices=idx1,
+                    intermediate_states=inter_ref, output_final_state=False)[::-1]
+    pool2_ref, o2_ref = _op(False, comba, pool.copy(), q, k, v, p, beta, g, state_layout=layout, state_indices=idx2,
+                            num_accepted_tokens=accepted)
+    dev = [cupy.asarray(x) for x in (q, k, v, p, beta, g)]
+    for variant in families.variants(layout, K, V, multi=True, token_loop=True):
+        d_pool, inter = cupy.asarray(pool), cupy.full(inter_ref.shape, 3.0, F32)
+        out = cupy.full(o1_ref.shape, cupy.nan, bfloat16)
+        _op(False, comba, d_pool, *dev, state_layout=layout, state_indices=cupy.asarray(idx1),
+            intermediate_states=inter, output_final_state=False, out=out, variant=variant)
+        cupy.testing.assert_array_equal(d_pool, cupy.asarray(pool))
+        assert reference.relative_error(inter[[0, 2, 3]], inter_ref[[0, 2, 3]]) < 2e-6, variant
+        assert bool((inter[1] == 3.0).all()) and reference.relative_error(out, o1_ref) < 5e-3, variant
+        out.fill(cupy.nan)
+        S, o = _op(False, comba, d_pool, *dev, state_layout=layout, state_indices=cupy.asarray(idx2),
+                   num_accepted_tokens=cupy.asarray(accepted), out=out, variant=variant)
+        assert S is d_pool
+        assert reference.relative_error(S, pool2_ref) < 2e-6, variant
+        assert reference.relative_error(o, o2_ref) < 5e-3, variant

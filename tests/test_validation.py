@@ -179,3 +179,13 @@ def test_gpu_fast_path_answers_alike():
     assert o.dtype == bfloat16 and reference.relative_error(o, o_ref) < 8e-3
     _, o_gdn = gated_delta_decode_step(args[0], args[1], args[2], args[3], args[5], args[6])
     assert reference.relative_error(o_gdn, reference.gated_delta_step(args[0], *args[1:4], *args[5:])[1]) < 8e-3
+
+
+def test_the_numpy_path_returns_c_contiguous_states_in_both_layouts():
+    """As the kernels do: a returned "vk" state can be handed back to the next step."""
+    state, q, k, v, p, beta, g = _step_args()
+    vk = numpy.ascontiguousarray(state.swapaxes(-1, -2))
+    S1, _ = comba_decode_step(vk, q, k, v, p, beta, g, state_layout="vk")
+    assert S1.flags.c_contiguous
+    S2, _ = comba_decode_step(S1, q, k, v, p, beta, g, state_layout="vk")
+    assert S2.flags.c_contiguous
