@@ -28,7 +28,7 @@ serving options (``serving``: a state pool, in-kernel gating), compiled when a c
 
 >>> from cupy_comba import families
 >>> families.variants("kv", 128, 128)
-('kv64x8', 'kv64x4', 'kv32x8', 'kv32x16')
+('kv64x8', 'kv64x4', 'kv32x8', 'kv32x16', 'kv16x32')
 >>> k = families.kernel("kv", "kv64x8", K=128, separate_p=True, multi=False)
 >>> k.expression, k.block, k.grid(heads=512, V=128)
 ('comba::delta_rule_kv<128, 64, 8, true, false, false>', 128, 1024)
@@ -76,7 +76,7 @@ class Kernel(NamedTuple):
 # -- the tilings ------------------------------------------------------------------------------
 
 #: ``delta_rule_kv`` (COLS, RG): thread (lc, rg) holds the float4 of columns 4 lc .. 4 lc + 3 in rows rg, rg + RG, ...
-KV_TILINGS = ((64, 8), (64, 4), (32, 8), (32, 16))
+KV_TILINGS = ((64, 8), (64, 4), (32, 8), (32, 16), (16, 32))
 #: ``delta_rule_kv_chunked`` (COLS, RG): those whose state, column sums and staging fit the registers.
 KV_CHUNKED_TILINGS = ((64, 8), (32, 8))
 #: ``delta_rule_vk`` (R, NW) by K: NW warps, R state rows a lane.

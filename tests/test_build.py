@@ -27,10 +27,10 @@ def test_includes_are_expanded_once():
 
 def test_the_registry_lists_every_build_once():
     counts = {source: len(e) for source, e in SPECIALISATIONS.items()}
-    # token loop: 2 K x (4 kv + 2 vk tilings) x p or not x decode or T tokens; chunked: 2 K x 2 kv + 2 vk at
+    # token loop: 2 K x (5 kv + 2 vk tilings) x p or not x decode or T tokens; chunked: 2 K x 2 kv + 2 vk at
     # K = 128, x p or not; tensor cores: 9 builds (K, slab, tokens) x p or not x layout; each with and without
     # the serving options
-    assert counts == {"token_loop.cu": 96, "chunked.cu": 24, "delta_rule_mma.cu": 72, "copy.cu": 1}
+    assert counts == {"token_loop.cu": 112, "chunked.cu": 24, "delta_rule_mma.cu": 72, "copy.cu": 1}
     for source, expressions in SPECIALISATIONS.items():
         assert len(set(expressions)) == len(expressions), source
     reached = {families.kernel(t.layout, t.variant, K=t.K, separate_p=sep, multi=multi, f32_keys=f32,
