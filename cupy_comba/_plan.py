@@ -63,6 +63,7 @@ class Plan:
                                       or bool(sig.per_token))
         if not sig.B * sig.H:
             return
+        _validate.check_grid(self.kernel.grid(sig.B * sig.H, sig.V), sig.B, sig.H)
         with cupy.cuda.Device(self.device):
             from ._build import get_kernel
 

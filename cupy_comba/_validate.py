@@ -222,11 +222,25 @@ def _check_output(name, a, sig, shape, meaning):
         raise ValueError(f"{name} is read-only: an output buffer must be writable")
 
 
+#: The kernels index within a head, a token axis and the grid with 32-bit integers.
+INDEX_LIMIT = 2 ** 31 - 1
+
+
 def check_head_sizes(K, V):
     if K not in families.SUPPORTED_K:
         raise NotImplementedError(f"head size K={K} is not supported: supported K are {families.SUPPORTED_K}")
     if V < 32 or V % 32:
         raise NotImplementedError(f"value head size V={V} is not supported: V must be a positive multiple of 32")
+    if K * V > INDEX_LIMIT:
+        raise ValueError(f"a head of K * V = {K * V} state values is more than the kernels index "
+                         f"({INDEX_LIMIT}): V must be at most {INDEX_LIMIT // K}")
+
+
+def check_grid(ctas, B, H):
+    """The launch's CTAs and its B * H heads fit the kernels' 32-bit indices."""
+    if B * H > INDEX_LIMIT or ctas > INDEX_LIMIT:
+        raise ValueError(f"B * H = {B * H} heads need {ctas} CTAs; the kernels index at most {INDEX_LIMIT} of "
+                         "either: split the batch")
 
 
 def _check_pool(sigs, B, N, T=None):
@@ -371,6 +385,8 @@ def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, ga
     for n in ("beta", "g"):
         _expect_shape(n, sigs[n].shape, tok + (H,), lead_text + "H)")
     check_head_sizes(K, V)
+    if T > INDEX_LIMIT:
+        raise ValueError(f"T = {T} tokens is more than the kernels index ({INDEX_LIMIT}): split the sequence")
     for n in tokens:
         s = sigs[n]
         if s.dtype not in ACTIVATION_CODES:

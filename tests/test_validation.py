@@ -189,3 +189,38 @@ def test_the_numpy_path_returns_c_contiguous_states_in_both_layouts():
     assert S1.flags.c_contiguous
     S2, _ = comba_decode_step(S1, q, k, v, p, beta, g, state_layout="vk")
     assert S2.flags.c_contiguous
+
+
+# -- what the kernels can index ----------------------------------------------------------------------
+
+def _huge(shape, dtype):
+    """A view of one element with ``shape`` (zero strides): never read, the checks refuse it first."""
+    return numpy.lib.stride_tricks.as_strided(numpy.zeros(1, dtype), shape=shape, strides=(0,) * len(shape))
+
+
+def test_a_head_larger_than_the_kernels_index_is_refused():
+    V = 2 ** 24 + 32  # K * V > 2**31 - 1 at K = 128
+    q = _huge((1, 1, 1, 128), bfloat16)
+    with pytest.raises(ValueError, match=r"K \* V = .* more than the kernels index .* V must be at most 16777215"):
+        gated_delta_forward(q, q, _huge((1, 1, 1, V), bfloat16), _huge((1, 1, 1), bfloat16),
+                            _huge((1, 1, 1), bfloat16))
+
+
+def test_a_sequence_longer_than_the_kernels_index_is_refused():
+    T = 2 ** 31
+    q = _huge((1, T, 1, 64), bfloat16)
+    with pytest.raises(ValueError, match="T = 2147483648 tokens is more than the kernels index"):
+        gated_delta_forward(q, q, _huge((1, T, 1, 32), bfloat16), _huge((1, T, 1), bfloat16),
+                            _huge((1, T, 1), bfloat16))
+
+
+@pytest.mark.gpu
+def test_a_grid_larger_than_the_kernels_index_is_refused():
+    cupy = pytest.importorskip("cupy")
+    B, H, K, V = 2 ** 25, 64, 64, 32  # B * H = 2**31 heads
+    one = cupy.zeros(1, bfloat16)
+    act = lambda *shape: cupy.lib.stride_tricks.as_strided(one, shape=shape, strides=(0,) * len(shape))  # noqa: E731
+    base = cupy.zeros(1, numpy.float32)
+    state = cupy.lib.stride_tricks.as_strided(base, shape=(B, H, K, V), strides=(H * K * V * 4, K * V * 4, V * 4, 4))
+    with pytest.raises(ValueError, match=r"B \* H = 2147483648 heads need .* CTAs; the kernels index at most"):
+        gated_delta_decode_step(state, act(B, 1, K), act(B, 1, K), act(B, H, V), act(B, H), act(B, H))
