@@ -22,7 +22,9 @@ import cupy
 import numpy
 
 from cupy_comba import bfloat16, comba_decode_step, gated_delta_decode_step
+from cupy_comba._launcher import N_POINTERS
 from cupy_comba._plan import PLANS, _check_pointers, _kernel_pointers
+from cupy_comba._validate import ARRAYS
 from cupy_comba.bench import host_overhead, parse_shapes
 from cupy_comba.inputs import decode_inputs
 
@@ -47,7 +49,7 @@ def report(shape):
     B, H, K, V = shape
     state, q, k, v, p, beta, g = args = decode_inputs(B, H, K, V, xp=cupy, seed=0, warm_steps=1)
     out, state_out = cupy.empty((B, H, V), bfloat16), cupy.empty_like(state)
-    arrays = (q, k, v, p, beta, g, state, out, state_out, None, None, None, None)
+    arrays = (q, k, v, p, beta, g, state, out, state_out) + (None,) * (len(ARRAYS) - 9)  # no serving options
     PLANS.clear()
     comba_decode_step(*args, out=out, state_out=state_out)  # the one plan, under the key the op built
     ((key, plan),) = PLANS.items()
@@ -61,7 +63,7 @@ def report(shape):
     swapped = (kernel_ptrs[1], kernel_ptrs[0]) + kernel_ptrs[2:]  # state and state_out trade places
     alternate = iter(range(1 << 62))
     null = numpy.uint64(0)  # the serving pointers, absent
-    raw_args = (state, state_out, q, k, v, p, beta, g, out, null, null, null, null, launch.params, launch.scale)
+    raw_args = (state, state_out, q, k, v, p, beta, g, out) + (null,) * (N_POINTERS - 9) + (launch.params, launch.scale)
     empty = cupy.RawModule(code=EMPTY).get_function("empty")
     blob = launch.params.tobytes()
     param_buf = ctypes.create_string_buffer(blob, len(blob))
@@ -97,7 +99,7 @@ def report(shape):
         "piece: is the stream capturing (cudaStreamIsCapturing)": lambda: cupy.cuda.runtime.streamIsCapturing(stream),
         "piece: current device (cudaGetDevice)": lambda: cupy.cuda.runtime.getDevice(),
         "piece: .data of 9 arrays": lambda: [a.data for a in arrays[:9]],
-        "piece: the plan's 13 pointer slots written": lambda: launch._slots.__setitem__(slice(None), kernel_ptrs),
+        f"piece: the plan's {N_POINTERS} pointer slots written": lambda: launch._slots.__setitem__(slice(None), kernel_ptrs),
     }
     print(f"host time per call, {shape}, bf16:")
     for name, fn in rows.items():
