@@ -79,3 +79,13 @@ def test_vk_k64_tensor_core_from_three_tokens_over_few_heads(V, loop, tc):
     many = tc if V % 64 == 0 else loop
     for heads in (129, 8192, None):
         assert [tiling.choose("vk", 64, V, False, True, T, heads) for T in (2, 3, 4)] == [loop, loop, many], heads
+
+
+@pytest.mark.parametrize("heads,variant", [(1, "kv16x32"), (16, "kv16x32"), (17, "kv32x16"), (64, "kv32x16"),
+                                           (65, "kv64x8"), (None, "kv64x8")])
+def test_gated_deltanet_decode_over_very_few_heads(heads, variant):
+    """h200-decode-tiny.json: narrower kv slabs (more CTAs) where the step is a chain of latencies."""
+    assert tiling.choose("kv", 128, 128, False, heads=heads) == variant
+    comba = "kv64x8" if heads is None or heads > 64 else "kv32x16"
+    assert tiling.choose("kv", 128, 128, True, heads=heads) == comba
+    assert tiling.choose("kv", 128, 128, False, multi=True, T=1, heads=heads) == "kv64x4"  # T-token build
