@@ -36,8 +36,10 @@ serving options (``serving``: a state pool, in-kernel gating), compiled when a c
 
 from typing import NamedTuple
 
-#: Head sizes K every family is built for.
-SUPPORTED_K = (64, 128)
+#: Head sizes K: every family is built for the first two; K = 256 has the kv token loop only.
+SUPPORTED_K = (64, 128, 256)
+#: Head sizes the vk token loop, the chunked and the tensor-core families are built for.
+FAMILY_K = (64, 128)
 
 
 def _flag(x):
@@ -77,6 +79,8 @@ class Kernel(NamedTuple):
 
 #: ``delta_rule_kv`` (COLS, RG): thread (lc, rg) holds the float4 of columns 4 lc .. 4 lc + 3 in rows rg, rg + RG, ...
 KV_TILINGS = ((64, 8), (64, 4), (32, 8), (32, 16), (16, 32))
+#: The same at K = 256: twice the row groups, so that a thread holds at most 16 float4 of state.
+KV256_TILINGS = ((64, 16), (32, 16), (16, 32))
 #: ``delta_rule_kv_chunked`` (COLS, RG): those whose state, column sums and staging fit the registers.
 KV_CHUNKED_TILINGS = ((64, 8), (32, 8))
 #: ``delta_rule_vk`` (R, NW) by K: NW warps, R state rows a lane.
@@ -86,7 +90,7 @@ VK_CHUNKED_ROWS, VK_CHUNKED_K = (64, 32), 128
 #: ``delta_rule_mma`` builds: (K, SLAB, tokens a pass).  The 128-column slab exists at K = 64 with
 #: 16-token passes only: the same 8-warp CTA as a 64-column slab at K = 128 (8-token chunks do not
 #: divide among its threads).
-MMA_BUILDS = tuple((K, slab, tokens) for K in SUPPORTED_K for slab in (64, 32) for tokens in (8, 16)) + ((64, 128, 16),)
+MMA_BUILDS = tuple((K, slab, tokens) for K in FAMILY_K for slab in (64, 32) for tokens in (8, 16)) + ((64, 128, 16),)
 
 
 def _mma_name(layout, slab, tokens):
@@ -97,7 +101,9 @@ def _all_tilings():
     out = []
     for K in SUPPORTED_K:
         out += [Tiling(f"kv{c}x{r}", "kv", K, "delta_rule_kv", "token_loop.cu", (c, r), c, c // 4 * r, 1, False)
-                for c, r in KV_TILINGS]
+                for c, r in (KV256_TILINGS if K == 256 else KV_TILINGS)]
+        if K not in FAMILY_K:
+            continue
         out += [Tiling(f"vk{r}x{w}", "vk", K, "delta_rule_vk", "token_loop.cu", (r, w), r * w * (128 // K), 32 * w, 1,
                        False) for r, w in VK_TILINGS[K]]
         out += [Tiling(f"kv{c}x{r}c4", "kv", K, "delta_rule_kv_chunked", "chunked.cu", (c, r), c, c // 4 * r, 4, True)

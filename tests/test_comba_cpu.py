@@ -96,7 +96,7 @@ def test_heads_not_divisible():
         comba_decode_step(args[0], q3[0], q3[1], args[3], q3[2], args[5], args[6])
 
 
-@pytest.mark.parametrize("K,V,match", [(96, 64, "K=96"), (256, 64, "K=256"), (64, 48, "V=48"), (64, 16, "V=16")])
+@pytest.mark.parametrize("K,V,match", [(96, 64, "K=96"), (512, 64, "K=512"), (64, 48, "V=48"), (64, 16, "V=16")])
 def test_unsupported_head_sizes(K, V, match):
     with pytest.raises(NotImplementedError, match=match):
         comba_decode_step(*_inputs(B=1, H=1, K=K, V=V))

@@ -367,3 +367,37 @@ def test_long_sequence_stays_accurate():
     S_ref, o_ref = reference.comba_loop(S, q, k, v, p, beta, g)
     assert reference.relative_error(S_new, S_ref) <= 1e-5
     assert reference.relative_error(o, o_ref) <= O_TOL[numpy.dtype(bfloat16)]
+
+
+@pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
+@pytest.mark.parametrize("V", [128, 96, 512])
+def test_head_size_256_on_every_kv_token_loop_variant(comba, V):
+    """K = 256 (flash-linear-attention's own default): decode steps and 5-token passes, GVA, l2norm, NaN-poisoned
+    outputs, every variant; and once through the serving options (pool, padding, gating, ragged, verify)."""
+    B, T, H, K = 5, 5, 4, 256
+    q, k, v, p, beta, g, S = forward_inputs(B, T, H, K, V, Hk=2, seed=V, dtype=bfloat16, normalize_keys=False, xp=cupy)
+    p = p if comba else None
+    opts = dict(use_qk_l2norm=True)
+    S_ref, o_ref = reference.comba_loop(S, q, k, v, k if p is None else p, beta, g, **opts)
+    step = [x[:, 0] if x is not None else None for x in (q, k, v, p, beta, g)]
+    S1_ref, o1_ref = reference.comba_step(S, *step[:3], step[1] if p is None else step[3], *step[4:], **opts)
+    for variant in families.variants("kv", K, V, multi=True):
+        o, S_new = _op(False, q, k, v, p, beta, g, S, out=_poisoned(o_ref.shape, bfloat16),
+                       state_out=_poisoned(S.shape, F32), variant=variant, **opts)
+        assert reference.relative_error(S_new, S_ref) <= 1e-6, variant
+        assert reference.relative_error(o, o_ref) <= O_TOL[numpy.dtype(bfloat16)], variant
+        S1, o1 = _op(True, *step, S, out=_poisoned(o1_ref.shape, bfloat16), state_out=_poisoned(S.shape, F32),
+                     variant=variant, **opts)
+        assert reference.relative_error(S1, S1_ref) <= 1e-6, variant
+        assert reference.relative_error(o1, o1_ref) <= O_TOL[numpy.dtype(bfloat16)], variant
+    # the serving options at K = 256: a pool with a padding row and gating, then a ragged verify-free pass
+    host = [None if x is None else cupy.asnumpy(x) for x in (q, k, v, p, beta, g)]
+    pool = numpy.random.default_rng(V).standard_normal((B + 2, H, K, V)).astype(F32) / 4
+    idx = numpy.array([6, -1, 0, 3, 2], numpy.int32)
+    gates = dict(A_log=numpy.zeros(H, F32), dt_bias=numpy.ones(H, F32), use_beta_sigmoid=True)
+    o_h, S_h = _op(False, *host, pool.copy(), state_indices=idx, **gates)
+    d_pool = cupy.asarray(pool)
+    o_d, S_d = _op(False, q, k, v, p, beta, g, d_pool, state_indices=cupy.asarray(idx),
+                   **{n: cupy.asarray(x) if isinstance(x, numpy.ndarray) else x for n, x in gates.items()})
+    assert S_d is d_pool and reference.relative_error(S_d, S_h) <= 1e-6
+    assert reference.relative_error(o_d, o_h) <= O_TOL[numpy.dtype(bfloat16)]
