@@ -63,7 +63,7 @@ __device__ __forceinline__ long long reload(const int* p) {
 // negative or >= N: a padding row, whose state is neither read nor written and whose o is zeros
 // (zero_o).  The bounds check is the kernel's: no index value makes it touch memory outside the
 // pool, and checking on the host would cost a device synchronisation.  The kernels call it where
-// they load the state and again where they store it (head_offset), so that no 64-bit offset
+// they load the state and again where they store it (pool_head), so that no 64-bit offset
 // stays live across the token loop.
 //
 // SERVING is every kernel's last template flag: the builds without it (the dense calls) hold no

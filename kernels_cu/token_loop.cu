@@ -43,6 +43,11 @@
 // not one per element); with MULTI the loads of token t+1 go out right after token t is staged
 // and are in flight while token t is computed.
 //
+// Serving builds (SERVING, params.cuh): a pool slot per row (a padding row zeroes its o and
+// returns), a ragged row's tokens, in-kernel gates, and for speculative verify the state after
+// every token stored as soon as it is formed (token_state) -- the token loop is the one family
+// that forms each token's state.
+//
 // Why this shape: ~16 float4 of state in flight per thread and many small independent CTAs per
 // SM, each in its own phase (loading, computing, storing), keep HBM busy in both directions; the
 // state uses plain loads and stores (common.cuh says why).
