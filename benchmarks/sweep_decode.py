@@ -32,7 +32,7 @@ def main():
         layout = "vk" if name.endswith("[vk]") else "kv"
         for shape in parse_shapes(args.shapes):
             B, H, K, V = shape
-            picked = tiling.choose(layout, K, V, name.startswith("comba"))
+            picked = tiling.choose(layout, K, V, name.startswith("comba"), heads=B * H)
             for variant in op.variants(shape):
                 case = op.prepare(shape, bfloat16, cupy, seed=1, variant=variant)
                 errors = case.check()

@@ -385,9 +385,6 @@ def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, ga
     for n in ("beta", "g"):
         _expect_shape(n, sigs[n].shape, tok + (H,), lead_text + "H)")
     check_head_sizes(K, V)
-    if not families.variants(state_layout, K, V, multi=True):
-        raise NotImplementedError(f"state_layout={state_layout!r} has no kernel for K={K}: at K={K} the state is "
-                                  "'kv' (state_layout='kv')")
     if T > INDEX_LIMIT:
         raise ValueError(f"T = {T} tokens is more than the kernels index ({INDEX_LIMIT}): split the sequence")
     for n in tokens:

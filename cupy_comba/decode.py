@@ -70,7 +70,7 @@ def comba_decode_step(state, q, k, v, p, beta, g, scale=None, *, state_indices=N
         NumPy arrays too, where the reference runs whatever it names.
 
     Activations (q, k, v, p, beta, g) may each be bfloat16, float16 or float32 and may be
-    strided views; K is 64, 128 or 256 (256: "kv" states), V a multiple of 32.
+    strided views; K is 64, 128 or 256, V a multiple of 32.
 
     Returns
     -------
@@ -88,7 +88,7 @@ def comba_decode_step(state, q, k, v, p, beta, g, scale=None, *, state_indices=N
         Shapes disagree, arrays are on different devices, an output overlaps an input or is
         read-only, a state is not C-contiguous, or ``scale`` is not finite in float32.
     NotImplementedError
-        K is not 64, 128 or 256 (or 256 with a "vk" state), or V is not a multiple of 32.
+        K is not 64, 128 or 256, or V is not a multiple of 32.
 
     Examples
     --------

@@ -10,8 +10,8 @@ variant                   kernel (``comba::``)        a CTA holds
 ========================  ==========================  ============================================
 ``kv{COLS}x{RG}``         ``delta_rule_kv``           COLS value columns of a "kv" state, RG row
                           (``token_loop.cu``)         groups; one token at a time
-``vk{R}x{NW}``            ``delta_rule_vk``           R x NW x (128 / K) rows of V of a "vk" state,
-                          (``token_loop.cu``)         NW warps; one token at a time
+``vk{R}x{NW}``            ``delta_rule_vk``           R x NW x max(1, 128 / K) rows of V of a "vk"
+                          (``token_loop.cu``)         state, NW warps; one token at a time
 ``kv{COLS}x{RG}c4``       ``delta_rule_kv_chunked``   as ``kv{COLS}x{RG}``, 4 tokens a pass over the
                           (``chunked.cu``)            state (T-token passes only)
 ``vk{ROWS}c4``            ``delta_rule_vk_chunked``   ROWS rows of V, 4 tokens a pass (K = 128,
@@ -36,9 +36,9 @@ serving options (``serving``: a state pool, in-kernel gating), compiled when a c
 
 from typing import NamedTuple
 
-#: Head sizes K: every family is built for the first two; K = 256 has the kv token loop only.
+#: Head sizes K: every family is built for the first two; K = 256 has the token loops only.
 SUPPORTED_K = (64, 128, 256)
-#: Head sizes the vk token loop, the chunked and the tensor-core families are built for.
+#: Head sizes the chunked and the tensor-core families are built for.
 FAMILY_K = (64, 128)
 
 
@@ -83,8 +83,9 @@ KV_TILINGS = ((64, 8), (64, 4), (32, 8), (32, 16), (16, 32))
 KV256_TILINGS = ((64, 16), (32, 16), (16, 32))
 #: ``delta_rule_kv_chunked`` (COLS, RG): those whose state, column sums and staging fit the registers.
 KV_CHUNKED_TILINGS = ((64, 8), (32, 8))
-#: ``delta_rule_vk`` (R, NW) by K: NW warps, R state rows a lane.
-VK_TILINGS = {64: ((8, 2), (16, 2)), 128: ((16, 2), (16, 4))}
+#: ``delta_rule_vk`` (R, NW) by K: NW warps, R state rows a lane (at K = 256 two float4 of a row each, so
+#: that a lane holds 16 float4 of state at every K).
+VK_TILINGS = {64: ((8, 2), (16, 2)), 128: ((16, 2), (16, 4)), 256: ((8, 2), (8, 4))}
 #: ``delta_rule_vk_chunked`` slabs (rows of V) and the one K it is built for (8 lanes of 16 keys a row).
 VK_CHUNKED_ROWS, VK_CHUNKED_K = (64, 32), 128
 #: ``delta_rule_mma`` builds: (K, SLAB, tokens a pass).  The 128-column slab exists at K = 64 with
@@ -102,10 +103,10 @@ def _all_tilings():
     for K in SUPPORTED_K:
         out += [Tiling(f"kv{c}x{r}", "kv", K, "delta_rule_kv", "token_loop.cu", (c, r), c, c // 4 * r, 1, False)
                 for c, r in (KV256_TILINGS if K == 256 else KV_TILINGS)]
+        out += [Tiling(f"vk{r}x{w}", "vk", K, "delta_rule_vk", "token_loop.cu", (r, w), r * w * max(1, 128 // K),
+                       32 * w, 1, False) for r, w in VK_TILINGS[K]]
         if K not in FAMILY_K:
             continue
-        out += [Tiling(f"vk{r}x{w}", "vk", K, "delta_rule_vk", "token_loop.cu", (r, w), r * w * (128 // K), 32 * w, 1,
-                       False) for r, w in VK_TILINGS[K]]
         out += [Tiling(f"kv{c}x{r}c4", "kv", K, "delta_rule_kv_chunked", "chunked.cu", (c, r), c, c // 4 * r, 4, True)
                 for c, r in KV_CHUNKED_TILINGS]
         if K == VK_CHUNKED_K:

@@ -76,12 +76,18 @@ def _tensor_cores(c):
 
 RULES = (
     Rule("K = 256: the kv token loop",
-         lambda c: c.K == 256,
+         lambda c: c.K == 256 and c.layout == "kv",
          lambda c: "kv64x16" if c.wide and (c.heads is None or c.heads > 1024) else "kv32x16",
-         "h200-decode-k256.json: at K = 256 only the kv token loop is built.  Over 7168 heads 64-column slabs "
-         "with 16 row groups (16 float4 of state a thread) run the decode step at 0.976 (Comba) / 0.980 of the "
-         "copy against 0.970 / 0.969 for 32-column ones; over 1024 / 128 heads 32-column ones lead (71.4 / 9.0 "
-         "against 74.7 / 9.1 us, Comba)."),
+         "h200-decode-k256.json: at K = 256 only the token loops are built.  Over 7168 heads 64-column slabs "
+         "with 16 row groups (16 float4 of state a thread) run the decode step at 0.972 (Comba) / 0.979 of the "
+         "copy against 0.968 / 0.965 for 32-column ones; over 1024 / 128 heads 32-column ones lead (71.0 / 8.9 "
+         "against 73.6 / 9.0 us, Comba)."),
+    Rule("K = 256: the vk token loop",
+         lambda c: c.K == 256,
+         lambda c: "vk8x4",
+         "h200-decode-k256.json: four warps of 8 rows a lane (two float4 of each) run the decode step at 0.976 "
+         "(Comba) / 0.977 of the copy over 7168 heads, level with two warps (0.976 / 0.975), and ahead over 1024 "
+         "and 128 heads (69.5 / 9.0 against 70.0 / 9.0 us, Comba; 8.8 against 9.1 us, Gated DeltaNet)."),
     Rule("vk chunked, K = 128",
          lambda c: c.multi and c.layout == "vk" and c.K == 128 and c.T in (
              (range(2, 5) if c.few else range(2, 8)) if c.wide else range(3, 5)),

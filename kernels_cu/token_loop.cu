@@ -31,11 +31,13 @@
 //   rows of COLS*4 contiguous bytes.  The partial column sums of the row groups of a warp meet by
 //   shuffles, those of the warps in shared memory behind one barrier; every thread adds them in
 //   the same order (so every row of a column applies the same u).
-// delta_rule_vk<K, R, NW, SEPARATE_P, MULTI> -- one CTA per (b, h, slab of ROWS = R*NW*(128/K) rows
-//   of V), NW warps.  LK = K/4 lanes hold one float4 each along a K-row (a warp-wide load covers
-//   128/K whole rows, 512 contiguous bytes); every lane owns R rows.  The per-row K-sums run as a
-//   transposing butterfly: the LK lanes of a row group reduce LK values (LK/2 rows x {S p, S q}) in
-//   LK-1 shuffles and each ends holding one finished sum.
+// delta_rule_vk<K, R, NW, SEPARATE_P, MULTI> -- one CTA per (b, h, slab of ROWS = R*NW*RPW rows of V),
+//   NW warps.  A K-row is spread over LK = min(K/4, 32) lanes, C = K/(4 LK) float4 a lane (C = 2 at
+//   K = 256: keys 4 kg .. 4 kg + 3 and 128 on), so a warp-wide load covers RPW = 32/LK whole rows in
+//   512-byte runs; every lane owns R rows.  The per-row K-sums run as a transposing butterfly: the BW
+//   = 2 HALF lanes of a butterfly reduce HALF rows x {S p, S q} in BW - 1 shuffles, each ending with
+//   one finished sum.  HALF = min(LK/2, R): at K <= 128 a butterfly spans a whole row group; at
+//   K = 256 (R = 8) it spans 16 lanes and one more shuffle adds the two halves of the row.
 //
 // Tokens: the CTA stages each token's q, k, p, its slab of v, beta and g in shared memory
 // (double-buffered by token parity, so one barrier per token suffices to publish them).  Every
@@ -257,8 +259,9 @@ delta_rule_vk(const float* state, float* state_out, const void* __restrict__ q, 
               const float* __restrict__ A_log, const float* __restrict__ dt_bias,
               const void* __restrict__ cu_seqlens, float* __restrict__ inter,
               const void* __restrict__ accepted, const Params prm, const float scale) {
-    constexpr int LK = K / 4, RPW = 32 / LK, HALF = LK / 2, ROWS = R * NW * RPW, NB = R / HALF, NT = NW * 32;
-    constexpr int E = TokenBits<K, NT, ROWS>::E;
+    constexpr int C = K > 128 ? K / 128 : 1, LK = K / 4 / C, RPW = 32 / LK;
+    constexpr int HALF = LK / 2 < R ? LK / 2 : R, BW = 2 * HALF, NB = R / HALF;
+    constexpr int ROWS = R * NW * RPW, NT = NW * 32, E = TokenBits<K, NT, ROWS>::E;
     static_assert(R % HALF == 0, "bad vk tiling: a lane's rows must fill whole butterflies");
     __shared__ VkStage<K, ROWS, SEPARATE_P> stage[2];
 
@@ -280,21 +283,28 @@ delta_rule_vk(const float* state, float* state_out, const void* __restrict__ q, 
     const HeadGating gating = head_gating<SERVING>(A_log, dt_bias, h);
     // Row i of this lane within the slab; the RPW row groups of a warp read consecutive rows.
     auto local = [&](int i) { return (i * NW + warp) * RPW + hg; };
+    // The lane's float4 c of row i in a slab whose lane-kg part starts at `rows` (+ 4 kg): 4 LK c further.
+    auto at = [&](auto* rows, int i, int c) { return rows + local(i) * K + c * LK * 4; };
 
     // 1. Every state load of the lane before anything else.
-    float4 s[R];
+    float4 s[R][C];
     if (!MULTI || prm.has_initial) {
         const float* src = state + head + slab0 * K + kg * 4;
 #pragma unroll
-        for (int i = 0; i < R; ++i) s[i] = load_state(src + local(i) * K);
+        for (int i = 0; i < R; ++i)
+#pragma unroll
+            for (int c = 0; c < C; ++c) s[i][c] = load_state(at(src, i, c));
     } else {
 #pragma unroll
-        for (int i = 0; i < R; ++i) s[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int i = 0; i < R; ++i)
+#pragma unroll
+            for (int c = 0; c < C; ++c) s[i][c] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
 
     TokenBits<K, NT, ROWS> x;
     if (T > 0) issue_token<K, NT, ROWS, SEPARATE_P>(x, q, k, v, p, beta, g, prm, tid, b, h, hk, slab0, 0);
-    const bool p_lane = kg < HALF;  // ends a butterfly with S p of row n*HALF + kg, else S q of row n*HALF + kg - HALF
+    // A p lane ends a butterfly with S p of row n*HALF + kg % HALF, a q lane with S q of that row.
+    const bool p_lane = (BW == LK ? kg : kg % BW) < HALF;
     for (int t = 0; t < T; ++t) {
         VkStage<K, ROWS, SEPARATE_P>& st = stage[t & 1];
         // 2. Stage token t, then put token t+1 in flight.
@@ -313,51 +323,76 @@ delta_rule_vk(const float* state, float* state_out, const void* __restrict__ q, 
             issue_token<K, NT, ROWS, SEPARATE_P>(x, q, k, v, p, beta, g, prm, tid, b, h, hk, slab0, t + 1);
         __syncthreads();
 
-        const float4 cq = st.q[kg], ck = st.k[kg], cp = SEPARATE_P ? st.p[kg] : ck;
+        float4 cq[C], ck[C], cp[C];
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+            cq[c] = st.q[kg + c * LK];
+            ck[c] = st.k[kg + c * LK];
+            cp[c] = SEPARATE_P ? st.p[kg + c * LK] : ck[c];
+        }
+        // The lane's part of a dot product along the row, then the sum over the row's LK lanes.
+        auto row_dot = [&](const float4 (&a)[C], const float4 (&z)[C]) {
+            float d = dot4(a[0], z[0]);
+#pragma unroll
+            for (int c = 1; c < C; ++c) d += dot4(a[c], z[c]);
+            return lane_sum(d, 1, LK / 2);
+        };
         const float bt = st.gates[0], e = st.gates[1];
         float fq = 1.f, fk = 1.f, fp = 1.f;
         if (prm.l2norm) {
-            fq = rsqrtf(lane_sum(dot4(cq, cq), 1, HALF) + kL2NormEps);
-            fk = rsqrtf(lane_sum(dot4(ck, ck), 1, HALF) + kL2NormEps);
-            fp = SEPARATE_P ? rsqrtf(lane_sum(dot4(cp, cp), 1, HALF) + kL2NormEps) : fk;
+            fq = rsqrtf(row_dot(cq, cq) + kL2NormEps);
+            fk = rsqrtf(row_dot(ck, ck) + kL2NormEps);
+            fp = SEPARATE_P ? rsqrtf(row_dot(cp, cp) + kL2NormEps) : fk;
         }
-        const float qk = lane_sum(dot4(cq, ck), 1, HALF) * fq * fk;
+        const float qk = row_dot(cq, ck) * fq * fk;
 
-        // 3. Row sums by butterflies of LK values: HALF rows x {S p, S q} per butterfly.
+        // 3. Row sums by butterflies of BW values: HALF rows x {S p, S q} per butterfly.
         const long long ob = b * prm.o_sb + t * prm.o_st + h * prm.o_sh;
         float ub[NB];  // u of row n*HALF + kg % HALF
 #pragma unroll
         for (int n = 0; n < NB; ++n) {
-            float y[LK];
+            float y[BW];
 #pragma unroll
             for (int j = 0; j < HALF; ++j) {
-                y[j] = dot4(cp, s[n * HALF + j]);
-                y[HALF + j] = dot4(cq, s[n * HALF + j]);
+                y[j] = dot4(cp[0], s[n * HALF + j][0]);
+                y[HALF + j] = dot4(cq[0], s[n * HALF + j][0]);
+#pragma unroll
+                for (int c = 1; c < C; ++c) {
+                    y[j] += dot4(cp[c], s[n * HALF + j][c]);
+                    y[HALF + j] += dot4(cq[c], s[n * HALF + j][c]);
+                }
             }
             butterfly<HALF>(y, kg);
+            if constexpr (BW < LK) y[0] = lane_sum(y[0], BW, LK / 2);  // the row's other lanes
             const float sum = y[0] * (p_lane ? fp : fq);
             const float u = bt * (st.v[local(n * HALF + kg % HALF)] - e * sum);  // valid on the p lanes
             const float u_pair = __shfl_xor_sync(0xffffffffu, u, HALF);             // the q lanes get their row's u
-            if (!p_lane)
-                store_act(o, ob + (slab0 + local(n * HALF + kg - HALF)) * prm.o_sv, prm.o_t,
+            if (!p_lane && (BW == LK || kg < BW))
+                store_act(o, ob + (slab0 + local(n * HALF + (BW == LK ? kg : kg % BW) - HALF)) * prm.o_sv, prm.o_t,
                           scale * fmaf(e, sum, qk * u_pair));
             ub[n] = p_lane ? u : u_pair;
         }
 
         // 4. Rank-1 write with the decay folded in, in registers.
-        const float4 kn = make_float4(ck.x * fk, ck.y * fk, ck.z * fk, ck.w * fk);
+        float4 kn[C];
+#pragma unroll
+        for (int c = 0; c < C; ++c) kn[c] = make_float4(ck[c].x * fk, ck[c].y * fk, ck[c].z * fk, ck[c].w * fk);
 #pragma unroll
         for (int i = 0; i < R; ++i) {
             const float ui = __shfl_sync(0xffffffffu, ub[i / HALF], hg * LK + i % HALF);
-            s[i] = make_float4(fmaf(e, s[i].x, kn.x * ui), fmaf(e, s[i].y, kn.y * ui), fmaf(e, s[i].z, kn.z * ui),
-                               fmaf(e, s[i].w, kn.w * ui));
+#pragma unroll
+            for (int c = 0; c < C; ++c)
+                s[i][c] = make_float4(fmaf(e, s[i][c].x, kn[c].x * ui), fmaf(e, s[i][c].y, kn[c].y * ui),
+                                      fmaf(e, s[i][c].z, kn[c].z * ui), fmaf(e, s[i][c].w, kn[c].w * ui));
         }
         if constexpr (SERVING && MULTI) {  // speculative verify: every token's state
             if (prm.per_token) {
                 if (float* dst = token_state<K>(inter, state_out, slots, prm, b, h, t)) {
                     dst += slab0 * K + kg * 4;
 #pragma unroll
-                    for (int i = 0; i < R; ++i) store_state(dst + local(i) * K, s[i]);
+                    for (int i = 0; i < R; ++i)
+#pragma unroll
+                        for (int c = 0; c < C; ++c) store_state(at(dst, i, c), s[i][c]);
                 }
             }
         }
@@ -367,7 +402,9 @@ delta_rule_vk(const float* state, float* state_out, const void* __restrict__ q, 
     if (!MULTI || prm.write_final) {
         float* dst = state_out + (SERVING ? pool_head<K>(slots, prm, b, h) : head) + slab0 * K + kg * 4;
 #pragma unroll
-        for (int i = 0; i < R; ++i) store_state(dst + local(i) * K, s[i]);
+        for (int i = 0; i < R; ++i)
+#pragma unroll
+            for (int c = 0; c < C; ++c) store_state(at(dst, i, c), s[i][c]);
     }
 }
 

@@ -15,7 +15,7 @@ HOSTILE_CU = numpy.array([-2 ** 40, 3, 1, 9, 2 ** 62, 4, 4, -1, 2 ** 31 - 1], nu
 def main():
     launches = 0
     for layout in ("kv", "vk"):
-        for K, V in ((64, 64), (128, 128)):
+        for K, V in ((64, 64), (128, 128), (256, 64)):
             q, k, v, p, beta, g, _ = forward_inputs(8, 9, 2, K, V, xp=cupy, state_layout=layout, warm_steps=0)
             shape = (3, 2, K, V) if layout == "kv" else (3, 2, V, K)
             A_log, dt_bias = cupy.zeros(2, cupy.float32), cupy.ones(2, cupy.float32)

@@ -369,35 +369,70 @@ def test_long_sequence_stays_accurate():
     assert reference.relative_error(o, o_ref) <= O_TOL[numpy.dtype(bfloat16)]
 
 
+@pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
 @pytest.mark.parametrize("V", [128, 96, 512])
-def test_head_size_256_on_every_kv_token_loop_variant(comba, V):
-    """K = 256 (flash-linear-attention's own default): decode steps and 5-token passes, GVA, l2norm, NaN-poisoned
-    outputs, every variant; and once through the serving options (pool, padding, gating, ragged, verify)."""
+def test_head_size_256_on_every_token_loop_variant(layout, comba, V):
+    """K = 256 (flash-linear-attention's own default), both layouts: decode steps and 5-token passes, GVA, l2norm,
+    NaN-poisoned outputs, every variant; then the serving options against the NumPy path: a pool with a padding
+    row and gating (decode step and forward), a ragged batch with an empty sequence, a verify pass."""
     B, T, H, K = 5, 5, 4, 256
     q, k, v, p, beta, g, S = forward_inputs(B, T, H, K, V, Hk=2, seed=V, dtype=bfloat16, normalize_keys=False, xp=cupy)
     p = p if comba else None
-    opts = dict(use_qk_l2norm=True)
-    S_ref, o_ref = reference.comba_loop(S, q, k, v, k if p is None else p, beta, g, **opts)
+    opts = dict(use_qk_l2norm=True, state_layout=layout)
+    stored = (lambda x: x.swapaxes(-1, -2)) if layout == "vk" else (lambda x: x)  # a kv state as `layout` holds it
+    S_in = cupy.ascontiguousarray(stored(S))
+    S_ref, o_ref = reference.comba_loop(S, q, k, v, k if p is None else p, beta, g, use_qk_l2norm=True)
     step = [x[:, 0] if x is not None else None for x in (q, k, v, p, beta, g)]
-    S1_ref, o1_ref = reference.comba_step(S, *step[:3], step[1] if p is None else step[3], *step[4:], **opts)
-    for variant in families.variants("kv", K, V, multi=True):
-        o, S_new = _op(False, q, k, v, p, beta, g, S, out=_poisoned(o_ref.shape, bfloat16),
-                       state_out=_poisoned(S.shape, F32), variant=variant, **opts)
-        assert reference.relative_error(S_new, S_ref) <= 1e-6, variant
+    S1_ref, o1_ref = reference.comba_step(S, *step[:3], step[1] if p is None else step[3], *step[4:],
+                                          use_qk_l2norm=True)
+    variants = families.variants(layout, K, V, multi=True)
+    assert len(variants) >= 2
+    for variant in variants:
+        o, S_new = _op(False, q, k, v, p, beta, g, S_in, out=_poisoned(o_ref.shape, bfloat16),
+                       state_out=_poisoned(S_in.shape, F32), variant=variant, **opts)
+        assert reference.relative_error(stored(S_new), S_ref) <= 1e-6, variant
         assert reference.relative_error(o, o_ref) <= O_TOL[numpy.dtype(bfloat16)], variant
-        S1, o1 = _op(True, *step, S, out=_poisoned(o1_ref.shape, bfloat16), state_out=_poisoned(S.shape, F32),
+        S1, o1 = _op(True, *step, S_in, out=_poisoned(o1_ref.shape, bfloat16), state_out=_poisoned(S_in.shape, F32),
                      variant=variant, **opts)
-        assert reference.relative_error(S1, S1_ref) <= 1e-6, variant
+        assert reference.relative_error(stored(S1), S1_ref) <= 1e-6, variant
         assert reference.relative_error(o1, o1_ref) <= O_TOL[numpy.dtype(bfloat16)], variant
-    # the serving options at K = 256: a pool with a padding row and gating, then a ragged verify-free pass
-    host = [None if x is None else cupy.asnumpy(x) for x in (q, k, v, p, beta, g)]
-    pool = numpy.random.default_rng(V).standard_normal((B + 2, H, K, V)).astype(F32) / 4
+
+    def both(step, acts, state, **serving):
+        """The op on the NumPy path and on the GPU (a fresh device copy of every array); the GPU's outputs."""
+        dev = [None if x is None else cupy.asarray(x) for x in (*acts, state)]
+        dev_serving = {n: cupy.asarray(x) if isinstance(x, numpy.ndarray) else x for n, x in serving.items()}
+        host = _op(step, *[None if x is None else cupy.asnumpy(x) for x in acts], state.copy(), **opts, **serving)
+        gpu = _op(step, *dev, **opts, **dev_serving)
+        for h, d in zip(host, gpu):
+            assert (h is None) == (d is None)
+            if d is not None:
+                assert reference.relative_error(d, h) <= (1e-6 if d.dtype == F32 else O_TOL[numpy.dtype(bfloat16)])
+        return gpu, dev[-1], dev_serving
+
+    rng = numpy.random.default_rng(V)
+    pool = stored(rng.standard_normal((B + 2, H, K, V)).astype(F32) / 4).copy()
     idx = numpy.array([6, -1, 0, 3, 2], numpy.int32)
-    gates = dict(A_log=numpy.zeros(H, F32), dt_bias=numpy.ones(H, F32), use_beta_sigmoid=True)
-    o_h, S_h = _op(False, *host, pool.copy(), state_indices=idx, **gates)
-    d_pool = cupy.asarray(pool)
-    o_d, S_d = _op(False, q, k, v, p, beta, g, d_pool, state_indices=cupy.asarray(idx),
-                   **{n: cupy.asarray(x) if isinstance(x, numpy.ndarray) else x for n, x in gates.items()})
-    assert S_d is d_pool and reference.relative_error(S_d, S_h) <= 1e-6
-    assert reference.relative_error(o_d, o_h) <= O_TOL[numpy.dtype(bfloat16)]
+    gates = dict(A_log=rng.standard_normal(H).astype(F32) / 2, dt_bias=rng.standard_normal(H).astype(F32),
+                 use_beta_sigmoid=True)
+    (S_d, o_d), d_pool, _ = both(True, step, pool, state_indices=idx, **gates)
+    assert S_d is d_pool and not cupy.asnumpy(o_d[1]).any()
+    (o_d, S_d), d_pool, _ = both(False, (q, k, v, p, beta, g), pool, state_indices=idx, output_final_state=True,
+                                 **gates)
+    assert S_d is d_pool and cupy.array_equal(S_d[[1, 4, 5]], cupy.asarray(pool[[1, 4, 5]]))
+    # ragged: sequences of 0, 7, 1, 12 and 5 tokens in one packed batch, each from and back into its slot
+    lens = numpy.array([0, 7, 1, 12, 5])
+    packed = forward_inputs(1, int(lens.sum()), H, K, V, Hk=2, seed=V + 1, dtype=bfloat16, normalize_keys=False,
+                            xp=cupy)[:6]
+    packed = packed if comba else (*packed[:3], None, *packed[4:])
+    cu = numpy.concatenate([[0], numpy.cumsum(lens)]).astype(numpy.int64)
+    (o_d, S_d), d_pool, _ = both(False, packed, pool, state_indices=idx, cu_seqlens=cu, output_final_state=True)
+    assert S_d is d_pool
+    # verify: the state after every token, the pool left as it was
+    inter = numpy.full((B, T) + pool.shape[1:], numpy.nan, F32)
+    _, d_pool, dev = both(False, (q, k, v, p, beta, g), pool, state_indices=idx, intermediate_states=inter,
+                          output_final_state=False)
+    assert cupy.array_equal(d_pool, cupy.asarray(pool))
+    live = [0, 2, 3, 4]  # row 1 is padding: its part of the buffer is left as it was
+    assert reference.relative_error(dev["intermediate_states"][live], inter[live]) <= 1e-6
+    assert cupy.isnan(dev["intermediate_states"][1]).all()
