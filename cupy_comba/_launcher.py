@@ -36,18 +36,15 @@ from ._validate import INDEX_CODES
 #: A_log, dt_bias, cu_seqlens, intermediate_states, num_accepted_tokens.
 N_POINTERS = 15
 
-#: Field order of ``struct Params`` (kernels_cu/params.cuh); every field is int64.
+#: Field order of ``struct Params`` (kernels_cu/params.cuh); every field is int64.  The fields a dense
+#: call reads come first.
 PARAMS_FIELDS = (
-    "B", "T", "H", "group", "V",
-    "q_sb", "q_st", "q_sh", "q_sk",
-    "k_sb", "k_st", "k_sh", "k_sk",
-    "p_sb", "p_st", "p_sh", "p_sk",
-    "v_sb", "v_st", "v_sh", "v_sv",
-    "beta_sb", "beta_st", "beta_sh",
-    "g_sb", "g_st", "g_sh",
-    "o_sb", "o_st", "o_sh", "o_sv",
+    "H", "group", "V",
+    "q_sb", "q_sh", "q_sk", "k_sb", "k_sh", "k_sk", "p_sb", "p_sh", "p_sk",
+    "v_sb", "v_sh", "v_sv", "beta_sb", "beta_sh", "g_sb", "g_sh", "o_sb", "o_sh", "o_sv",
     "q_t", "k_t", "p_t", "v_t", "beta_t", "g_t", "o_t",
-    "gate_linear", "l2norm", "has_initial", "write_final",
+    "gate_linear", "l2norm",
+    "B", "T", "q_st", "k_st", "p_st", "v_st", "beta_st", "g_st", "o_st", "has_initial", "write_final",
     "N", "slot_t", "slot_s", "cu_t", "per_token", "slot_st", "na_t", "gate_softplus", "beta_sigmoid",
 )
 PARAMS = numpy.dtype([(name, numpy.int64) for name in PARAMS_FIELDS], align=True)

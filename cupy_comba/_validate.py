@@ -226,6 +226,12 @@ def _check_output(name, a, sig, shape, meaning):
 INDEX_LIMIT = 2 ** 31 - 1
 
 
+def _check_strides(name, s):
+    """The kernels take strides in elements: each must be a whole number of them."""
+    if any(st % s.itemsize for st in s.strides):
+        raise ValueError(f"{name} has strides {s.strides} that are not a multiple of its itemsize")
+
+
 def check_head_sizes(K, V):
     if K not in families.SUPPORTED_K:
         raise NotImplementedError(f"head size K={K} is not supported: supported K are {families.SUPPORTED_K}")
@@ -253,8 +259,7 @@ def _check_pool(sigs, B, N, T=None):
         _expect_shape("state_indices", idx.shape, (B,), "(B,): one pool slot a batch row,")
     else:
         _expect_shape("state_indices", idx.shape, (B, T), "(B, T): a pool slot for the state after each token,")
-    if any(st % idx.itemsize for st in idx.strides):
-        raise ValueError(f"state_indices has strides {idx.strides} that are not a multiple of its itemsize")
+    _check_strides("state_indices", idx)
     if N >= 2 ** 31:
         raise ValueError(f"the pool holds {N} states; at most 2**31 - 1 are addressed")
 
@@ -267,8 +272,7 @@ def _check_ragged(sigs, tokens):
         raise TypeError(f"cu_seqlens must be int32 or int64, got {_describe(cu.dtype)}")
     if len(cu.shape) != 1 or cu.shape[0] < 2:
         raise ValueError(f"cu_seqlens must have shape (N + 1,) with N >= 1 sequences, got {cu.shape}")
-    if any(st % cu.itemsize for st in cu.strides):
-        raise ValueError(f"cu_seqlens has strides {cu.strides} that are not a multiple of its itemsize")
+    _check_strides("cu_seqlens", cu)
     for n in tokens:
         if sigs[n].shape[0] != 1:
             raise ValueError(f"with cu_seqlens the sequences are packed along T: {n} must have shape (1, total_T, ...), "
@@ -300,9 +304,7 @@ def _check_verify(sigs, step, ragged, write_final, B, T, state_shape):
             if accepted.dtype not in INDEX_CODES:
                 raise TypeError(f"num_accepted_tokens must be int32 or int64, got {_describe(accepted.dtype)}")
             _expect_shape("num_accepted_tokens", accepted.shape, (B,), "(B,)")
-            if any(st % accepted.itemsize for st in accepted.strides):
-                raise ValueError(f"num_accepted_tokens has strides {accepted.strides} that are not a multiple of "
-                                 "its itemsize")
+            _check_strides("num_accepted_tokens", accepted)
         return 2
     shape = (B, T) + state_shape[1:]
     _check_state("intermediate_states", inter, shape, "(B, T) + the state's head shape")
@@ -391,8 +393,7 @@ def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, ga
         s = sigs[n]
         if s.dtype not in ACTIVATION_CODES:
             raise TypeError(f"{n} must be {ACTIVATION_NAMES}, got {_describe(s.dtype)}")
-        if any(st % s.itemsize for st in s.strides):
-            raise ValueError(f"{n} has strides {s.strides} that are not a multiple of its itemsize")
+        _check_strides(n, s)
     state_shape = (N, H, K, V) if state_layout == "kv" else (N, H, V, K)
     if sigs["state"] is not None:
         _check_state(state_name, sigs["state"], state_shape, f"{state_meaning} for state_layout={state_layout!r}")
@@ -411,6 +412,7 @@ def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, ga
     if sigs["out"] is not None:
         out = sigs["out"]
         _check_output("out", arrays["out"], out, o_shape, lead_text + "H, V)")
+        _check_strides("out", out)
         if out.dtype not in ACTIVATION_CODES:
             raise TypeError(f"out must be {ACTIVATION_NAMES}, got {_describe(out.dtype)}")
         if o_dtype is not None and o_dtype != out.dtype:

@@ -20,22 +20,23 @@
 
 namespace comba {
 
+// The fields a dense call reads come first, together: a kernel's first use of each 64-byte line of its
+// parameters waits for that line, and over a few heads a decode step is a chain of such latencies
+// (docs/design.md).
 struct Params {
-    long long B, T, H, group, V;              // group = H / Hk: value heads per key head
-    long long q_sb, q_st, q_sh, q_sk;
-    long long k_sb, k_st, k_sh, k_sk;
-    long long p_sb, p_st, p_sh, p_sk;
-    long long v_sb, v_st, v_sh, v_sv;
-    long long beta_sb, beta_st, beta_sh;
-    long long g_sb, g_st, g_sh;
-    long long o_sb, o_st, o_sh, o_sv;
-    long long q_t, k_t, p_t, v_t, beta_t, g_t, o_t;   // dtype codes (common.cuh)
-    long long gate_linear, l2norm, has_initial, write_final;
-    long long N, slot_t, slot_s;              // pool slots; slot_t: 0 no pool, 1 int32, 2 int64 indices
-    long long cu_t;                           // cu_seqlens: 0 none (a dense batch), 1 int32, 2 int64
-    long long per_token, slot_st, na_t;       // verify: 1 intermediate_states, 2 a slot per token (slots[b, t],
-                                              // T stride slot_st; num_accepted_tokens of dtype na_t, 0 none)
-    long long gate_softplus, beta_sigmoid;    // in-kernel gating (gate_of, beta_of)
+    long long H, group, V;              // group = H / Hk: value heads per key head
+    long long q_sb, q_sh, q_sk, k_sb, k_sh, k_sk, p_sb, p_sh, p_sk;
+    long long v_sb, v_sh, v_sv, beta_sb, beta_sh, g_sb, g_sh, o_sb, o_sh, o_sv;
+    long long q_t, k_t, p_t, v_t, beta_t, g_t, o_t;  // dtype codes (common.cuh)
+    long long gate_linear, l2norm;
+    // T-token passes: the token axis
+    long long B, T, q_st, k_st, p_st, v_st, beta_st, g_st, o_st, has_initial, write_final;
+    // the serving options
+    long long N, slot_t, slot_s;        // pool slots; slot_t: 0 no pool, 1 int32, 2 int64 indices
+    long long cu_t;                     // cu_seqlens: 0 none (a dense batch), 1 int32, 2 int64
+    long long per_token, slot_st, na_t; // verify: 1 intermediate_states, 2 a slot per token (slots[b, t],
+                                        // T stride slot_st; num_accepted_tokens of dtype na_t, 0 none)
+    long long gate_softplus, beta_sigmoid;  // in-kernel gating (gate_of, beta_of)
 };
 
 constexpr float kL2NormEps = 1e-6f;

@@ -156,6 +156,25 @@ def test_interleaved_output_is_refused_with_the_rule():
         comba_decode_step(*args, out=out)
 
 
+@pytest.mark.parametrize("name", ["v", "out"])
+def test_strides_of_part_elements_are_refused(name):
+    """A stride that is not a whole number of elements cannot be handed to a kernel (which takes element
+    strides): refused for an input and for out alike, before anything is written."""
+    args = _step_args()
+    raw = numpy.zeros(3 * 4 * 64 * 4 + 64, numpy.uint8)
+    odd = numpy.ndarray((3, 4, 64), F32, buffer=raw, offset=2, strides=(4 * 64 * 4 + 2, 64 * 4, 4))
+    if name == "v":
+        odd[...] = args[3]
+        args[3], out = odd, None
+    else:
+        odd[...] = numpy.nan
+        out = odd
+    before = odd.copy()
+    with pytest.raises(ValueError, match=f"{name} has strides .* not a multiple of its itemsize"):
+        comba_decode_step(*args, out=out)
+    assert numpy.array_equal(odd, before, equal_nan=True)
+
+
 # -- the same on the GPU's fast path ---------------------------------------------------------------
 
 @pytest.mark.gpu
