@@ -6,7 +6,9 @@
 Per shape and layout, Comba decode steps (in place: the state read once and written once):
 ``dense`` the batch's own states; ``pool`` through ``state_indices`` -- a random permutation of
 slots of a pool twice the batch; ``half padding`` the same with every other row a padding row;
-``gating`` the pool with ``A_log``/``dt_bias``/``use_beta_sigmoid``.  Forward passes likewise
+``gating`` the pool with ``A_log``/``dt_bias``/``use_beta_sigmoid``; and ``copy through the pool``,
+an in-place copy of the same slots' states (the state bytes of the pooled step, in the same order):
+the roofline of that access pattern; ``copy, dense slots`` the same kernel over the dense states.  Forward passes likewise
 (dense, pool, pool + gating), and ``ragged``: the same tokens packed as B sequences of T with
 ``cu_seqlens``.  Speculative verify writing every token's state, in both conventions.  ``of
 copy`` is the bytes each call must move (states read and written, activations, o) over its time,
@@ -21,6 +23,30 @@ import numpy
 
 from cupy_comba import bfloat16, comba_decode_step, comba_forward
 from cupy_comba.bench import environment, measure_copy, parse_shapes, time_graph
+
+
+#: Each CTA copies 4096 floats of one batch row's pool slot onto themselves: 4 float4 a thread, every
+#: load before any store, plain accesses (as the decode kernels' state).
+_POOL_COPY = r"""
+extern "C" __global__ void pool_copy(float* pool, const int* slots, long long row_floats) {
+    float4* at = reinterpret_cast<float4*>(pool + slots[blockIdx.y] * row_floats + blockIdx.x * 4096LL) + threadIdx.x;
+    float4 x[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[i] = at[i * 256];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(at + i * 256), "f"(x[i].x), "f"(x[i].y),
+                     "f"(x[i].z), "f"(x[i].w));
+}
+"""
+
+
+def _pool_copy(pool, slots):
+    """A call that copies the pool slots `slots` name onto themselves."""
+    kernel = cupy.RawKernel(_POOL_COPY, "pool_copy")
+    row = pool[0].size
+    assert row % 4096 == 0, "the pooled copy takes a multiple of 4096 floats a slot"
+    return lambda: kernel((row // 4096, slots.size), (256,), (pool, slots, numpy.int64(row)))
 
 
 def _acts(rng, lead, H, K, V):
@@ -62,7 +88,11 @@ def decode(shape, layout, copy_gbps):
         ("decode pool + gating",
          lambda: comba_decode_step(pool, q, k, v, p, beta, g, state_indices=slots, **opts, **gates), B),
     ]
-    return [_row(kind, layout, shape, time_graph(fn), rows * per_row + act, copy_gbps) for kind, fn, rows in cases]
+    rows = [_row(kind, layout, shape, time_graph(fn), rows * per_row + act, copy_gbps) for kind, fn, rows in cases]
+    identity = cupy.arange(B, dtype=cupy.int32)  # the same copy over the batch's own states, in order
+    return rows + [_row(kind, layout, shape, time_graph(_pool_copy(where, idx)), B * per_row, copy_gbps)
+                   for kind, where, idx in (("copy through the pool", pool, slots),
+                                            ("copy, dense slots", state, identity))]
 
 
 def forward(shape, layout, copy_gbps):

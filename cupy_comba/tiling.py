@@ -130,9 +130,9 @@ RULES = (
                     and c.heads <= 64),
          lambda c: "kv16x32" if c.heads <= 16 and not c.separate_p else "kv32x16",
          "h200-decode-tiny.json: Gated DeltaNet on 16-column slabs (32 row groups, 4 float4 of state a thread) "
-         "over 1-16 heads in 2.74-2.98 against 3.09-3.36 us for kv64x8, on 32-column ones over 32 / 64 heads in "
-         "3.26 / 3.94 against 3.50 / 4.08 us; Comba on 32-column slabs over 1-64 heads in 2.84-4.02 against "
-         "3.08-4.17 us.  Over 128 heads kv64x8 leads (Comba 5.50 us; 5.55 on kv32x16, 6.79 on kv16x32)."),
+         "over 1-16 heads in 2.72-2.93 against 3.05-3.34 us for kv64x8, on 32-column ones over 32 / 64 heads in "
+         "3.22 / 3.95 against 3.47 / 4.04 us; Comba on 32-column slabs over 1-64 heads in 2.78-3.89 against "
+         "3.01-4.03 us.  Over 128 heads kv64x8 leads (Comba 5.40 us; 5.42 on kv32x16, 6.73 on kv16x32)."),
     Rule("kv token loop",
          lambda c: c.layout == "kv",
          lambda c: "kv32x8" if not c.wide else "kv64x8" if c.K == 128 and not c.multi else "kv64x4",
