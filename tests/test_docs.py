@@ -31,3 +31,10 @@ def test_page_examples(page):
     path = Path(__file__).resolve().parents[1] / "docs" / page
     result = doctest.testfile(str(path), module_relative=False, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_integrations_page_cpu_blocks():
+    import snippets
+
+    assert snippets.run("integrations.md") >= 1
+

@@ -202,3 +202,13 @@ def test_pool_errors():
 def test_docstring_examples():
     result = doctest.testmod(ct, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_integrations_page_gpu_blocks():
+    """Every ``python gpu`` block of docs/integrations.md, in order (torch, JAX and transformers)."""
+    pytest.importorskip("jax")
+    pytest.importorskip("transformers.models.qwen3_next")
+    import snippets
+
+    assert snippets.run("integrations.md", "gpu") >= 5
+
