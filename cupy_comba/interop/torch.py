@@ -7,8 +7,8 @@ model written against ``fla.ops`` switches by changing its import::
 
 What every call does:
 
-- **Zero copies.** q, k, v, p, g, beta, the state and the index arrays reach the kernels through
-  DLPack as they are (strided views and bf16 included); ``o`` and the final state are allocated by
+- **Zero copies.** q, k, v, p, g, beta, the state and the index arrays reach the kernels as they
+  are (CuPy views of the tensors' memory; strided views and bf16 included); ``o`` and the final state are allocated by
   torch, on the tensors' device, and written by the kernel.  The one copy: a dense
   ``initial_state`` that is not float32 is converted (the kernels keep float32 states).
 - **torch's stream.** The kernel runs on the current torch stream of the tensors' device, ordered
@@ -36,7 +36,10 @@ bounds).
 
 from contextlib import contextmanager
 
+import numpy
+
 from .._backend import cupy
+from .._dtypes import bfloat16
 from . import _fla
 
 __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_comba", "fused_recurrent_comba"]
@@ -66,7 +69,9 @@ class _Frame:
     MAX_STREAMS = 64
 
     def __init__(self):
-        self.torch = _torch()
+        self.torch = torch = _torch()
+        self.dtypes = {torch.float32: numpy.float32, torch.float16: numpy.float16, torch.bfloat16: bfloat16,
+                       torch.int32: numpy.int32, torch.int64: numpy.int64}
 
     def device(self, q, k, v):
         for n, x in (("q", q), ("k", k), ("v", v)):
@@ -108,7 +113,15 @@ class _Frame:
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.device != device:
             raise ValueError(f"{name} is on {x.device}, q on {device}: every tensor must be on q's device")
-        return cupy.from_dlpack(x.detach())  # the same memory; torch's stream is CuPy's current one
+        dtype = self.dtypes.get(x.dtype)
+        if dtype is None:  # not a dtype the kernels take: DLPack carries it, and the op names what it expects
+            return cupy.from_dlpack(x.detach())
+        # The same memory, viewed from the tensor's pointer, shape and strides: torch's __dlpack__ costs about
+        # 30 us of host time a tensor, and the kernel is ordered with torch's work by running on its stream.
+        itemsize, shape, strides = x.element_size(), tuple(x.shape), x.stride()
+        extent = 0 if x.numel() == 0 else (1 + sum((n - 1) * st for n, st in zip(shape, strides))) * itemsize
+        memory = cupy.cuda.UnownedMemory(x.data_ptr(), extent, x, device.index)
+        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0), tuple(st * itemsize for st in strides))
 
     def results(self, o, final_state):
         return o, final_state
