@@ -124,3 +124,42 @@ def test_the_adapters_import_no_framework():
             "print(sorted(m for m in ('torch', 'jax', 'transformers') if m in sys.modules))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert run.stdout.strip() == "[]"
+
+
+def test_the_public_signatures_run_on_any_frame(acts):
+    """The adapters' four functions come from _fla.calls: made over the NumPy frame they take
+    flash-linear-attention's argument order (g before beta; p before v in fused_recurrent_comba; gk, gv between
+    g and beta) and compute what the ops compute."""
+    import inspect
+
+    from cupy_comba.interop import jax as cj
+    from cupy_comba.interop import torch as ct
+
+    names = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_comba", "fused_recurrent_comba")
+    made = dict(zip(names, _fla.calls(NumpyFrame, __name__, dict.fromkeys(names, ""))))
+    for n in names:
+        assert inspect.signature(made[n]) == inspect.signature(getattr(ct, n)) == inspect.signature(getattr(cj, n))
+        assert getattr(ct, n).__module__ == ct.__name__ and getattr(ct, n).__doc__
+    q, k, v, p, g, beta, S = acts
+    o_g, S_g = gated_delta_forward(q, k, v, beta, g, initial_state=S)
+    o_c, S_c = comba_forward(q, k, v, p, beta, g, initial_state=S)
+    for o, S1, ref in ((*made["chunk_gated_delta_rule"](q, k, v, g, beta, None, S, True), (o_g, S_g)),
+                       (*made["fused_recurrent_gated_delta_rule"](q, k, v, g, None, None, beta, None, S, True),
+                        (o_g, S_g)),
+                       (*made["chunk_comba"](q, k, v, p, g, beta, None, S, True), (o_c, S_c)),
+                       (*made["fused_recurrent_comba"](q, k, p, v, g, beta, None, S, True), (o_c, S_c))):
+        assert reference.relative_error(o, ref[0]) <= 1e-12 and reference.relative_error(S1, ref[1]) <= 1e-12
+    with pytest.raises(NotImplementedError, match="gk, gv"):
+        made["fused_recurrent_gated_delta_rule"](q, k, v, g, q)
+    with pytest.raises(NotImplementedError, match="cp_context"):
+        made["chunk_gated_delta_rule"](q, k, v, g, beta, cp_context=object())
+
+
+def test_doctest_finds_the_torch_examples():
+    import doctest
+
+    from cupy_comba.interop import torch as ct
+
+    found = {t.name.rsplit(".", 1)[-1] for t in doctest.DocTestFinder().find(ct) if t.examples}
+    assert {"chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_comba",
+            "fused_recurrent_comba"} <= found

@@ -1,9 +1,10 @@
 """flash-linear-attention's calls mapped onto cupy_comba's forward passes, for any framework.
 
-A framework adapter (:mod:`cupy_comba.interop.torch`, :mod:`cupy_comba.interop.jax`) hands
-:func:`run` a *frame*, which knows its arrays: how to check them, make small ones, allocate the
-outputs, view them as CuPy arrays on the right device and stream, and hand the results back.
-Everything else -- the options, their defaults and what is refused -- is here, once.
+A framework adapter (:mod:`cupy_comba.interop.torch`, :mod:`cupy_comba.interop.jax`) takes its four
+public functions from :func:`calls` and gives them a *frame*, which knows its arrays: how to check
+them, make small ones, allocate the outputs, view them as CuPy arrays on the right device and stream,
+and hand the results back.  Everything else -- the signatures, the options, their defaults and what
+is refused -- is here, once.
 """
 
 from .. import comba_forward, gated_delta_forward
@@ -80,3 +81,62 @@ def run(frame, name, comba, q, k, v, p, g, beta, scale, initial_state, output_fi
         else:
             gated_delta_forward(c["q"], c["k"], c["v"], c["beta"], c["g"], scale, **opts)
     return frame.results(o, state if pool else state_out)  # after the frame's stream is left (JAX: waited for)
+
+
+def calls(frame_class, module, docs):
+    """flash-linear-attention 0.6's four calls with its signatures (and vLLM's keywords), on the arrays of a
+    ``frame_class`` (made at the first call, when the framework is imported); functions of ``module`` with the
+    docstrings ``docs`` (by name)."""
+    made_frame = []
+
+    def frame():
+        if not made_frame:
+            made_frame.append(frame_class())
+        return made_frame[0]
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                               state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
+                               cp_context=None, *, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                               ssm_state_indices=None, num_accepted_tokens=None, inplace_final_state=True, **kwargs):
+        if cp_context is not None:
+            raise NotImplementedError("context parallelism (cp_context) is not supported")
+        return run(frame(), "chunk_gated_delta_rule", False, q, k, v, None, g, beta, scale, initial_state,
+                   output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
+                   use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, ssm_state_indices,
+                   num_accepted_tokens, inplace_final_state, kwargs)
+
+    def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None,
+                                         initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+                                         use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                                         use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+                                         cu_seqlens=None, *, ssm_state_indices=None, num_accepted_tokens=None,
+                                         inplace_final_state=True, **kwargs):
+        if gk is not None or gv is not None:
+            raise NotImplementedError("per-key / per-value decays (gk, gv) are not supported: pass g (HV,) a token")
+        return run(frame(), "fused_recurrent_gated_delta_rule", False, q, k, v, None, g, beta, scale, initial_state,
+                   output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
+                   use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, ssm_state_indices,
+                   num_accepted_tokens, inplace_final_state, kwargs)
+
+    def chunk_comba(q, k, v, p, g, beta=None, scale=None, initial_state=None, output_final_state=False,
+                    use_qk_l2norm_in_kernel=False, cu_seqlens=None, cu_seqlens_cpu=None, *, state_v_first=False,
+                    use_gate_in_kernel=False, A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,
+                    ssm_state_indices=None, num_accepted_tokens=None, inplace_final_state=True, **kwargs):
+        return run(frame(), "chunk_comba", True, q, k, v, p, g, beta, scale, initial_state, output_final_state,
+                   use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, False,
+                   state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, inplace_final_state, kwargs)
+
+    def fused_recurrent_comba(q, k, p, v, g, beta=None, scale=None, initial_state=None, output_final_state=False,
+                              use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, state_v_first=False,
+                              use_gate_in_kernel=False, A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,
+                              ssm_state_indices=None, num_accepted_tokens=None, inplace_final_state=True, **kwargs):
+        return run(frame(), "fused_recurrent_comba", True, q, k, v, p, g, beta, scale, initial_state,
+                   output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
+                   use_beta_sigmoid_in_kernel, False, state_v_first, cu_seqlens, ssm_state_indices,
+                   num_accepted_tokens, inplace_final_state, kwargs)
+
+    made = (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, chunk_comba, fused_recurrent_comba)
+    for f in made:
+        f.__module__, f.__qualname__, f.__doc__ = module, f.__name__, docs[f.__name__]
+    return made

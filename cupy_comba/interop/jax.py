@@ -103,52 +103,16 @@ class _Frame:
         return from_dlpack(o), None if final_state is None else from_dlpack(final_state)
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-                           state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
-                           cp_context=None, *, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-                           ssm_state_indices=None, num_accepted_tokens=None, inplace_final_state=True, **kwargs):
-    """:func:`cupy_comba.interop.torch.chunk_gated_delta_rule` on jax arrays (a pool is returned updated, as a
-    new array)."""
-    if cp_context is not None:
-        raise NotImplementedError("context parallelism (cp_context) is not supported")
-    return _fla.run(_Frame(), "chunk_gated_delta_rule", False, q, k, v, None, g, beta, scale, initial_state,
-                    output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
-                    use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, ssm_state_indices,
-                    num_accepted_tokens, inplace_final_state, kwargs)
+_DOCS = {
+    "chunk_gated_delta_rule": """:func:`cupy_comba.interop.torch.chunk_gated_delta_rule` on jax arrays (a pool
+    is returned updated, as a new array).""",
+    "fused_recurrent_gated_delta_rule": """:func:`cupy_comba.interop.torch.fused_recurrent_gated_delta_rule` on
+    jax arrays.""",
+    "chunk_comba": """:func:`cupy_comba.interop.torch.chunk_comba` (cupy_comba's Comba, flash-linear-attention's
+    signature) on jax arrays.""",
+    "fused_recurrent_comba": """:func:`cupy_comba.interop.torch.fused_recurrent_comba` (p before v) on jax
+    arrays.""",
+}
 
-
-def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
-                                     output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
-                                     A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-                                     state_v_first=False, cu_seqlens=None, *, ssm_state_indices=None,
-                                     num_accepted_tokens=None, inplace_final_state=True, **kwargs):
-    """:func:`cupy_comba.interop.torch.fused_recurrent_gated_delta_rule` on jax arrays."""
-    if gk is not None or gv is not None:
-        raise NotImplementedError("per-key / per-value decays (gk, gv) are not supported: pass g (HV,) a token")
-    return _fla.run(_Frame(), "fused_recurrent_gated_delta_rule", False, q, k, v, None, g, beta, scale,
-                    initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
-                    use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, ssm_state_indices,
-                    num_accepted_tokens, inplace_final_state, kwargs)
-
-
-def chunk_comba(q, k, v, p, g, beta=None, scale=None, initial_state=None, output_final_state=False,
-                use_qk_l2norm_in_kernel=False, cu_seqlens=None, cu_seqlens_cpu=None, *, state_v_first=False,
-                use_gate_in_kernel=False, A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,
-                ssm_state_indices=None, num_accepted_tokens=None, inplace_final_state=True, **kwargs):
-    """:func:`cupy_comba.interop.torch.chunk_comba` (cupy_comba's Comba, flash-linear-attention's signature) on jax
-    arrays."""
-    return _fla.run(_Frame(), "chunk_comba", True, q, k, v, p, g, beta, scale, initial_state, output_final_state,
-                    use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, False,
-                    state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, inplace_final_state, kwargs)
-
-
-def fused_recurrent_comba(q, k, p, v, g, beta=None, scale=None, initial_state=None, output_final_state=False,
-                          use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, state_v_first=False,
-                          use_gate_in_kernel=False, A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,
-                          ssm_state_indices=None, num_accepted_tokens=None, inplace_final_state=True, **kwargs):
-    """:func:`cupy_comba.interop.torch.fused_recurrent_comba` (p before v) on jax arrays."""
-    return _fla.run(_Frame(), "fused_recurrent_comba", True, q, k, v, p, g, beta, scale, initial_state,
-                    output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
-                    use_beta_sigmoid_in_kernel, False, state_v_first, cu_seqlens, ssm_state_indices,
-                    num_accepted_tokens, inplace_final_state, kwargs)
+chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, chunk_comba, fused_recurrent_comba = _fla.calls(
+    _Frame, __name__, _DOCS)

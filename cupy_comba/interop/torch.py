@@ -127,12 +127,9 @@ class _Frame:
         return o, final_state
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-                           state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
-                           cp_context=None, *, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-                           ssm_state_indices=None, num_accepted_tokens=None, inplace_final_state=True, **kwargs):
-    """Gated DeltaNet over T tokens: ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` on cupy_comba's kernels.
+_DOCS = {
+    "chunk_gated_delta_rule": """Gated DeltaNet over T tokens: ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``
+    on cupy_comba's kernels.
 
     Parameters
     ----------
@@ -178,23 +175,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     >>> o, ht = chunk_gated_delta_rule(q, k, v, g, torch.rand(1, 8, 4, device="cuda"), output_final_state=True)
     >>> tuple(o.shape), tuple(ht.shape)
     ((1, 8, 4, 64), (1, 4, 64, 64))
-    """
-    if cp_context is not None:
-        raise NotImplementedError("context parallelism (cp_context) is not supported")
-    return _fla.run(_Frame(), "chunk_gated_delta_rule", False, q, k, v, None, g, beta, scale, initial_state,
-                    output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
-                    use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, ssm_state_indices,
-                    num_accepted_tokens, inplace_final_state, kwargs)
+    """,
 
-
-def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
-                                     output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
-                                     A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-                                     state_v_first=False, cu_seqlens=None, *, ssm_state_indices=None,
-                                     num_accepted_tokens=None, inplace_final_state=True, **kwargs):
-    """Gated DeltaNet over T tokens (decode: T = 1): ``fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule``
-    on cupy_comba's kernels, with vLLM's ``ssm_state_indices``, ``num_accepted_tokens`` and
-    ``inplace_final_state``.
+    "fused_recurrent_gated_delta_rule": """Gated DeltaNet over T tokens (decode: T = 1):
+    ``fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule`` on cupy_comba's kernels, with vLLM's
+    ``ssm_state_indices``, ``num_accepted_tokens`` and ``inplace_final_state``.
 
     The parameters are those of :func:`chunk_gated_delta_rule`, and:
 
@@ -227,20 +212,9 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
     ...                                          ssm_state_indices=slots)
     >>> ht is pool, bool(pool[5].any()), bool(pool[0].any()), bool(o[1].any())
     (True, True, False, False)
-    """
-    if gk is not None or gv is not None:
-        raise NotImplementedError("per-key / per-value decays (gk, gv) are not supported: pass g (HV,) a token")
-    return _fla.run(_Frame(), "fused_recurrent_gated_delta_rule", False, q, k, v, None, g, beta, scale,
-                    initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
-                    use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, ssm_state_indices,
-                    num_accepted_tokens, inplace_final_state, kwargs)
+    """,
 
-
-def chunk_comba(q, k, v, p, g, beta=None, scale=None, initial_state=None, output_final_state=False,
-                use_qk_l2norm_in_kernel=False, cu_seqlens=None, cu_seqlens_cpu=None, *, state_v_first=False,
-                use_gate_in_kernel=False, A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,
-                ssm_state_indices=None, num_accepted_tokens=None, inplace_final_state=True, **kwargs):
-    """Comba over T tokens with ``fla.ops.comba.chunk_comba``'s signature and cupy_comba's math.
+    "chunk_comba": """Comba over T tokens with ``fla.ops.comba.chunk_comba``'s signature and cupy_comba's math.
 
     flash-linear-attention's Comba reads the state with p before the decay; this one after it
     (``u = beta (v - e S^T p)``, docs/api.md): the same signature, a different function.
@@ -271,18 +245,10 @@ def chunk_comba(q, k, v, p, g, beta=None, scale=None, initial_state=None, output
     >>> o, _ = chunk_comba(q, k, v, p, g, torch.rand(1, 8, 2, device="cuda"))
     >>> tuple(o.shape)
     (1, 8, 2, 64)
-    """
-    return _fla.run(_Frame(), "chunk_comba", True, q, k, v, p, g, beta, scale, initial_state, output_final_state,
-                    use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, False,
-                    state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, inplace_final_state, kwargs)
+    """,
 
-
-def fused_recurrent_comba(q, k, p, v, g, beta=None, scale=None, initial_state=None, output_final_state=False,
-                          use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, state_v_first=False,
-                          use_gate_in_kernel=False, A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,
-                          ssm_state_indices=None, num_accepted_tokens=None, inplace_final_state=True, **kwargs):
-    """Comba over T tokens (decode: T = 1) with ``fla.ops.comba.fused_recurrent_comba``'s signature (p before v,
-    as there) and cupy_comba's math (:func:`chunk_comba` says how it differs).
+    "fused_recurrent_comba": """Comba over T tokens (decode: T = 1) with ``fla.ops.comba.fused_recurrent_comba``'s
+    signature (p before v, as there) and cupy_comba's math (:func:`chunk_comba` says how it differs).
 
     The parameters are those of :func:`chunk_comba`, in this order.
 
@@ -300,8 +266,11 @@ def fused_recurrent_comba(q, k, p, v, g, beta=None, scale=None, initial_state=No
     >>> o, ht = fused_recurrent_comba(q, k, p, v, g, torch.rand(2, 1, 2, device="cuda"), output_final_state=True)
     >>> tuple(ht.shape), ht.dtype
     ((2, 2, 64, 64), torch.float32)
-    """
-    return _fla.run(_Frame(), "fused_recurrent_comba", True, q, k, v, p, g, beta, scale, initial_state,
-                    output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
-                    use_beta_sigmoid_in_kernel, False, state_v_first, cu_seqlens, ssm_state_indices,
-                    num_accepted_tokens, inplace_final_state, kwargs)
+    """,
+}
+
+chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, chunk_comba, fused_recurrent_comba = _fla.calls(
+    _Frame, __name__, _DOCS)
+#: The functions are made in _fla: doctest finds their examples here.
+__test__ = {f.__name__: f for f in (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, chunk_comba,
+                                    fused_recurrent_comba)}
