@@ -8,9 +8,9 @@ model written against ``fla.ops`` switches by changing its import::
 What every call does:
 
 - **Zero copies.** q, k, v, p, g, beta, the state and the index arrays reach the kernels as they
-  are (CuPy views of the tensors' memory; strided views and bf16 included); ``o`` and the final state are allocated by
-  torch, on the tensors' device, and written by the kernel.  The one copy: a dense
-  ``initial_state`` that is not float32 is converted (the kernels keep float32 states).
+  are (CuPy views of the tensors' memory; strided views and bf16 included); ``o`` and the final
+  state are allocated by torch, on the tensors' device, and written by the kernel.  The one copy: a
+  dense ``initial_state`` that is not float32 is converted (the kernels keep float32 states).
 - **torch's stream.** The kernel runs on the current torch stream of the tensors' device, ordered
   with the caller's torch work, so nothing needs synchronising; under ``torch.cuda.graph`` the
   call is captured into the caller's graph.
@@ -65,7 +65,7 @@ class _Frame:
     """torch tensors for :func:`cupy_comba.interop._fla.run`: outputs and defaults allocated by torch (so a
     call inside ``torch.cuda.graph`` allocates from the graph's pool), the kernel on torch's stream."""
 
-    _streams = {}  # (device index, stream handle) -> cupy.cuda.ExternalStream
+    _streams = {}  # (device index, stream handle) -> cupy.cuda.Stream over torch's stream
     MAX_STREAMS = 64
 
     def __init__(self):
