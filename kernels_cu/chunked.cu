@@ -264,13 +264,7 @@ struct ChunkLoads {
 // slabs spill at 168 registers and ran 1.15-1.2x slower at 255, four CTAs an SM.)
 template <int K, int COLS, int RG, bool SEPARATE_P, bool SERVING>
 __global__ void __launch_bounds__(COLS / 4 * RG, COLS == 64 && !SEPARATE_P ? 4 : 384 / (COLS / 4 * RG))
-delta_rule_kv_chunked(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
-                      const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
-                      const void* __restrict__ g, void* __restrict__ o, const void* __restrict__ slots,
-                      const float* __restrict__ A_log, const float* __restrict__ dt_bias,
-                      const void* __restrict__ cu_seqlens, float* __restrict__ inter,
-                      const void* __restrict__ accepted, const Params prm,
-                      const float scale) {
+delta_rule_kv_chunked(COMBA_KERNEL_ARGS) {
     constexpr int LC = COLS / 4, NT = LC * RG, R = K / RG, NW = NT / 32, C = kChunk;
     static_assert(NT % 32 == 0 && K % RG == 0 && COLS <= NT && 2 * C <= NT, "bad kv tiling");
     __shared__ ChunkStage<K, COLS, NW> stage[2];
@@ -428,13 +422,7 @@ __device__ __forceinline__ int vk_chunk_slot(int key) { return (key & ~31) | ((k
 
 template <int K, int ROWS, bool SEPARATE_P, bool SERVING>
 __global__ void __launch_bounds__(ROWS * 2, ROWS == 64 && !SEPARATE_P ? 4 : 384 / (ROWS * 2))
-delta_rule_vk_chunked(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
-                      const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
-                      const void* __restrict__ g, void* __restrict__ o, const void* __restrict__ slots,
-                      const float* __restrict__ A_log, const float* __restrict__ dt_bias,
-                      const void* __restrict__ cu_seqlens, float* __restrict__ inter,
-                      const void* __restrict__ accepted, const Params prm,
-                      const float scale) {
+delta_rule_vk_chunked(COMBA_KERNEL_ARGS) {
     constexpr int NW = ROWS / 16, NT = NW * 32, RL = 4, KF = 4, C = kChunk;
     static_assert(K == 128 && ROWS % 16 == 0 && 2 * C <= NT && ROWS <= NT, "bad vk chunked tiling");
     __shared__ ChunkStage<K, ROWS, NW> stage[2];

@@ -88,12 +88,7 @@ enum MmaStaging { kRing, kRegs, kEither };
 
 template <int K, int SLAB, bool SEPARATE_P, bool VK, int SUBS, bool SERVING>
 __global__ void __launch_bounds__(MmaShape<K, SLAB>::NT, MmaShape<K, SLAB>::MIN_CTAS)
-delta_rule_mma(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
-               const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
-               const void* __restrict__ g, void* __restrict__ o, const void* __restrict__ slots,
-               const float* __restrict__ A_log, const float* __restrict__ dt_bias,
-               const void* __restrict__ cu_seqlens, float* __restrict__ inter,
-               const void* __restrict__ accepted, const Params prm, const float scale) {
+delta_rule_mma(COMBA_KERNEL_ARGS) {
     using Shape = MmaShape<K, SLAB>;
     using Bits = MmaBits<K, SLAB, SUBS>;
     using Stage = MmaStage<K, SLAB, SEPARATE_P, SUBS>;

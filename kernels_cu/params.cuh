@@ -39,6 +39,16 @@ struct Params {
     long long gate_softplus, beta_sigmoid;  // in-kernel gating (gate_of, beta_of)
 };
 
+// The arguments of every delta-rule kernel, in launch order (cupy_comba/_launcher.py packs them): the
+// fifteen pointers above, the Params, the query scale.
+#define COMBA_KERNEL_ARGS                                                                                   \
+    const float *state, float *state_out, const void *__restrict__ q, const void *__restrict__ k,            \
+        const void *__restrict__ v, const void *__restrict__ p, const void *__restrict__ beta,               \
+        const void *__restrict__ g, void *__restrict__ o, const void *__restrict__ slots,                    \
+        const float *__restrict__ A_log, const float *__restrict__ dt_bias,                                  \
+        const void *__restrict__ cu_seqlens, float *__restrict__ inter, const void *__restrict__ accepted,  \
+        const Params prm, const float scale
+
 constexpr float kL2NormEps = 1e-6f;
 
 // Loads the compiler issues where they are written: small per-CTA values re-read (from L1) where

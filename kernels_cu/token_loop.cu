@@ -126,12 +126,7 @@ struct VkStage {
 
 template <int K, int COLS, int RG, bool SEPARATE_P, bool MULTI, bool SERVING>
 __global__ void __launch_bounds__(COLS / 4 * RG)
-delta_rule_kv(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
-              const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
-              const void* __restrict__ g, void* __restrict__ o, const void* __restrict__ slots,
-              const float* __restrict__ A_log, const float* __restrict__ dt_bias,
-              const void* __restrict__ cu_seqlens, float* __restrict__ inter,
-              const void* __restrict__ accepted, const Params prm, const float scale) {
+delta_rule_kv(COMBA_KERNEL_ARGS) {
     constexpr int LC = COLS / 4, NT = LC * RG, R = K / RG, NW = NT / 32, E = TokenBits<K, NT, COLS>::E;
     static_assert(NT % 32 == 0 && K % RG == 0 && R >= 1, "bad kv tiling");
     __shared__ KvStage<K, COLS, NW> stage[2];
@@ -253,12 +248,7 @@ __device__ __forceinline__ float dot4(float4 a, float4 b) {
 
 template <int K, int R, int NW, bool SEPARATE_P, bool MULTI, bool SERVING>
 __global__ void __launch_bounds__(NW * 32)
-delta_rule_vk(const float* state, float* state_out, const void* __restrict__ q, const void* __restrict__ k,
-              const void* __restrict__ v, const void* __restrict__ p, const void* __restrict__ beta,
-              const void* __restrict__ g, void* __restrict__ o, const void* __restrict__ slots,
-              const float* __restrict__ A_log, const float* __restrict__ dt_bias,
-              const void* __restrict__ cu_seqlens, float* __restrict__ inter,
-              const void* __restrict__ accepted, const Params prm, const float scale) {
+delta_rule_vk(COMBA_KERNEL_ARGS) {
     constexpr int C = K > 128 ? K / 128 : 1, LK = K / 4 / C, RPW = 32 / LK;
     constexpr int HALF = LK / 2 < R ? LK / 2 : R, BW = 2 * HALF, NB = R / HALF;
     constexpr int ROWS = R * NW * RPW, NT = NW * 32, E = TokenBits<K, NT, ROWS>::E;
