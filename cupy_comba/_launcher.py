@@ -108,18 +108,21 @@ class _KernelNodeParams(ctypes.Structure):
 
 
 def _load_driver():
-    """``(cuGraphGetNodes, cuGraphExecKernelNodeSetParams_v2)`` from the CUDA driver, or None."""
+    """``(cuGraphGetNodes, cuGraphExecKernelNodeSetParams_v2, cuGraphKernelNodeGetParams_v2)`` from the
+    CUDA driver, or None."""
     if os.environ.get("CUPY_COMBA_GRAPH_LAUNCH", "1") == "0":
         return None
     try:
         lib = ctypes.WinDLL("nvcuda.dll") if sys.platform == "win32" else ctypes.CDLL("libcuda.so.1")
         get_nodes, set_params = lib.cuGraphGetNodes, lib.cuGraphExecKernelNodeSetParams_v2
+        get_params = lib.cuGraphKernelNodeGetParams_v2
     except (OSError, AttributeError):
         return None
     get_nodes.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t))
     set_params.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
-    get_nodes.restype = set_params.restype = ctypes.c_int
-    return get_nodes, set_params
+    get_params.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
+    get_nodes.restype = set_params.restype = get_params.restype = ctypes.c_int
+    return get_nodes, set_params, get_params
 
 
 _DRIVER = None if cupy is None else _load_driver()
@@ -137,7 +140,8 @@ class _StreamGraph:
 
 
 class Launcher:
-    """One compiled kernel with its grid, block and constant arguments.
+    """One compiled kernel (or two, launched in turn with the same arguments) with its grid, block
+    and constant arguments.
 
     Parameters
     ----------
@@ -150,15 +154,23 @@ class Launcher:
     scale : numpy.float32
     shared_bytes : int
         Dynamic shared memory of each CTA (the kernel's attribute already allows it).
+    before : tuple, optional
+        ``(kernel, grid, block, shared_bytes)`` of a kernel launched first (the prefill family's
+        ``prefill_prep``; none when its grid is empty).
+    workspace : int
+        Bytes of scratch memory the kernels take in the ``intermediate_states`` pointer slot: one
+        buffer per stream, kept by the Launcher (and for good once a stream that is capturing has
+        used it, since the captured graph holds its address).
     """
 
-    __slots__ = ("kernel", "grid", "block", "params", "scale", "shared_bytes", "_fn", "_slots", "_written", "_keep",
-                 "_argv", "_lock", "_graphs", "_node_params")
+    __slots__ = ("kernel", "grid", "block", "params", "scale", "shared_bytes", "_steps", "_slots", "_written", "_keep",
+                 "_argv", "_lock", "_graphs", "_node_params", "workspace", "_buffers")
 
-    def __init__(self, kernel, grid, block, params, scale, shared_bytes=0):
+    def __init__(self, kernel, grid, block, params, scale, shared_bytes=0, *, before=None, workspace=0):
         self.kernel, self.grid, self.block, self.params, self.scale = kernel, grid, block, params, scale
-        self.shared_bytes = shared_bytes
-        self._fn = kernel.kernel.ptr  # the CUfunction of the current device
+        self.shared_bytes, self.workspace = shared_bytes, workspace
+        steps = ([before] if before is not None and before[1] > 0 else []) + [(kernel, grid, block, shared_bytes)]
+        self._steps = tuple((k.kernel.ptr, g, b, s) for k, g, b, s in steps)  # CUfunctions of the current device
         self._slots = (ctypes.c_uint64 * N_POINTERS)()
         self._written = None  # the pointers in the slots
         blob = params.tobytes()
@@ -168,12 +180,13 @@ class Launcher:
         argv = (ctypes.c_void_p * (N_POINTERS + 2))(*(base + 8 * i for i in range(N_POINTERS)),
                                                     ctypes.addressof(params_buf), ctypes.addressof(scale_buf))
         self._argv = ctypes.addressof(argv)
-        node = _KernelNodeParams(self._fn, (grid, 1, 1), (block, 1, 1), shared_bytes, self._argv, None, None,
-                                 None)
-        self._node_params = ctypes.addressof(node)
-        self._keep = (params_buf, scale_buf, argv, node)  # the driver reads these at every launch
+        nodes = [_KernelNodeParams(fn, (g, 1, 1), (b, 1, 1), s, self._argv, None, None, None)
+                 for fn, g, b, s in self._steps]
+        self._node_params = tuple(ctypes.addressof(n) for n in nodes)
+        self._keep = (params_buf, scale_buf, argv, nodes, [k for k, *_ in steps])  # read at every launch
         self._lock = threading.Lock()  # one thread at a time writes the pointer slots and launches
         self._graphs = {}  # stream handle -> _StreamGraph, or None after the stream's first launch
+        self._buffers = {}  # stream handle -> workspace
 
     def __call__(self, pointers, device):
         """Launch on the current stream of ``device`` (the kernel's) with the :data:`N_POINTERS`
@@ -184,49 +197,80 @@ class Launcher:
             with cupy.cuda.Device(device):
                 self._launch(pointers, cupy.cuda.get_current_stream().ptr)
 
+    def _workspace(self, stream, capturing):
+        buf = self._buffers.get(stream)
+        if buf is None:
+            buf = self._buffers[stream] = cupy.empty(max(self.workspace, 1), numpy.uint8)
+        if capturing:
+            _CAPTURED.append(buf)
+        return buf.data.ptr
+
     def _launch(self, pointers, stream):
         with self._lock:
+            capturing = cupy.cuda.runtime.streamIsCapturing(stream)
+            if self.workspace:
+                pointers = pointers[:_WORKSPACE] + (self._workspace(stream, capturing),) + pointers[_WORKSPACE + 1:]
             if pointers != self._written:  # a decode loop that reuses its buffers writes them once
                 self._slots[:] = pointers
                 self._written = pointers
             graphs = self._graphs
-            if _DRIVER is None or cupy.cuda.runtime.streamIsCapturing(stream):
-                self._launch_kernel(stream)
+            if _DRIVER is None or capturing:
+                self._launch_kernels(stream)
                 return
             graph = graphs.get(stream, False)
             if graph is False:  # a stream's first launch: a one-off call should not pay for a capture
                 if len(graphs) >= MAX_STREAM_GRAPHS:
                     graphs.clear()
                 graphs[stream] = None
-                self._launch_kernel(stream)
+                self._launch_kernels(stream)
                 return
             if graph is None:
                 graph = graphs[stream] = self._capture(pointers)
             elif graph.pointers != pointers:
-                status = _DRIVER[1](graph.exec, graph.node, self._node_params)
-                if status:
-                    raise RuntimeError(f"cuGraphExecKernelNodeSetParams failed with CUresult {status}")
+                for node, node_params in zip(graph.node, self._node_params):
+                    status = _DRIVER[1](graph.exec, node, node_params)
+                    if status:
+                        raise RuntimeError(f"cuGraphExecKernelNodeSetParams failed with CUresult {status}")
                 graph.pointers = pointers
             cupy.cuda.runtime.graphLaunch(graph.exec, stream)
 
-    def _launch_kernel(self, stream):
+    def _launch_kernels(self, stream):
         # cuLaunchKernel copies the arguments before it returns: the slots are free again.
-        cupy.cuda.driver.launchKernel(self._fn, self.grid, 1, 1, self.block, 1, 1, self.shared_bytes, stream,
-                                      self._argv, 0)
+        for fn, grid, block, shared in self._steps:
+            cupy.cuda.driver.launchKernel(fn, grid, 1, 1, block, 1, 1, shared, stream, self._argv, 0)
 
     def _capture(self, pointers):
-        """A graph of this kernel with the slots' arguments, captured on a private stream."""
+        """A graph of the kernels with the slots' arguments, captured on a private stream; its kernel
+        nodes in launch order (a capture of launches in turn is a chain, which cuGraphGetNodes may list
+        in any order: each node is matched to its kernel by its function)."""
         side = cupy.cuda.Stream(non_blocking=True)
         side.begin_capture(cupy.cuda.runtime.streamCaptureModeThreadLocal)
         try:
-            self._launch_kernel(side.ptr)
+            self._launch_kernels(side.ptr)
         finally:
             captured = side.end_capture()
-        count = ctypes.c_size_t(1)
-        node = ctypes.c_void_p()
-        status = _DRIVER[0](captured.graph, ctypes.byref(node), ctypes.byref(count))
-        if status or count.value != 1:
+        n = len(self._steps)
+        count = ctypes.c_size_t(n)
+        nodes = (ctypes.c_void_p * n)()
+        status = _DRIVER[0](captured.graph, nodes, ctypes.byref(count))
+        if status or count.value != n:
             raise RuntimeError(f"cuGraphGetNodes failed with CUresult {status} ({count.value} nodes)")
+        order = list(nodes)
+        if n > 1:
+            by_function = {}
+            for node in order:
+                p = _KernelNodeParams()
+                status = _DRIVER[2](node, ctypes.byref(p))
+                if status:
+                    raise RuntimeError(f"cuGraphKernelNodeGetParams failed with CUresult {status}")
+                by_function[p.func] = node
+            order = [by_function[fn] for fn, *_ in self._steps]
         graph = _StreamGraph()
-        graph.graph, graph.exec, graph.node, graph.pointers = captured, captured.graphExec, node.value, pointers
+        graph.graph, graph.exec, graph.node, graph.pointers = captured, captured.graphExec, tuple(order), pointers
         return graph
+
+
+#: The pointer slot the prefill kernels take their workspace in (intermediate_states, which they never keep).
+_WORKSPACE = 13
+#: Workspaces that a capturing stream used: a captured graph holds their addresses for as long as it lives.
+_CAPTURED = []

@@ -16,7 +16,7 @@ import numpy
 
 from . import families, reference, tiling
 from ._backend import cupy
-from ._dtypes import float32
+from ._dtypes import bfloat16, float32
 from ._launcher import Launcher, pack_params
 from . import _validate
 from ._validate import ARRAYS, STATE, STATE_OUT
@@ -55,35 +55,48 @@ class Plan:
         # a ragged batch by its mean length: the kernel is chosen before its lengths are known; every
         # token's state (speculative verify) is formed by the token loop only
         T = max(1, sig.T // max(sig.B, 1)) if sig.ragged else 1 if sig.per_token else sig.T
-        self.variant = sig.variant or tiling.choose(sig.layout, sig.K, sig.V, sig.comba, sig.multi, T, sig.B * sig.H)
         f32_keys = any(a[n] is not None and a[n].dtype == float32 for n in ("q", "k", "p"))
-        self.kernel = families.kernel(sig.layout, self.variant, K=sig.K, separate_p=sig.comba, multi=sig.multi,
-                                      f32_keys=f32_keys,
-                                      serving=sig.pool or sig.gating or sig.beta_sigmoid or sig.ragged
-                                      or bool(sig.per_token))
+        bf16_keys = all(a[n] is None or a[n].dtype == bfloat16 for n in ("q", "k", "p"))
+        self.variant = sig.variant or tiling.choose(sig.layout, sig.K, sig.V, sig.comba, sig.multi, T, sig.B * sig.H,
+                                                    not bf16_keys)
+        self.kernel = kernel = families.kernel(sig.layout, self.variant, K=sig.K, separate_p=sig.comba,
+                                               multi=sig.multi, f32_keys=f32_keys, precision=sig.precision, bf16_keys=bf16_keys,
+                                               serving=sig.pool or sig.gating or sig.beta_sigmoid or sig.ragged
+                                               or bool(sig.per_token))
         if not sig.B * sig.H:
             return
-        _validate.check_grid(self.kernel.grid(sig.B * sig.H, sig.V), sig.B, sig.H)
+        grid = kernel.grid(sig.B * sig.H, sig.V)
+        _validate.check_grid(grid, sig.B, sig.H)
+        before, workspace = None, 0
+        if kernel.prep:  # the prefill family: every chunk's coefficients first, into a workspace
+            slots = families.prefill_slots(sig.B, sig.T, sig.ragged)
+            _validate.check_grid(slots * sig.H, sig.B, sig.H)
+            workspace = slots * sig.H * families.PREFILL_RECORD * 4
         with cupy.cuda.Device(self.device):
             from ._build import get_kernel
 
-            fn = get_kernel(self.kernel.source, self.kernel.expression, self.device)
-            if fn.max_dynamic_shared_size_bytes < self.kernel.shared_bytes:
-                fn.max_dynamic_shared_size_bytes = self.kernel.shared_bytes
-            self.launcher = Launcher(fn, self.kernel.grid(sig.B * sig.H, sig.V), self.kernel.block, pack_params(sig),
-                                     numpy.float32(sig.scale), self.kernel.shared_bytes)
+            fn = get_kernel(kernel.source, kernel.expression, self.device)
+            if fn.max_dynamic_shared_size_bytes < kernel.shared_bytes:
+                fn.max_dynamic_shared_size_bytes = kernel.shared_bytes
+            if kernel.prep:
+                prep = get_kernel(kernel.source, kernel.prep, self.device)
+                if prep.max_dynamic_shared_size_bytes < kernel.prep_shared_bytes:
+                    prep.max_dynamic_shared_size_bytes = kernel.prep_shared_bytes
+                before = (prep, slots * sig.H, kernel.prep_block, kernel.prep_shared_bytes)
+            self.launcher = Launcher(fn, grid, kernel.block, pack_params(sig), numpy.float32(sig.scale),
+                                     kernel.shared_bytes, before=before, workspace=workspace)
 
 
 # -- the one path of every op ------------------------------------------------------------------------
 
 def run(step, state, q, k, v, p, beta, g, scale, write_final, out, state_out, o_dtype, state_layout, gate, l2norm,
-        variant, serving=None):
+        variant, serving=None, precision=None):
     """Every op: ``(state_new, o)`` for steps, ``(o, final_state)`` for forward passes.
 
     ``step``: a decode step (``state`` required, T = 1 axes absent); ``p`` None for Gated
     DeltaNet.  The options as the public ops take them; ``serving`` None or ``(state_indices,
     A_log, dt_bias, use_beta_sigmoid, cu_seqlens, intermediate_states, num_accepted_tokens)``
-    (docs/serving.md).
+    (docs/serving.md); ``precision`` None, "tf32" or "fp32" (forward passes).
     """
     nd = _ND
     if serving is None:
@@ -95,6 +108,7 @@ def run(step, state, q, k, v, p, beta, g, scale, write_final, out, state_out, o_
             and (p is None or type(p) is nd) and (state is None or type(state) is nd)
             and (out is None or type(out) is nd) and (state_out is None or type(state_out) is nd)
             and (write_final is True or write_final is False) and (l2norm is True or l2norm is False)
+            and (precision is None or precision == "tf32" or precision == "fp32")
             and (serving is None or ((idx is None or type(idx) is nd) and (a_log is None or type(a_log) is nd)
                                      and (dt_bias is None or type(dt_bias) is nd) and (cu is None or type(cu) is nd)
                                      and (inter is None or type(inter) is nd)
@@ -119,7 +133,7 @@ def run(step, state, q, k, v, p, beta, g, scale, write_final, out, state_out, o_
                None if no else out.shape, None if no else out._c_contiguous or out.strides, None if no else out.dtype,
                None if nso else state_out.shape, None if nso else state_out._c_contiguous or state_out.strides,
                None if nso else state_out.dtype,
-               o_dtype, scale, write_final, state_layout, gate, l2norm, step, qd.device_id, variant,
+               o_dtype, scale, write_final, state_layout, gate, l2norm, step, qd.device_id, variant, precision,
                None if serving is None else _serving_key(beta_sigmoid, idx, a_log, dt_bias, cu, inter, accepted))
         arrays = (q, k, v, p, beta, g, state, out, state_out, idx, a_log, dt_bias, cu, inter, accepted)
         try:
@@ -129,7 +143,7 @@ def run(step, state, q, k, v, p, beta, g, scale, write_final, out, state_out, o_
             key = None
         if plan is None:
             plan = _new_plan(step, arrays, scale, write_final, o_dtype, state_layout, gate, l2norm, variant,
-                             beta_sigmoid, qd.device_id)
+                             beta_sigmoid, precision, qd.device_id)
             if len(PLANS) >= PLANS_MAX:
                 PLANS.clear()
             if key is not None:
@@ -147,7 +161,7 @@ def run(step, state, q, k, v, p, beta, g, scale, write_final, out, state_out, o_
             plan.launcher(_kernel_pointers(pointers), plan.device)
         return (state_out, out) if step else (out, state_out)
     return _run_general(step, (q, k, v, p, beta, g, state, out, state_out, idx, a_log, dt_bias, cu, inter, accepted),
-                        scale, write_final, o_dtype, state_layout, gate, l2norm, variant, beta_sigmoid)
+                        scale, write_final, o_dtype, state_layout, gate, l2norm, variant, beta_sigmoid, precision)
 
 
 def serving(state_indices, A_log, dt_bias, use_beta_sigmoid, cu_seqlens=None, intermediate_states=None,
@@ -163,14 +177,16 @@ def _serving_key(beta_sigmoid, *arrays):
     return (beta_sigmoid,) + tuple(None if a is None else (a.shape, a.strides, a.dtype) for a in arrays)
 
 
-def _new_plan(step, arrays, scale, write_final, o_dtype, state_layout, gate, l2norm, variant, beta_sigmoid, device):
+def _new_plan(step, arrays, scale, write_final, o_dtype, state_layout, gate, l2norm, variant, beta_sigmoid, precision,
+              device):
     opts = _validate.options(scale, write_final, arrays[8], o_dtype, state_layout, gate, l2norm, variant,
-                             beta_sigmoid)
+                             beta_sigmoid, precision)
     sig = _validate.signature(step, arrays[3] is not None, dict(zip(ARRAYS, arrays)), *opts)
     return Plan(sig, device)
 
 
-def _run_general(step, arrays, scale, write_final, o_dtype, state_layout, gate, l2norm, variant, beta_sigmoid):
+def _run_general(step, arrays, scale, write_final, o_dtype, state_layout, gate, l2norm, variant, beta_sigmoid,
+                 precision):
     """Anything but plain CuPy arrays with plain options: subclasses are viewed as their base class
     and the options checked, then CuPy arrays take the fast path and NumPy arrays the float64
     reference through the same checks; mixed or foreign types raise."""
@@ -179,12 +195,12 @@ def _run_general(step, arrays, scale, write_final, o_dtype, state_layout, gate, 
         raise TypeError("state must be a cupy.ndarray or numpy.ndarray, got NoneType")
     xp, named = _validate.namespace(named)
     opts = _validate.options(scale, write_final, named["state_out"], o_dtype, state_layout, gate, l2norm, variant,
-                             beta_sigmoid)
-    scale, write_final, o_dtype, state_layout, gate, l2norm, variant, beta_sigmoid = opts
+                             beta_sigmoid, precision)
+    scale, write_final, o_dtype, state_layout, gate, l2norm, variant, beta_sigmoid, precision = opts
     q, k, v, p, beta, g, state, out, state_out, idx, a_log, dt_bias, cu, inter, accepted = named.values()
     if xp is cupy:  # plain arrays and options now: the fast path takes them
         return run(step, state, q, k, v, p, beta, g, scale, write_final, out, state_out, o_dtype, state_layout, gate,
-                   l2norm, variant, (idx, a_log, dt_bias, beta_sigmoid, cu, inter, accepted))
+                   l2norm, variant, (idx, a_log, dt_bias, beta_sigmoid, cu, inter, accepted), precision)
     if idx is not None and state_out is None and write_final:
         state_out = state
     arrays = (q, k, v, p, beta, g, state, out, state_out, idx, a_log, dt_bias, cu, inter, accepted)

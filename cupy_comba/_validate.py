@@ -14,7 +14,7 @@ import numbers
 import numpy
 
 from ._backend import cupy
-from ._dtypes import ACTIVATION_CODES, ACTIVATION_NAMES, dtype_name, float32, parse_dtype
+from ._dtypes import ACTIVATION_CODES, ACTIVATION_NAMES, bfloat16, dtype_name, float32, parse_dtype
 from . import families
 
 #: Largest finite float32: a scale above it would reach the kernels as inf.
@@ -66,7 +66,7 @@ class Signature:
 
     __slots__ = ("step", "comba", "layout", "gate", "l2norm", "write_final", "B", "T", "H", "Hk", "K", "V",
                  "scale", "o_dtype", "o_shape", "state_shape", "arrays", "variant", "multi", "pool", "N",
-                 "gating", "beta_sigmoid", "pairs", "ragged", "per_token")
+                 "gating", "beta_sigmoid", "pairs", "ragged", "per_token", "precision")
 
 
 # -- options ---------------------------------------------------------------------------------------
@@ -108,9 +108,9 @@ def output_dtype(o_dtype):
     return dt
 
 
-def options(scale, write_final, state_out, o_dtype, state_layout, gate, l2norm, variant, beta_sigmoid):
+def options(scale, write_final, state_out, o_dtype, state_layout, gate, l2norm, variant, beta_sigmoid, precision=None):
     """Every option checked: ``(scale, write_final, o_dtype, state_layout, gate, l2norm, variant,
-    beta_sigmoid)``, each of a type the plan key hashes (Python bools and floats, a numpy dtype)."""
+    beta_sigmoid, precision)``, each of a type the plan key hashes (Python bools and floats, a numpy dtype)."""
     scale = None if scale is None else real_scalar("scale", scale)
     write_final = flag("output_final_state", write_final)
     if not write_final and state_out is not None:
@@ -119,7 +119,8 @@ def options(scale, write_final, state_out, o_dtype, state_layout, gate, l2norm, 
         raise TypeError(f"variant must be a variant name (str) or None, got {type(variant).__name__}")
     return (scale, write_final, output_dtype(o_dtype), choice("state_layout", state_layout, ("kv", "vk")),
             choice("gate", gate, ("log", "linear")), flag("use_qk_l2norm", l2norm), variant,
-            flag("use_beta_sigmoid", beta_sigmoid))
+            flag("use_beta_sigmoid", beta_sigmoid),
+            None if precision is None else choice("precision", precision, ("tf32", "fp32")))
 
 
 # -- array types -----------------------------------------------------------------------------------
@@ -332,7 +333,8 @@ def _check_gating(sigs, H, gate):
     return True
 
 
-def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, gate, l2norm, variant, beta_sigmoid):
+def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, gate, l2norm, variant, beta_sigmoid,
+              precision=None):
     """Validate one call: ``arrays`` is ``{name: array or None}`` in :data:`ARRAYS` order (plain
     ndarrays), the options as :func:`options` returned them.  Returns a :class:`Signature`."""
     sigs = {n: None if a is None else ArraySig(a) for n, a in arrays.items()}
@@ -428,6 +430,13 @@ def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, ga
                              f"{' over T tokens' if multi else ' for one step'}"
                              f"{' keeping every token' + chr(39) + 's state' if per_token else ''}; "
                              f"expected one of {allowed}")
+        t = families.tiling(state_layout, K, variant)
+        wide = not all(sigs[n].dtype == bfloat16 for n in keys)
+        if t.family == "prefill_scan" and not families.prefill_fits(K, t.slab, comba, wide):
+            raise ValueError(f"variant {variant!r} with {'fp32 or fp16' if wide else 'bf16'} q, k, p at K={K} "
+                             f"does not fit in shared memory{' (Comba)' if comba else ''}; expected one of "
+                             f"{tuple(a for a in allowed if not a.endswith('c64'))} or a 16-column slab for "
+                             "Gated DeltaNet")
     sig = Signature()
     sig.step, sig.comba, sig.layout, sig.gate, sig.l2norm, sig.write_final = (step, comba, state_layout, gate, l2norm,
                                                                               write_final)
@@ -436,6 +445,9 @@ def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, ga
     sig.scale = K ** -0.5 if scale is None else scale
     sig.o_dtype = sigs["v"].dtype if o_dtype is None else o_dtype
     sig.o_shape, sig.state_shape, sig.arrays, sig.variant, sig.multi = o_shape, state_shape, sigs, variant, multi
+    if precision is None:  # TF32 products for forward passes whose activations are all 16-bit (TF32 values already)
+        precision = "tf32" if not step and all(sigs[n].dtype.itemsize == 2 for n in keys + ["v"]) else "fp32"
+    sig.precision = precision
     sig.pairs = _overlap_pairs(tuple(None if a is None else a.span() for a in sigs.values()), pool)
     return sig
 

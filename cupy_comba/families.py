@@ -20,6 +20,9 @@ variant                   kernel (``comba::``)        a CTA holds
                           (``delta_rule_mma.cu``)     tensor cores (T-token passes only)
 ``{layout}{SLAB}tc16``    ``delta_rule_mma``          the same, 16 tokens (two chunks of 8) a pass;
                                                       at K = 64 also SLAB = 128
+``{layout}{SLAB}c64``     ``prefill_prep``, then      SLAB value columns, chunk after chunk of 64
+                          ``prefill_scan``            tokens on the tensor cores, from coefficients
+                          (``prefill.cu``)            ``prefill_prep`` forms for every chunk at once
 ========================  ==========================  ============================================
 
 The token-loop kernels have two builds: the decode step (one token from a given state to a
@@ -34,12 +37,20 @@ serving options (``serving``: a state pool, in-kernel gating), compiled when a c
 ('comba::delta_rule_kv<128, 64, 8, true, false, false>', 128, 1024)
 """
 
+import itertools
 from typing import NamedTuple
 
 #: Head sizes K: every family is built for the first two; K = 256 has the token loops only.
 SUPPORTED_K = (64, 128, 256)
 #: Head sizes the chunked and the tensor-core families are built for.
 FAMILY_K = (64, 128)
+#: Slabs (value columns a CTA) of the 64-token prefill kernels, built at every K.
+PREFILL_SLABS = (32, 16)
+#: The prefill kernels' numerics, by ``precision``: TF32 products ("tf32"), or split operands ("fp32",
+#: 3xTF32), with or without an fp32 among q, k, p (the template argument ACC of kernels_cu/prefill.cu).
+PRECISIONS = ("tf32", "fp32")
+#: Tokens a chunk, and floats of a chunk's record in the prefill workspace (kRecord in prefill.cu).
+PREFILL_CHUNK, PREFILL_RECORD = 64, 2 * 20 * 32 * 4 + 256
 
 
 def _flag(x):
@@ -69,10 +80,19 @@ class Kernel(NamedTuple):
     slab: int
     block: int
     shared_bytes: int   #: dynamic shared memory a CTA
+    prep: str = ""      #: a kernel launched first with the same arguments (the prefill family's)
+    prep_shared_bytes: int = 0
+    prep_block: int = 0
 
     def grid(self, heads, V):
         """CTAs for ``heads`` = B * H heads of V value columns: one a slab of a head."""
         return heads * (V // self.slab)
+
+
+def prefill_slots(B, T, ragged):
+    """Chunk slots of a prefill workspace (kernels_cu/prefill.cu, "Workspace"): ``B * ceil(T / 64)``
+    for a dense batch, ``floor(T / 64) + B`` for B sequences packed into T tokens."""
+    return T // PREFILL_CHUNK + B if ragged else B * -(-T // PREFILL_CHUNK)
 
 
 # -- the tilings ------------------------------------------------------------------------------
@@ -116,6 +136,9 @@ def _all_tilings():
             if k == K:
                 out += [Tiling(_mma_name(layout, slab, tokens), layout, K, "delta_rule_mma", "delta_rule_mma.cu",
                                (slab,), slab, 2 * slab * K // 64, tokens, True) for layout in ("kv", "vk")]
+    for K in SUPPORTED_K:
+        out += [Tiling(f"{layout}{slab}c64", layout, K, "prefill_scan", "prefill.cu", (slab,), slab, 256,
+                       PREFILL_CHUNK, True) for layout in ("kv", "vk") for slab in PREFILL_SLABS]
     return tuple(out)
 
 
@@ -142,7 +165,8 @@ def tiling(layout, K, variant):
     return t
 
 
-def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=False):
+def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=False, precision="fp32",
+           bf16_keys=None):
     """The specialisation that runs ``variant``.
 
     ``separate_p``: Comba (a read key p apart from k); ``multi``: the T-token build (the chunked
@@ -150,9 +174,19 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
     16-token tensor-core variants run in 8-token passes (their build holds the 16-bit path only:
     both paths in one kernel spill), the 128-column slab as 64-column ones; ``serving``: the build
     with the serving options (a state pool, in-kernel gating; kernels_cu/params.cuh), every
-    family's last template flag, so that calls without them run code that holds none of them.
+    family's last template flag, so that calls without them run code that holds none of them;
+    ``precision``: the prefill family's products, "tf32" or "fp32" (the other families are fp32-accurate
+    whatever it says); ``bf16_keys``: q, k, p all bf16, which the prefill family stages as they are
+    (others as fp32; default ``not f32_keys``).
     """
     t = tiling(layout, K, variant)
+    if t.family == "prefill_scan":
+        wide = f32_keys if bf16_keys is None else not bf16_keys
+        acc = (3 if wide else 0) if precision == "tf32" else 2 if wide else 1
+        return Kernel(t.source, f"comba::prefill_scan<{K}, {t.slab}, {_flag(separate_p)}, {_flag(layout == 'vk')}, "
+                                f"{acc}, {_flag(serving)}>", t.slab, t.threads,
+                      prefill_scan_bytes(K, t.slab, separate_p, wide),
+                      f"comba::prefill_prep<{K}, {acc}, {_flag(serving)}>", prefill_prep_bytes(K, wide), 128)
     if t.family == "delta_rule_mma":
         slab, tokens = t.slab, t.tokens
         if f32_keys and tokens == 16:
@@ -173,12 +207,51 @@ def specialisations():
         for t in TILINGS:
             for separate_p in (True, False):
                 for multi in ((True,) if t.passes_only else (False, True)):
-                    k = kernel(t.layout, t.variant, K=t.K, separate_p=separate_p, multi=multi, serving=serving)
-                    exprs = out.setdefault(k.source, [])
-                    if k.expression not in exprs:
-                        exprs.append(k.expression)
+                    for precision, f32_keys in itertools.product(PRECISIONS, (False, True)):
+                        if t.family == "prefill_scan" and not prefill_fits(t.K, t.slab, separate_p, f32_keys):
+                            continue
+                        k = kernel(t.layout, t.variant, K=t.K, separate_p=separate_p, multi=multi, serving=serving,
+                                   precision=precision, f32_keys=f32_keys)
+                        exprs = out.setdefault(k.source, [])
+                        for e in (k.prep, k.expression):
+                            if e and e not in exprs:
+                                exprs.append(e)
     out["copy.cu"] = ["comba::copy_float4"]
     return {source: tuple(e) for source, e in out.items()}
+
+
+#: Shared memory a CTA may hold on the H200 (227 KB).
+MAX_SHARED = 232448
+
+
+def _prefill_layout(K, slab, separate_p, wide_keys):
+    """``(bytes of one stage, bytes of the rest)`` of ``ScanLayout`` (kernels_cu/prefill.cu)."""
+    rows = 40 if slab == 16 else slab + 8
+    fixed = 4 * (K // 4) * (4 * slab + 8) + 3 * 4 * PREFILL_CHUNK * rows
+    stage = (3 if separate_p else 2) * PREFILL_CHUNK * (K + 16) * (4 if wide_keys else 2) + \
+        PREFILL_CHUNK * 4 * slab + 4 * PREFILL_RECORD
+    return stage, fixed
+
+
+def prefill_prep_bytes(K, wide_keys):
+    """Bytes of ``PrepLayout<K, K32>`` (kernels_cu/prefill.cu): a chunk's q, k, p rows, then in their
+    place its two Gram matrices."""
+    keys = 3 * PREFILL_CHUNK * (K + 16) * (4 if wide_keys else 2)
+    return max(keys, 2 * 4 * PREFILL_CHUNK * (PREFILL_CHUNK + 1))
+
+
+def prefill_fits(K, slab, separate_p, wide_keys):
+    """Whether one stage of a chunk's inputs fits beside the rest; ``wide_keys``: not all of q, k, p bf16,
+    staged as fp32 (at K = 256 that fits only Gated DeltaNet on 16-column slabs)."""
+    stage, fixed = _prefill_layout(K, slab, separate_p, wide_keys)
+    return fixed + stage <= MAX_SHARED
+
+
+def prefill_scan_bytes(K, slab, separate_p, wide_keys):
+    """Bytes of ``ScanLayout<K, SLAB, SEPARATE_P, K32>`` (kernels_cu/prefill.cu): the state slab as the
+    read's operand, Y, U and w U of a chunk, and one or two stages of a chunk's inputs."""
+    stage, fixed = _prefill_layout(K, slab, separate_p, wide_keys)
+    return fixed + (2 if fixed + 2 * stage <= MAX_SHARED else 1) * stage
 
 
 def mma_stage_bytes(K, slab, separate_p, tokens):

@@ -3,8 +3,10 @@
 ``comba_forward(q, k, v, p, beta, g)`` and ``gated_delta_forward(q, k, v, beta, g)``: the state
 is read once (or starts at zero), stays on chip across the T tokens and is written once; o is
 written per token.  :mod:`cupy_comba.tiling` picks the kernel by T and batch: the token loop,
-4-token chunks, or 8- and 16-token chunks on the tensor cores (docs/design.md).  The options are
-those of the decode steps, and ``cu_seqlens`` for ragged batches (docs/serving.md).
+4-token chunks, 8- and 16-token chunks on the tensor cores, or for long prompts over few heads
+64-token chunks whose coefficients are formed for every chunk at once (docs/design.md).  The
+options are those of the decode steps, ``cu_seqlens`` for ragged batches (docs/serving.md) and
+``precision``.
 """
 
 from ._plan import run, serving
@@ -13,7 +15,7 @@ from ._plan import run, serving
 def comba_forward(q, k, v, p, beta, g, scale=None, *, initial_state=None, output_final_state=True, state_indices=None,
                   A_log=None, dt_bias=None, use_beta_sigmoid=False, cu_seqlens=None, intermediate_states=None,
                   num_accepted_tokens=None, out=None, state_out=None, o_dtype=None, state_layout="kv", gate="log",
-                  use_qk_l2norm=False, variant=None):
+                  use_qk_l2norm=False, variant=None, precision=None):
     """T Comba tokens in one launch: the state is read once, kept on chip, written once.
 
     Equal to T calls of :func:`cupy_comba.comba_decode_step`, token t's state feeding token
@@ -57,6 +59,11 @@ def comba_forward(q, k, v, p, beta, g, scale=None, *, initial_state=None, output
         Buffer for the final state; ``state_out=initial_state`` updates in place.
     o_dtype, state_layout, gate, use_qk_l2norm, variant
         As in :func:`cupy_comba.comba_decode_step`.
+    precision : {None, "tf32", "fp32"}
+        The products of the 64-token prefill kernels: "tf32" rounds their operands to TF32 (state
+        error ~3e-4 relative against float64 over long prompts), "fp32" splits them for fp32 accuracy
+        (~2e-7) at about twice the tensor-core work.  None: "tf32" when q, k, p and v are all 16-bit,
+        else "fp32".  Every other kernel is fp32-accurate whatever it says (docs/design.md).
 
     Returns
     -------
@@ -77,13 +84,14 @@ def comba_forward(q, k, v, p, beta, g, scale=None, *, initial_state=None, output
     return run(False, initial_state, q, k, v, p, beta, g, scale, output_final_state, out, state_out, o_dtype,
                state_layout, gate, use_qk_l2norm, variant,
                serving(state_indices, A_log, dt_bias, use_beta_sigmoid, cu_seqlens, intermediate_states,
-                       num_accepted_tokens))
+                       num_accepted_tokens), precision)
 
 
 def gated_delta_forward(q, k, v, beta, g, scale=None, *, initial_state=None, output_final_state=True,
                         state_indices=None, A_log=None, dt_bias=None, use_beta_sigmoid=False, cu_seqlens=None,
                         intermediate_states=None, num_accepted_tokens=None, out=None, state_out=None,
-                        o_dtype=None, state_layout="kv", gate="log", use_qk_l2norm=False, variant=None):
+                        o_dtype=None, state_layout="kv", gate="log", use_qk_l2norm=False, variant=None,
+                        precision=None):
     """T Gated DeltaNet tokens in one launch (:func:`comba_forward` with ``p = k``; k is read once).
 
     Parameters
@@ -92,7 +100,8 @@ def gated_delta_forward(q, k, v, beta, g, scale=None, *, initial_state=None, out
     v : ndarray, shape (B, T, H, V)
     beta, g : ndarray, shape (B, T, H)
     scale, initial_state, output_final_state, state_indices, A_log, dt_bias, use_beta_sigmoid, cu_seqlens,
-    intermediate_states, num_accepted_tokens, out, state_out, o_dtype, state_layout, gate, use_qk_l2norm, variant
+    intermediate_states, num_accepted_tokens, out, state_out, o_dtype, state_layout, gate, use_qk_l2norm, variant,
+    precision
         As in :func:`comba_forward`.
 
     Returns
@@ -113,4 +122,4 @@ def gated_delta_forward(q, k, v, beta, g, scale=None, *, initial_state=None, out
     return run(False, initial_state, q, k, v, None, beta, g, scale, output_final_state, out, state_out, o_dtype,
                state_layout, gate, use_qk_l2norm, variant,
                serving(state_indices, A_log, dt_bias, use_beta_sigmoid, cu_seqlens, intermediate_states,
-                       num_accepted_tokens))
+                       num_accepted_tokens), precision)

@@ -33,6 +33,7 @@ class Case(NamedTuple):
     multi: bool
     T: int
     heads: int | None   #: B * H; None means many
+    wide_keys: bool = False  #: not all of q, k, p bf16 (the prefill kernels stage those as fp32)
 
     @property
     def few(self):
@@ -70,11 +71,41 @@ def _mma(c):
     return f"{c.layout}{32 if narrow else 64}tc{16 if c.sixteen else ''}"
 
 
+#: The prefill kernels take T-token passes from PREFILL_MIN_T tokens over at most PREFILL_HEADS heads, and from
+#: PREFILL_LONG_T tokens over at most twice that.
+PREFILL_MIN_T, PREFILL_HEADS, PREFILL_LONG_T = 256, 32, 4096
+
+
+def _prefill(c):
+    from .families import prefill_fits
+
+    if not c.multi or c.heads is None or c.V % 32 or c.K != 128:  # measured at K = 128 only so far
+        return False
+    if not ((c.heads <= PREFILL_HEADS and c.T >= PREFILL_MIN_T) or (c.heads <= 2 * PREFILL_HEADS
+                                                                    and c.T >= PREFILL_LONG_T)):
+        return False
+    return prefill_fits(c.K, _prefill_slab(c), c.separate_p, c.wide_keys)
+
+
+def _prefill_slab(c):
+    return 16 if c.heads <= 16 else 32
+
+
 def _tensor_cores(c):
     return c.multi and c.T >= c.mma_min_t and (c.few or c.wide)
 
 
 RULES = (
+    Rule("prefill: 64-token chunks on the tensor cores",
+         _prefill,
+         lambda c: f"{c.layout}{_prefill_slab(c)}c64",
+         "h200-prefill-tiling.json (K = V = 128, kv; vk runs the same scan, its state read and written once "
+         "in its own layout; K = 64 and 256 are not measured yet and keep the rules below): over 1-16 heads 16-column slabs from T = 256, Gated DeltaNet 34.6-36.6 against 53.3-53.4 us "
+         "for kv32tc16, T = 4096 229.7-299.0 against 805.3-808.3 us; over 32 heads 32-column slabs (T = 256: "
+         "41.4 against 53.8 us, T = 4096: 437.3 against 810.9 us); over 64 heads the tensor-core kernel "
+         "leads up to T = 1024 (223.2 against 234.5 us) and 32-column slabs from T = 4096 (827.7 against 879.4 "
+         "us; Comba 881.4 against 945.2); over 128 heads kv64tc16 leads at every T (T = 4096: 1309.1 against "
+         "1599.4 us)."),
     Rule("K = 256: the kv token loop",
          lambda c: c.K == 256 and c.layout == "kv",
          lambda c: "kv64x16" if c.wide and (c.heads is None or c.heads > 1024) else "kv32x16",
@@ -146,15 +177,16 @@ RULES = (
 )
 
 
-def explain(layout, K, V, separate_p, multi=False, T=1, heads=None):
+def explain(layout, K, V, separate_p, multi=False, T=1, heads=None, wide_keys=False):
     """The :class:`Rule` that decides a shape."""
-    case = Case(layout, K, V, bool(separate_p), bool(multi), T, heads)
+    case = Case(layout, K, V, bool(separate_p), bool(multi), T, heads, bool(wide_keys))
     return next(rule for rule in RULES if rule.applies(case))
 
 
-def choose(layout, K, V, separate_p, multi=False, T=1, heads=None):
-    """The variant for a shape: ``multi`` for T-token passes (T of them), ``heads`` = B * H."""
-    case = Case(layout, K, V, bool(separate_p), bool(multi), T, heads)
+def choose(layout, K, V, separate_p, multi=False, T=1, heads=None, wide_keys=False):
+    """The variant for a shape: ``multi`` for T-token passes (T of them), ``heads`` = B * H; ``wide_keys``
+    not all of q, k, p bf16."""
+    case = Case(layout, K, V, bool(separate_p), bool(multi), T, heads, bool(wide_keys))
     for rule in RULES:
         if rule.applies(case):
             return rule.variant(case)

@@ -84,6 +84,13 @@ __device__ __forceinline__ void store_act_pair(void* base, long long i, long lon
     }
 }
 
+// Whether every 4-key run of an activation [B, T, H, K] is one aligned vector load.
+__device__ __forceinline__ bool rows_vectorisable(const void* base, long long sb, long long st, long long sh,
+                                                  long long sk, long long dtype) {
+    const unsigned long long bytes = dtype == F32 ? 16 : 8;
+    return sk == 1 && sb % 4 == 0 && st % 4 == 0 && sh % 4 == 0 && reinterpret_cast<unsigned long long>(base) % bytes == 0;
+}
+
 // State accesses: plain loads and stores, 16 bytes (8 for the tensor-core kernel's pairs).  Not
 // `.nc` (the state may be updated in place, state_out == state) and deliberately no streaming hint:
 // on the H200, `.cs` loads and stores cost 4-7 % of copy bandwidth in every tiling we measured

@@ -70,13 +70,6 @@ __device__ __forceinline__ float4 bits4_to_float4(uint4 u, long long dtype, bool
                        f16_bits_to_float(u.y >> 16));
 }
 
-// Whether every 4-key run of an activation [B, T, H, K] is one aligned vector load.
-__device__ __forceinline__ bool rows_vectorisable(const void* base, long long sb, long long st, long long sh,
-                                                  long long sk, long long dtype) {
-    const unsigned long long bytes = dtype == F32 ? 16 : 8;
-    return sk == 1 && sb % 4 == 0 && st % 4 == 0 && sh % 4 == 0 && reinterpret_cast<unsigned long long>(base) % bytes == 0;
-}
-
 // Raw bits of one chunk that thread `tid` stages: in pass P keys 4 (tid + P NT) .. + 3 of the C x K
 // token-major q, k, p (one token), EV consecutive values of the v slab, and beta / g on threads
 // 0 .. 2C - 1.  On the register path one pass is issued a chunk ahead; with two passes the second

@@ -3,6 +3,7 @@ its state accesses as wide as they are written, and a spread of them for sm_80 a
 
 import re
 
+import numpy
 import pytest
 
 from cupy_comba import _build, families, tiling
@@ -25,18 +26,27 @@ def test_includes_are_expanded_once():
     assert src.count("struct KvSlab {") == 1
 
 
+def _expressions(kernel):
+    return (kernel.expression, kernel.prep) if kernel.prep else (kernel.expression,)
+
+
 def test_the_registry_lists_every_build_once():
     counts = {source: len(e) for source, e in SPECIALISATIONS.items()}
     # token loop: 2 K x (5 kv + 2 vk tilings) + K = 256 x (3 kv + 2 vk tilings), x p or not x decode or T tokens;
     # chunked: 2 K x 2 kv + 2 vk at K = 128, x p or not; tensor cores: 9 builds (K, slab, tokens) x p or not x
-    # layout; each with and without the serving options
-    assert counts == {"token_loop.cu": 152, "chunked.cu": 24, "delta_rule_mma.cu": 72, "copy.cu": 1}
+    # layout; prefill: 3 K x (2 slabs x 2 layouts x p or not scans + 1 prep) x 4 numerics (tf32 or fp32; bf16 or
+    # wider keys) less the 24 scans whose stage does not fit (K = 256, wider keys); each with and without the
+    # serving options
+    assert counts == {"token_loop.cu": 152, "chunked.cu": 24, "delta_rule_mma.cu": 72, "prefill.cu": 192,
+                      "copy.cu": 1}
     for source, expressions in SPECIALISATIONS.items():
         assert len(set(expressions)) == len(expressions), source
-    reached = {families.kernel(t.layout, t.variant, K=t.K, separate_p=sep, multi=multi, f32_keys=f32,
-                               serving=serving).expression
-               for t in families.TILINGS for sep in (True, False) for multi in (False, True) for f32 in (False, True)
-               for serving in (False, True) if multi or not t.passes_only}
+    reached = {e for t in families.TILINGS for sep in (True, False) for multi in (False, True)
+               for f32 in (False, True) for serving in (False, True) for precision in families.PRECISIONS
+               if multi or not t.passes_only
+               if t.family != "prefill_scan" or families.prefill_fits(t.K, t.slab, sep, f32)
+               for e in _expressions(families.kernel(t.layout, t.variant, K=t.K, separate_p=sep, multi=multi,
+                                                     f32_keys=f32, serving=serving, precision=precision))}
     assert reached == {e for s, exprs in SPECIALISATIONS.items() if s != "copy.cu" for e in exprs}
 
 
@@ -79,7 +89,8 @@ def _pre_hopper_spread():
         for e in expressions:
             args = _template_args(e) if "<" in e else []
             family = e.split("<")[0]
-            flags = tuple(a for a in args if a in ("true", "false")) + ((args[4],) if "mma" in family else ())
+            flags = tuple(a for a in args if a in ("true", "false")) + ((args[4],) if "mma" in family else ()) + \
+                ((args[4],) if "prefill_scan" in family else (args[1],) if "prefill_prep" in family else ())
             if (family, flags) not in seen:
                 seen.add((family, flags))
                 picks.append((source, e))
@@ -89,7 +100,9 @@ def _pre_hopper_spread():
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89"])
 def test_every_family_also_builds_for_pre_hopper_gpus(arch):
     picks = _pre_hopper_spread()
-    assert len(picks) == 41  # 8 + 8 token loop, 4 + 4 chunked, 16 tensor cores (each with and without serving), the copy
+    # 8 + 8 token loop, 4 + 4 chunked, 16 tensor cores, 4 + 32 prefill (numerics x p x layout) (each with and
+    # without serving), the copy
+    assert len(picks) == 81
     for source in SPECIALISATIONS:
         expressions = [e for s, e in picks if s == source]
         assert set(_build.compile_for_arch(source, expressions, arch)) == set(expressions)
@@ -128,3 +141,53 @@ def test_mma_stage_bytes_is_the_struct_size():
             pytest.fail(nvrtc.getProgramLog(prog))
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def test_prefill_shared_bytes_are_the_layouts():
+    """families.prefill_scan_bytes and prefill_prep_bytes (the dynamic shared memory the launch passes) equal
+    ScanLayout::BYTES and PrepLayout::BYTES of kernels_cu/prefill.cu for every build, and prefill_fits names
+    exactly the builds whose stage fits."""
+    checks = []
+    for expression in SPECIALISATIONS["prefill.cu"]:
+        args = _template_args(expression)
+        if expression.startswith("comba::prefill_prep"):
+            K, acc, _ = args
+            n = families.prefill_prep_bytes(int(K), int(acc) >= 2)
+            checks.append(f'static_assert(comba::PrepLayout<{K}, {"true" if int(acc) >= 2 else "false"}>::BYTES == '
+                          f'{n}, "{expression}");')
+        else:
+            K, slab, sep, _, acc, _ = args
+            wide = int(acc) >= 2
+            assert families.prefill_fits(int(K), int(slab), sep == "true", wide)
+            n = families.prefill_scan_bytes(int(K), int(slab), sep == "true", wide)
+            checks.append(f'static_assert(comba::ScanLayout<{K}, {slab}, {sep}, {"true" if wide else "false"}>::BYTES '
+                          f'== {n}, "{expression}");')
+    assert len(checks) == 192
+    source = _build.kernel_source("prefill.cu") + "\n" + "\n".join(checks) + "\n"
+    prog = nvrtc.createProgram(source, "prefill_bytes.cu", (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, _build.NVRTC_OPTIONS + ("--gpu-architecture=compute_90",))
+        except nvrtc.NVRTCError:
+            pytest.fail(nvrtc.getProgramLog(prog))
+    finally:
+        nvrtc.destroyProgram(prog)
+    # what does not fit is not built: K = 256 with fp32 keys, except Gated DeltaNet on 16-column slabs
+    assert [(K, slab, sep) for K in families.SUPPORTED_K for slab in families.PREFILL_SLABS for sep in (True, False)
+            if not families.prefill_fits(K, slab, sep, True)] == [(256, 32, True), (256, 32, False), (256, 16, True)]
+    assert all(families.prefill_fits(K, slab, sep, False) for K in families.SUPPORTED_K
+               for slab in families.PREFILL_SLABS for sep in (True, False))
+
+
+def test_chunk_slots_of_a_ragged_batch_are_distinct():
+    """The slot formula of kernels_cu/prefill.cu ("Workspace"): no two chunks of a ragged batch share a
+    record, and every one lies below families.prefill_slots."""
+    rng = numpy.random.default_rng(0)
+    for _ in range(500):
+        lens = rng.integers(0, 300, rng.integers(1, 12))
+        lens[rng.random(lens.shape) < 0.2] = 0
+        starts = numpy.concatenate([[0], numpy.cumsum(lens)])[:-1]
+        slots = [s // 64 + n + c for n, (s, ln) in enumerate(zip(starts, lens)) for c in range(-(-ln // 64))]
+        assert len(set(slots)) == len(slots)
+        assert max(slots, default=-1) < families.prefill_slots(len(lens), int(lens.sum()), True)
+    assert families.prefill_slots(3, 129, False) == 9 and families.prefill_slots(3, 0, False) == 0

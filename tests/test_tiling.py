@@ -42,8 +42,9 @@ def test_vk_chunked_kernel_to_seven_tokens_over_many_heads(heads):
 
 @pytest.mark.parametrize("heads,K,slab", [(16, 128, 32), (32, 128, 32), (64, 128, 64), (16, 64, 64)])
 def test_slab_width_over_few_heads(heads, K, slab):
-    assert tiling.choose("kv", K, 128, False, True, 512, heads) == f"kv{slab}tc16"
-    assert tiling.choose("kv", K, 96, False, True, 512, heads) == "kv32tc16"  # V not a multiple of 64
+    T = tiling.PREFILL_MIN_T - 1  # the longest pass the tensor-core kernel takes over few heads
+    assert tiling.choose("kv", K, 128, False, True, T, heads) == f"kv{slab}tc16"
+    assert tiling.choose("kv", K, 96, False, True, T, heads) == "kv32tc16"  # V not a multiple of 64
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
@@ -61,10 +62,11 @@ def test_wide_slab_at_k64_over_many_heads(layout):
 
 
 def test_mma_variant_names():
-    assert families.variants("kv", 128, 128, multi=True)[-4:] == ("kv64tc", "kv64tc16", "kv32tc", "kv32tc16")
+    assert families.variants("kv", 128, 128, multi=True)[-6:] == ("kv64tc", "kv64tc16", "kv32tc", "kv32tc16",
+                                                                  "kv32c64", "kv16c64")
     assert not any(v.endswith("tc16") for v in families.variants("vk", 128, 128))  # T-token passes only
     assert families.tiling("vk", 128, "vk32tc16").passes_only
-    assert families.variants("kv", 64, 128, multi=True)[-1] == "kv128tc16"  # K = 64 only, V a multiple of 128
+    assert families.variants("kv", 64, 128, multi=True)[-3] == "kv128tc16"  # K = 64 only, V a multiple of 128
     assert "vk128tc16" in families.variants("vk", 64, 256, multi=True)
     assert not any("128tc" in v for layout, K, V in (("kv", 128, 128), ("vk", 128, 256), ("kv", 64, 192))
                    for v in families.variants(layout, K, V, multi=True))
@@ -89,3 +91,22 @@ def test_gated_deltanet_decode_over_very_few_heads(heads, variant):
     comba = "kv64x8" if heads is None or heads > 64 else "kv32x16"
     assert tiling.choose("kv", 128, 128, True, heads=heads) == comba
     assert tiling.choose("kv", 128, 128, False, multi=True, T=1, heads=heads) == "kv64x4"  # T-token build
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("comba", [True, False])
+def test_prefill_over_few_heads_and_long_prompts(layout, comba):
+    """h200-prefill-tiling.json: 64-token chunks from T = 256 over at most 32 heads (16-column slabs up to 16
+    heads), from T = 4096 over 64; the tensor-core kernel otherwise."""
+    def choose(T, heads, **kw):
+        return tiling.choose(layout, 128, 128, comba, True, T, heads, **kw)
+
+    assert choose(255, 16) == f"{layout}32tc16"
+    assert choose(256, 1) == choose(8192, 16) == f"{layout}16c64"
+    assert choose(256, 32) == choose(32768, 17) == f"{layout}32c64"
+    assert choose(1024, 64) == f"{layout}64tc16" and choose(4096, 64) == f"{layout}32c64"
+    assert choose(4096, 128) == f"{layout}64tc16" and choose(65536, None) == f"{layout}64tc16"
+    assert not tiling.choose(layout, 128, 128, comba, False, 1, 16).endswith("c64")  # a decode step
+    assert not tiling.choose(layout, 256, 128, comba, True, 4096, 16).endswith("c64")  # measured at K = 128 only
+    assert tiling.choose(layout, 128, 96, comba, True, 4096, 16) == f"{layout}16c64"  # V a multiple of 16
+    assert tiling.choose(layout, 128, 128, comba, True, 4096, 16, wide_keys=True) == f"{layout}16c64"

@@ -1,0 +1,140 @@
+"""Long forward passes: the 64-token prefill kernels against the library's other kernels, and against
+flash-linear-attention's chunked kernels in the same process (bf16, K = V = 128, CUDA-graph replay).
+
+    PYTHONPATH=. python benchmarks/sweep_prefill.py --tiling benchmarks/results/h200-prefill-tiling.json
+    PYTHONPATH=.:/tmp/site python benchmarks/sweep_prefill.py --fla benchmarks/results/h200-prefill.json
+
+``--tiling``: Gated DeltaNet and Comba, "kv" and "vk", over 1-128 heads (H = 16; H = 32 from 32 heads
+on) and T = 256-4096: both 64-token slabs and the kernel the tiling takes below PREFILL_MIN_T.
+``--fla`` (needs torch and fla-core): the shapes of the issue's table, both ops, our choice against
+``chunk_gated_delta_rule`` / ``chunk_comba``, as rows ``{op, B, T, H, K, V, dtype, ours_us, fla_us}``;
+and the relative errors of o and of the final state of both against the float64 reference at B = 1,
+T = 1024, H = 4 (each library's bf16 default).
+"""
+
+import argparse
+import json
+
+import cupy
+import numpy
+
+from cupy_comba import bfloat16, comba_forward, gated_delta_forward, reference, tiling
+from cupy_comba.bench import environment, time_graph
+from cupy_comba.inputs import forward_inputs
+
+K = V = 128
+FLA_SHAPES = ((1, 1024, 16), (1, 4096, 16), (1, 8192, 16), (1, 32768, 32), (8, 2048, 16), (4, 4096, 32))
+
+
+def _call(comba, args, **opts):
+    """One forward pass into buffers made once (a captured call must not allocate)."""
+    q, k, v, p, beta, g, S = args
+    out, state_out = cupy.empty(v.shape, bfloat16), cupy.empty_like(S)
+    if comba:
+        return lambda: comba_forward(q, k, v, p, beta, g, initial_state=S, out=out, state_out=state_out, **opts)
+    return lambda: gated_delta_forward(q, k, v, beta, g, initial_state=S, out=out, state_out=state_out, **opts)
+
+
+def sweep_tiling(layouts):
+    rows = []
+    for layout in layouts:
+        for comba in (False, True):
+            for heads in (1, 16, 32, 64, 128):
+                H = min(16 if heads < 32 else 32, heads)
+                B = heads // H
+                for T in (256, 512, 1024, 4096):
+                    args = forward_inputs(B, T, H, K, V, xp=cupy, state_layout=layout, warm_steps=0, seed=T)
+                    base = tiling.choose(layout, K, V, comba, True, min(T, tiling.PREFILL_MIN_T - 1), heads)
+                    times = {}
+                    for variant in (base, f"{layout}16c64", f"{layout}32c64"):
+                        times[variant] = time_graph(_call(comba, args, state_layout=layout, variant=variant),
+                                                    iters=5).median_us
+                    chosen = tiling.choose(layout, K, V, comba, True, T, heads)
+                    row = dict(op="comba" if comba else "gdn", layout=layout, B=B, T=T, H=H, us=times,
+                               chosen=chosen)
+                    rows.append(row)
+                    best = min(times, key=times.get)
+                    print(f"{row['op']:5s} {layout} heads={heads:4d} T={T:5d} " +
+                          " ".join(f"{v}={t:8.1f}" for v, t in times.items()) +
+                          f"  best {best}, chosen {chosen} ({times.get(chosen, float('nan')) / times[best]:.3f})",
+                          flush=True)
+    return rows
+
+
+def sweep_fla():
+    import torch
+    from fla.ops.comba import chunk_comba
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    def torch_graph(fn, iters=5):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(iters):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(3):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) * 1e3 / iters)
+        return float(numpy.median(ts))
+
+    T_ = lambda a: torch.from_dlpack(a)  # noqa: E731 - the same memory, no copy
+    rows = []
+    for B, T, H in FLA_SHAPES:
+        args = forward_inputs(B, T, H, K, V, xp=cupy, warm_steps=0, seed=T + H)
+        q, k, v, p, beta, g, S = (T_(a) for a in args)
+        for comba in (False, True):
+            ours = time_graph(_call(comba, args), iters=5).median_us
+            if comba:
+                fla = torch_graph(lambda: chunk_comba(q, k, v, p, g, beta, initial_state=S, output_final_state=True))
+            else:
+                fla = torch_graph(lambda: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=S,
+                                                                 output_final_state=True))
+            row = dict(op="comba" if comba else "gdn", B=B, T=T, H=H, K=K, V=V, dtype="bfloat16", ours_us=ours,
+                       fla_us=fla, ours_variant=tiling.choose("kv", K, V, comba, True, T, B * H))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    # accuracy of each library's bf16 default against float64 (Gated DeltaNet; FLA's Comba is another function)
+    args = forward_inputs(1, 1024, 4, K, V, xp=cupy, warm_steps=4, seed=5)
+    host = [cupy.asnumpy(a) for a in args]
+    S_ref, o_ref = reference.comba_loop(host[6], host[0], host[1], host[2], host[1], host[4], host[5])
+    o, S = gated_delta_forward(*args[:3], *args[4:6], initial_state=args[6])
+    q, k, v, p, beta, g, S0 = (T_(a) for a in args)
+    of, Sf = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=S0, output_final_state=True)
+    errors = dict(ours_o=reference.relative_error(o, o_ref), ours_state=reference.relative_error(S, S_ref),
+                  fla_o=reference.relative_error(cupy.from_dlpack(of.contiguous()), o_ref),
+                  fla_state=reference.relative_error(cupy.from_dlpack(Sf.contiguous()), S_ref),
+                  shape=dict(B=1, T=1024, H=4, K=K, V=V))
+    print(json.dumps(errors), flush=True)
+    return rows, errors
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiling", metavar="JSON")
+    ap.add_argument("--layouts", default="kv,vk")
+    ap.add_argument("--fla", metavar="JSON")
+    a = ap.parse_args()
+    if a.tiling:
+        rows = sweep_tiling(a.layouts.split(","))
+        with open(a.tiling, "w") as f:
+            json.dump({"environment": environment(), "rows": rows}, f, indent=1)
+    if a.fla:
+        rows, errors = sweep_fla()
+        with open(a.fla, "w") as f:
+            json.dump({"environment": environment(), "rows": rows, "errors": errors}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,820 @@
+// prefill.cu -- long forward passes of the gated delta rule in chunks of 64 tokens on the tensor
+// cores, in two kernels: `prefill_prep`, parallel over every chunk of every head, forms each chunk's
+// coefficients; `prefill_scan`, parallel over heads and slabs of value columns, carries the state
+// from chunk to chunk and writes o.  Either state layout, Comba and Gated DeltaNet (p = k).
+//
+// Math.  A chunk of C = 64 tokens from the state S0 (K x V); G_t = e_0 ... e_t, r(j, t) = e_{j+1}
+// ... e_t (r(t, t) = 1); fq, fk, fp the L2-norm factors (1 without use_qk_l2norm; 0 for the tokens
+// past a sequence's end, which also get beta = 0 and e = 1 and so change nothing).  Rows are tokens:
+// P, Q, Kc the chunk's raw read keys, queries and write keys (C x K), Vc its values (C x V).
+//
+//   L[t][j]  = beta_t fp_t fk_j r(j, t) (p_t . k_j),  j < t          (prep: a Gram product)
+//   A        = (I + L)^-1 diag(beta)                                  (prep: a 64 x 64 solve)
+//   Mq[t][j] = scale fq_t fk_j r(j, t) (q_t . k_j),   j <= t          (prep)
+//   Y  = Vc - diag(G fp) P S0                                         (scan, with the state S0)
+//   U  = A Y                                                          the chunk's corrections u_t
+//   O  = diag(scale G fq) Q S0 + Mq U
+//   S  = G_63 S0 + Kc^T diag(w) U,   w_j = r(j, 63) fk_j
+//
+// -- the token recurrence of token_loop.cu (u_t = beta_t (v_t - S^T p_t) after the decay, o_t read
+// from the new state), unrolled over the chunk: exact algebra.  The decays are running products, as
+// the token loop applies them (no logarithms, no division: a gate of 0 is exact).
+//
+// Precision (ACC).  Every product runs on mma.sync m16n8k8 with TF32 operands and fp32 accumulation;
+// the state stays fp32 from chunk to chunk in the accumulators.  "tf32" (ACC 0: bf16 keys, 3: fp16 or
+// fp32 keys): each operand rounded to TF32 once -- bf16 keys are TF32 values already, the state, Y,
+// U and the coefficients are rounded by whoever produces them -- one mma.sync a product.  "fp32"
+// (ACC 1: bf16 keys, 2: wider): operands split as hi + lo (mma_ops.cuh's split), three products a
+// product (3xTF32, fp32-accurate), two where the keys are bf16 (their lo is 0).  The scan stages bf16
+// keys as they are and fp16 / fp32 ones as floats (ACC >= 2).
+//
+// Workspace (the `inter` pointer slot, which these kernels never hold as intermediate_states): one
+// record of kRecord floats a (chunk slot, value head): A and Mq as mma.sync A fragments, only the
+// 20 of the 32 16 x 8 tiles on or below the diagonal (tile (m, ks) at m (m + 1) + ks, 32 lanes x 4
+// floats), then G fp, scale G fq, w (64 each) and G_63.  Chunk slots: in a dense batch row b's chunk
+// c is slot b ceil(T / 64) + c; in a ragged batch sequence n's chunk c is slot floor(start_n / 64) +
+// n + c, which no two chunks share and which stays below floor(total / 64) + N (`first_slot`): the
+// grid is sized on the host from the packed length and the number of sequences, with no device sync.
+//
+// Launch geometry.  prep: one 128-thread CTA a (chunk slot, value head), its keys staged in shared
+// memory (PrepLayout); the Gram tiles on or below the diagonal shared out evenly over the four warps,
+// then threads 0 .. 63 run the decay products and the solve, one column each.  scan: one 256-thread
+// CTA a (row, value head, slab of VT = 16 or 32 value columns); warp w holds token tile w % 4 of Y, U
+// and O and half (w / 4) of the slab's column tiles, and of the state (K x VT fp32) key tiles
+// K / 64 (w % 4) .. + K / 64 - 1 of those columns, in its accumulators; the state is also published
+// to shared memory for the read.  A chunk's inputs are staged by cp.async into one of two stages
+// (ScanLayout; one where two do not fit) while the previous chunk is computed.  Three CTA barriers a
+// chunk (four with one stage).
+#include "common.cuh"
+#include "params.cuh"
+#include "mma_ops.cuh"
+
+namespace comba {
+
+constexpr int kPrefillChunk = 64;
+constexpr int kPrefillThreads = 128, kScanThreads = 256;
+constexpr int kFragTiles = 20;                      // 16 x 8 tiles on or below the diagonal of 64 x 64
+constexpr int kFragFloats = kFragTiles * 32 * 4;
+constexpr int kRecordA = 0, kRecordMq = kFragFloats, kRecordGp = 2 * kFragFloats;
+constexpr int kRecordGq = kRecordGp + 64, kRecordW = kRecordGq + 64, kRecordG = kRecordW + 64;
+constexpr int kRecord = kRecordGp + 256;
+
+// x rounded to TF32 (the hi of split).
+__device__ __forceinline__ unsigned tf32(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
+
+// How a value becomes a TF32 operand: as it is (a bf16 value, or one its producer rounded), rounded,
+// or split into hi + lo.
+enum OperandMode { kExact = 0, kRound = 1, kSplit = 2 };
+
+template <int MODE>
+__device__ __forceinline__ void operand(float x, unsigned& hi, unsigned& lo) {
+    if (MODE == kSplit) split(x, hi, lo);
+    else hi = MODE == kRound ? tf32(x) : __float_as_uint(x);
+}
+
+// x as its consumer reads it: rounded to TF32 once here when the consumer takes it as it is.
+template <int MODE>
+__device__ __forceinline__ float produced(float x) {
+    return MODE == kExact ? __uint_as_float(tf32(x)) : x;
+}
+
+// d += a b on the tensor cores: a hi b hi, plus a lo b hi and a hi b lo where those operands are split.
+template <bool A_LO, bool B_LO>
+__device__ __forceinline__ void mma_acc(float (&d)[4], const unsigned (&ah)[4], const unsigned (&al)[4],
+                                        unsigned bh0, unsigned bh1, unsigned bl0, unsigned bl1) {
+    if (A_LO) mma_tf32(d[0], d[1], d[2], d[3], al, bh0, bh1);
+    if (B_LO) mma_tf32(d[0], d[1], d[2], d[3], ah, bl0, bl1);
+    mma_tf32(d[0], d[1], d[2], d[3], ah, bh0, bh1);
+}
+
+template <int MODE>
+__device__ __forceinline__ void a_operand4(float a0, float a1, float a2, float a3, unsigned (&hi)[4],
+                                           unsigned (&lo)[4]) {
+    operand<MODE>(a0, hi[0], lo[0]);
+    operand<MODE>(a1, hi[1], lo[1]);
+    operand<MODE>(a2, hi[2], lo[2]);
+    operand<MODE>(a3, hi[3], lo[3]);
+}
+
+// Four consecutive keys key .. key + 3 of the row at element offset `row` (zeros when !valid): one
+// 8- or 16-byte load when `vec` (rows_vectorisable: contiguous keys, aligned rows), else four.
+__device__ __forceinline__ float4 load_keys4(const void* base, long long row, int key, long long sk, long long dtype,
+                                             bool vec, bool valid) {
+    if (!valid) return make_float4(0.f, 0.f, 0.f, 0.f);
+    if (vec) {
+        if (dtype == F32) return *reinterpret_cast<const float4*>(static_cast<const float*>(base) + row + key);
+        const uint2 w = *reinterpret_cast<const uint2*>(static_cast<const unsigned short*>(base) + row + key);
+        return make_float4(bits_to_float(w.x & 0xffffu, dtype), bits_to_float(w.x >> 16, dtype),
+                           bits_to_float(w.y & 0xffffu, dtype), bits_to_float(w.y >> 16, dtype));
+    }
+    const long long i = row + key * sk;
+    const unsigned b0 = load_bits(base, i, dtype), b1 = load_bits(base, i + sk, dtype);
+    const unsigned b2 = load_bits(base, i + 2 * sk, dtype), b3 = load_bits(base, i + 3 * sk, dtype);
+    return make_float4(bits_to_float(b0, dtype), bits_to_float(b1, dtype), bits_to_float(b2, dtype),
+                       bits_to_float(b3, dtype));
+}
+
+// Two consecutive elements i, i + s of a row (zeros when !valid): one load when `paired` (s == 1,
+// aligned), else two.
+__device__ __forceinline__ float2 load_pair(const void* base, long long i, long long s, long long dtype, bool paired,
+                                            bool valid) {
+    if (!valid) return make_float2(0.f, 0.f);
+    if (paired) {
+        if (dtype == F32) return *reinterpret_cast<const float2*>(static_cast<const float*>(base) + i);
+        const unsigned w = *reinterpret_cast<const unsigned*>(static_cast<const unsigned short*>(base) + i);
+        return make_float2(bits_to_float(w & 0xffffu, dtype), bits_to_float(w >> 16, dtype));
+    }
+    return make_float2(bits_to_float(load_bits(base, i, dtype), dtype),
+                       bits_to_float(load_bits(base, i + s, dtype), dtype));
+}
+
+__device__ __forceinline__ bool pairs_aligned(const void* base, long long sb, long long st, long long sh, long long s,
+                                              long long dtype) {
+    return s == 1 && sb % 2 == 0 && st % 2 == 0 && sh % 2 == 0 &&
+           reinterpret_cast<unsigned long long>(base) % (dtype == F32 ? 8 : 4) == 0;
+}
+
+// The clamped first token of row b (0 in a dense batch).
+template <bool SERVING>
+__device__ __forceinline__ long long row_start(const void* cu, const Params& prm, int b) {
+    if (!SERVING || !prm.cu_t) return 0;
+    const long long a = prm.cu_t == 1 ? reload(static_cast<const int*>(cu) + b)
+                                      : reload(static_cast<const long long*>(cu) + b);
+    return min(max(a, 0LL), prm.T);
+}
+
+// The chunk slot of row b's first chunk (header, "Workspace").
+template <bool SERVING>
+__device__ __forceinline__ long long first_slot(const void* cu, const Params& prm, int b) {
+    if (!SERVING || !prm.cu_t) return b * ((prm.T + kPrefillChunk - 1) / kPrefillChunk);
+    return row_start<SERVING>(cu, prm, b) / kPrefillChunk + b;
+}
+
+// The row whose chunks hold slot `slot`, and the chunk (negative or past the row's end for a slot of
+// no chunk): the last row b with first_slot(b) <= slot, by bisection in a ragged batch.
+template <bool SERVING>
+__device__ __forceinline__ int slot_row(const void* cu, const Params& prm, long long slot, long long& chunk) {
+    const int B = static_cast<int>(prm.B);
+    int lo = 0;
+    if (!SERVING || !prm.cu_t) {
+        lo = static_cast<int>(slot / ((prm.T + kPrefillChunk - 1) / kPrefillChunk));
+    } else {
+        int hi = B - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (first_slot<SERVING>(cu, prm, mid) <= slot) lo = mid;
+            else hi = mid - 1;
+        }
+    }
+    chunk = slot - first_slot<SERVING>(cu, prm, lo);
+    return lo;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Staging: a chunk's rows of q, k, p in shared memory as they are in memory (bf16) or as floats.
+__device__ __forceinline__ void copy_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)), "l"(src),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+}
+
+// Whether the rows of a key array can be copied as 16-byte pieces into a stage of ES-byte elements
+// (bf16 into 16-bit stages, fp32 into fp32 ones).
+__device__ __forceinline__ bool rows_copyable(const void* base, long long sb, long long st, long long sh,
+                                              long long sk, long long dtype, int es) {
+    const int per = 16 / es;
+    return (es == 4 ? dtype == F32 : dtype == BF16) && sk == 1 && sb % per == 0 && st % per == 0 && sh % per == 0 &&
+           reinterpret_cast<unsigned long long>(base) % 16 == 0;
+}
+
+// Rows t0 .. t0 + C - 1 of one key array into a stage (zeros from row n on): 16-byte copies, or plain
+// loads stored as ES-byte elements (bf16 bits -- the 16-bit stages hold bf16 keys only -- or floats).
+template <int K, int ES, int NTHREADS>
+__device__ __forceinline__ void stage_keys(unsigned char* dst, const void* src, long long row0, long long st,
+                                           long long sk, long long dtype, int n, bool copyable, int tid) {
+    constexpr int KP = K + 16, PER = 16 / ES, PIECES = kPrefillChunk * K / PER;
+    if (copyable) {
+#pragma unroll 4
+        for (int i = tid; i < PIECES; i += NTHREADS) {
+            const int t = i / (K / PER), e = (i - t * (K / PER)) * PER;
+            const bool in = t < n;
+            const char* from = static_cast<const char*>(src) + (row0 + (in ? t : 0) * st + e) * ES;
+            copy_async16(dst + (t * KP + e) * ES, from, in);
+        }
+        return;
+    }
+    for (int i = tid; i < kPrefillChunk * K; i += NTHREADS) {
+        const int t = i / K, e = i - t * K;
+        const unsigned bits = t < n ? load_bits(src, row0 + t * st + e * sk, dtype) : 0u;
+        if (ES == 2) reinterpret_cast<unsigned short*>(dst)[t * KP + e] = static_cast<unsigned short>(bits);
+        else reinterpret_cast<float*>(dst)[t * KP + e] = t < n ? bits_to_float(bits, dtype) : 0.f;
+    }
+}
+
+// Four staged keys of one row as floats (16-bit stages hold bf16: one shift or mask each).
+template <int ES>
+__device__ __forceinline__ float4 staged4(const unsigned char* at) {
+    if (ES == 4) return *reinterpret_cast<const float4*>(at);
+    const uint2 w = *reinterpret_cast<const uint2*>(at);
+    return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u), __uint_as_float(w.y << 16),
+                       __uint_as_float(w.y & 0xffff0000u));
+}
+
+// Two staged values: bf16 (ES = 2), or fp32.
+template <int ES>
+__device__ __forceinline__ float2 staged2(const unsigned char* at) {
+    if (ES == 4) return *reinterpret_cast<const float2*>(at);
+    const unsigned w = *reinterpret_cast<const unsigned*>(at);
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+
+__device__ __forceinline__ float2 staged_f16x2(const unsigned char* at) {
+    const unsigned w = *reinterpret_cast<const unsigned*>(at);
+    return make_float2(f16_bits_to_float(static_cast<unsigned short>(w & 0xffffu)),
+                       f16_bits_to_float(static_cast<unsigned short>(w >> 16)));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// prefill_prep: the coefficients of one chunk of one value head (header).  The chunk's rows of q, k
+// and p are staged first (bf16 by cp.async, or as floats); the Gram products then run from shared
+// memory, the 20 tiles on or below the diagonal of each shared out evenly: warp w takes row tiles
+// {0, 3} (w even) or {1, 2} (w odd), 10 tiles, over half the keys (w / 2), and the halves meet in
+// shared memory.
+template <int K, bool K32>
+struct PrepLayout {
+    static constexpr int KP = K + 16, ES = K32 ? 4 : 2, S = kPrefillChunk + 1;  // Gram rows padded by one float
+    static constexpr int KEY_BYTES = kPrefillChunk * KP * ES;
+    static constexpr int GRAM_BYTES = 2 * 4 * kPrefillChunk * S;
+    // the staged keys are dead once the Gram products are in registers: the Gram matrices reuse them
+    static constexpr int BYTES = 3 * KEY_BYTES > GRAM_BYTES ? 3 * KEY_BYTES : GRAM_BYTES;
+};
+
+template <int K, int ACC, bool SERVING>
+__global__ void __launch_bounds__(kPrefillThreads, 1) prefill_prep(COMBA_KERNEL_ARGS) {
+    // keys as they are (bf16), split or rounded; A and Mq rounded for a scan that reads them as they are
+    constexpr bool K32 = ACC >= 2;
+    constexpr int KM = ACC == 2 ? kSplit : ACC == 3 ? kRound : kExact, CM = ACC == 1 || ACC == 2 ? kSplit : kExact;
+    constexpr bool KL = KM == kSplit;
+    using Layout = PrepLayout<K, K32>;
+    constexpr int C = kPrefillChunk, S = Layout::S, KP = Layout::KP, ES = Layout::ES;
+    static_assert(K % 32 == 0, "keys in two halves of steps of 16");
+    extern __shared__ __align__(16) unsigned char prefill_smem[];
+    unsigned char* const sq = prefill_smem;
+    unsigned char* const sk = prefill_smem + Layout::KEY_BYTES;
+    unsigned char* const sp = prefill_smem + 2 * Layout::KEY_BYTES;
+    float* const gram_p = reinterpret_cast<float*>(prefill_smem);  // p_t . k_j, then L, then A
+    float* const gram_q = gram_p + C * S;                          // q_t . k_j, then Mq
+    __shared__ float e[C], bt[C], fq[C], fk[C], fp[C];
+    float* work = inter;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, lg = lane >> 2, lj = lane & 3;
+    const int H = static_cast<int>(prm.H);
+    const long long cta = blockIdx.x, slot = cta / H;
+    const int h = static_cast<int>(cta - slot * H), hk = h / static_cast<int>(prm.group);
+    long long chunk;
+    const int b = slot_row<SERVING>(cu_seqlens, prm, slot, chunk);
+    const int T = tokens<SERVING>(cu_seqlens, prm, b, q, k, v, p, beta, g, o);
+    if (chunk < 0 || chunk * C >= T) return;  // a slot of no chunk (ragged batches)
+    const long long t0 = chunk * C;
+    const int n = static_cast<int>(min(static_cast<long long>(C), T - t0));
+    float* rec = work + (slot * H + h) * kRecord;
+
+    stage_keys<K, ES, kPrefillThreads>(sq, q, b * prm.q_sb + t0 * prm.q_st + hk * prm.q_sh, prm.q_st, prm.q_sk, prm.q_t, n,
+                      rows_copyable(q, prm.q_sb, prm.q_st, prm.q_sh, prm.q_sk, prm.q_t, ES), tid);
+    stage_keys<K, ES, kPrefillThreads>(sk, k, b * prm.k_sb + t0 * prm.k_st + hk * prm.k_sh, prm.k_st, prm.k_sk, prm.k_t, n,
+                      rows_copyable(k, prm.k_sb, prm.k_st, prm.k_sh, prm.k_sk, prm.k_t, ES), tid);
+    stage_keys<K, ES, kPrefillThreads>(sp, p, b * prm.p_sb + t0 * prm.p_st + hk * prm.p_sh, prm.p_st, prm.p_sk, prm.p_t, n,
+                      rows_copyable(p, prm.p_sb, prm.p_st, prm.p_sh, prm.p_sk, prm.p_t, ES), tid);
+    copy_async_commit();
+
+    // gates (0 past the end), while the keys arrive
+    if (tid < C) {
+        const HeadGating gating = head_gating<SERVING>(A_log, dt_bias, h);
+        const bool in = tid < n;
+        const float graw = in ? bits_to_float(load_bits(g, b * prm.g_sb + (t0 + tid) * prm.g_st + h * prm.g_sh, prm.g_t),
+                                              prm.g_t) : 0.f;
+        const float braw = in ? bits_to_float(load_bits(beta, b * prm.beta_sb + (t0 + tid) * prm.beta_st +
+                                                                  h * prm.beta_sh, prm.beta_t), prm.beta_t) : 0.f;
+        e[tid] = in ? gate_of<SERVING>(graw, prm, gating) : 1.f;
+        bt[tid] = in ? beta_of<SERVING>(braw, prm, gating) : 0.f;
+    }
+    copy_async_wait<0>();
+    __syncthreads();
+
+    // the L2-norm factors (1 without use_qk_l2norm; 0 past the end)
+    if (prm.l2norm) {
+        for (int t = warp; t < C; t += 4) {
+            float sq2 = 0.f, sk2 = 0.f, sp2 = 0.f;
+            for (int key = 4 * lane; key < K; key += 128) {
+                const float4 a = staged4<ES>(sq + (t * KP + key) * ES);
+                const float4 c = staged4<ES>(sk + (t * KP + key) * ES);
+                const float4 d = staged4<ES>(sp + (t * KP + key) * ES);
+                sq2 += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+                sk2 += c.x * c.x + c.y * c.y + c.z * c.z + c.w * c.w;
+                sp2 += d.x * d.x + d.y * d.y + d.z * d.z + d.w * d.w;
+            }
+            sq2 = lane_sum(sq2, 1, 16);
+            sk2 = lane_sum(sk2, 1, 16);
+            sp2 = lane_sum(sp2, 1, 16);
+            if (lane == 0) {
+                const bool in = t < n;
+                fq[t] = in ? rsqrtf(sq2 + kL2NormEps) : 0.f;
+                fk[t] = in ? rsqrtf(sk2 + kL2NormEps) : 0.f;
+                fp[t] = in ? rsqrtf(sp2 + kL2NormEps) : 0.f;
+            }
+        }
+    } else if (tid < C) {
+        fq[tid] = fk[tid] = fp[tid] = tid < n ? 1.f : 0.f;
+    }
+
+    // Gram products: this warp's row tiles ma (na column tiles) and mb (nb), over its half of the keys; keys in
+    // steps of 16, lane lj holding keys 4 lj .. 4 lj + 3 (the two k-steps' columns (lj, lj + 4) the pairs
+    // (4 lj, 4 lj + 1) and (4 lj + 2, 4 lj + 3): a permutation of the key index that A and B share).
+    const int pair = warp & 1, half = warp >> 1;
+    const int ma = pair, mb = 3 - pair, na = 2 * ma + 2, nb = 2 * mb + 2;
+    float pa_[4][4], qa_[4][4], pb_[8][4], qb_[8][4];  // accumulators of row tile ma, mb
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) pa_[i][r] = qa_[i][r] = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) pb_[i][r] = qb_[i][r] = 0.f;
+    }
+    auto tiles = [&](int m, int count, auto width, float (&gp)[decltype(width)::value][4],
+                     float (&gq)[decltype(width)::value][4], int kq) {
+        const int r0 = 16 * m + lg;
+        const float4 pa = staged4<ES>(sp + (r0 * KP + kq) * ES), pb = staged4<ES>(sp + ((r0 + 8) * KP + kq) * ES);
+        const float4 qa = staged4<ES>(sq + (r0 * KP + kq) * ES), qb = staged4<ES>(sq + ((r0 + 8) * KP + kq) * ES);
+        unsigned ph0[4], pl0[4], ph1[4], pl1[4], qh0[4], ql0[4], qh1[4], ql1[4];
+        a_operand4<KM>(pa.x, pb.x, pa.y, pb.y, ph0, pl0);
+        a_operand4<KM>(pa.z, pb.z, pa.w, pb.w, ph1, pl1);
+        a_operand4<KM>(qa.x, qb.x, qa.y, qb.y, qh0, ql0);
+        a_operand4<KM>(qa.z, qb.z, qa.w, qb.w, qh1, ql1);
+#pragma unroll
+        for (int i = 0; i < decltype(width)::value; ++i) {
+            if (i < count) {
+                const float4 kr = staged4<ES>(sk + ((8 * i + lg) * KP + kq) * ES);
+                unsigned bh[4], bl[4];
+                operand<KM>(kr.x, bh[0], bl[0]);
+                operand<KM>(kr.y, bh[1], bl[1]);
+                operand<KM>(kr.z, bh[2], bl[2]);
+                operand<KM>(kr.w, bh[3], bl[3]);
+                mma_acc<KL, KL>(gp[i], ph0, pl0, bh[0], bh[1], bl[0], bl[1]);
+                mma_acc<KL, KL>(gp[i], ph1, pl1, bh[2], bh[3], bl[2], bl[3]);
+                mma_acc<KL, KL>(gq[i], qh0, ql0, bh[0], bh[1], bl[0], bl[1]);
+                mma_acc<KL, KL>(gq[i], qh1, ql1, bh[2], bh[3], bl[2], bl[3]);
+            }
+        }
+    };
+#pragma unroll 1
+    for (int key = half * (K / 2); key < (half + 1) * (K / 2); key += 16) {
+        tiles(ma, na, Constant<4>{}, pa_, qa_, key + 4 * lj);
+        tiles(mb, nb, Constant<8>{}, pb_, qb_, key + 4 * lj);
+    }
+    __syncthreads();  // the staged keys are read: the Gram matrices take their place
+    auto gram_out = [&](int m, int count, auto width, float (&gp)[decltype(width)::value][4],
+                        float (&gq)[decltype(width)::value][4], bool add) {
+#pragma unroll
+        for (int i = 0; i < decltype(width)::value; ++i) {
+            if (i < count) {
+                const int r0 = 16 * m + lg, j = 8 * i + 2 * lj;
+                float* p0 = gram_p + r0 * S + j;
+                float* q0 = gram_q + r0 * S + j;
+                if (add) {
+                    p0[0] += gp[i][0]; p0[1] += gp[i][1]; p0[8 * S] += gp[i][2]; p0[8 * S + 1] += gp[i][3];
+                    q0[0] += gq[i][0]; q0[1] += gq[i][1]; q0[8 * S] += gq[i][2]; q0[8 * S + 1] += gq[i][3];
+                } else {
+                    p0[0] = gp[i][0]; p0[1] = gp[i][1]; p0[8 * S] = gp[i][2]; p0[8 * S + 1] = gp[i][3];
+                    q0[0] = gq[i][0]; q0[1] = gq[i][1]; q0[8 * S] = gq[i][2]; q0[8 * S + 1] = gq[i][3];
+                }
+            }
+        }
+    };
+    if (half == 0) {
+        gram_out(ma, na, Constant<4>{}, pa_, qa_, false);
+        gram_out(mb, nb, Constant<8>{}, pb_, qb_, false);
+    }
+    __syncthreads();
+    if (half == 1) {
+        gram_out(ma, na, Constant<4>{}, pa_, qa_, true);
+        gram_out(mb, nb, Constant<8>{}, pb_, qb_, true);
+    }
+    __syncthreads();
+
+    // Column c of L and Mq with the running product r(c, t); thread 64 the prefix products G_t.
+    if (tid < C) {
+        const int c = tid;
+        const float fkc = fk[c];
+        float rho = 1.f;
+#pragma unroll
+        for (int t = 0; t < C; ++t) {
+            const bool below = t > c;
+            rho = below ? rho * e[t] : rho;
+            float& l = gram_p[t * S + c];
+            float& m = gram_q[t * S + c];
+            if (below) l *= bt[t] * fp[t] * fkc * rho;
+            // on and below the diagonal Mq; above it, inside a stored tile, zero
+            const float mq = t >= c ? m * (scale * fq[t] * fkc * rho) : 0.f;
+            if (t >= c || (c >> 3) <= 2 * (t >> 4) + 1) m = mq;
+        }
+        rec[kRecordW + c] = rho * fkc;
+    } else if (tid == C) {
+        float G = 1.f;
+        for (int t = 0; t < C; ++t) {
+            G *= e[t];
+            rec[kRecordGp + t] = G * fp[t];
+            rec[kRecordGq + t] = scale * G * fq[t];
+        }
+        rec[kRecordG] = G;
+    }
+    __syncthreads();
+
+    // X = (I + L)^-1 by forward substitution, column c on thread c (in registers; L read as broadcasts).
+    // The columns of warp 1 (c >= 32) are zero above row 32: it starts there.
+    float x[C];
+    if (tid < C) {
+        const int c = tid, from = 32 * warp;
+#pragma unroll
+        for (int i = 0; i < C; ++i) x[i] = i == c ? 1.f : 0.f;
+#pragma unroll
+        for (int j = 0; j < C - 1; ++j) {
+            if (j >= from) {
+                const float xj = x[j];
+#pragma unroll
+                for (int t = j + 1; t < C; ++t) x[t] = fmaf(-gram_p[t * S + j], xj, x[t]);
+            }
+        }
+    }
+    __syncthreads();
+    if (tid < C) {
+        const float bc = bt[tid];
+#pragma unroll
+        for (int t = 0; t < C; ++t) gram_p[t * S + tid] = x[t] * bc;  // A = X diag(beta)
+    }
+    __syncthreads();
+
+    // A and Mq as A fragments: tile (m, ks) at m (m + 1) + ks, lane (lg, lj) the float4 (rows 16 m + lg,
+    // + 8; columns 8 ks + lj, + 4).
+    for (int i = tid; i < kFragTiles * 32; i += kPrefillThreads) {
+        const int f = i >> 5, l = i & 31;
+        const int m = f < 2 ? 0 : f < 6 ? 1 : f < 12 ? 2 : 3, ks = f - m * (m + 1);
+        const int r0 = 16 * m + (l >> 2), c0 = 8 * ks + (l & 3);
+        *reinterpret_cast<float4*>(rec + kRecordA + 4 * i) =
+            make_float4(produced<CM>(gram_p[r0 * S + c0]), produced<CM>(gram_p[(r0 + 8) * S + c0]),
+                        produced<CM>(gram_p[r0 * S + c0 + 4]), produced<CM>(gram_p[(r0 + 8) * S + c0 + 4]));
+        *reinterpret_cast<float4*>(rec + kRecordMq + 4 * i) =
+            make_float4(produced<CM>(gram_q[r0 * S + c0]), produced<CM>(gram_q[(r0 + 8) * S + c0]),
+                        produced<CM>(gram_q[r0 * S + c0 + 4]), produced<CM>(gram_q[(r0 + 8) * S + c0 + 4]));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// prefill_scan: one slab of VT value columns of one head, chunk after chunk (header).
+//
+// A chunk's inputs -- its rows of q, k (and p) and the slab of v, as they are in memory, and its
+// record -- are staged in shared memory (ScanStage) by cp.async 16-byte copies where the rows are
+// contiguous and aligned (else by plain loads, the same layout), the next chunk's copies in flight
+// while one is computed when two stages fit (STAGES).  Key rows are padded by 16 elements, which
+// makes the read's 8-byte (16-bit keys) and 16-byte (fp32) fragment loads free of bank conflicts.
+template <int K, int VT, bool SEPARATE_P, bool K32>
+struct ScanStage {
+    static constexpr int KP = K + 16, ES = K32 ? 4 : 2, NK = SEPARATE_P ? 3 : 2;
+    static constexpr int KEY_BYTES = kPrefillChunk * KP * ES;  // one of q, k, p
+    static constexpr int V_ROW = 4 * VT;                       // bytes a row of the v slab (any dtype)
+    static constexpr int V_AT = NK * KEY_BYTES, REC_AT = V_AT + kPrefillChunk * V_ROW;
+    static constexpr int BYTES = REC_AT + 4 * kRecord;
+};
+
+template <int K, int VT, bool SEPARATE_P, bool K32>
+struct ScanLayout {
+    using Stage = ScanStage<K, VT, SEPARATE_P, K32>;
+    static constexpr int HS = 4 * VT + 8;              // floats a row of 4 keys of the state (conflict-free reads)
+    static constexpr int YS = VT == 16 ? 40 : VT + 8;  // floats a token row of Y, U, w U
+    // S[key][col] at state[key / 4][4 col + key % 4]: a lane's 4 keys of a column in one float4
+    static constexpr int STATE_AT = 0, Y_AT = 4 * (K / 4) * HS, U_AT = Y_AT + 4 * kPrefillChunk * YS;
+    static constexpr int UW_AT = U_AT + 4 * kPrefillChunk * YS, STAGE_AT = UW_AT + 4 * kPrefillChunk * YS;
+    static constexpr int STAGES = STAGE_AT + 2 * Stage::BYTES <= 232448 ? 2 : 1;  // the H200's 227 KB a CTA
+    static constexpr int BYTES = STAGE_AT + STAGES * Stage::BYTES;
+    static_assert(BYTES <= 232448, "prefill_scan: the stage does not fit in shared memory");
+};
+
+template <int K, int VT, bool SEPARATE_P, bool VK, int ACC, bool SERVING>
+__global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARGS) {
+    constexpr bool K32 = ACC >= 2;  // q, k, p staged as fp32 (else bf16)
+    // keys as they are (bf16), split or rounded; the state, Y, U, w U and the coefficients split, or rounded
+    // once by their producers
+    constexpr int KM = ACC == 2 ? kSplit : ACC == 3 ? kRound : kExact;
+    constexpr int SM = ACC == 1 || ACC == 2 ? kSplit : kExact;
+    using Layout = ScanLayout<K, VT, SEPARATE_P, K32>;
+    using Stage = typename Layout::Stage;
+    constexpr int C = kPrefillChunk, HS = Layout::HS, YS = Layout::YS, KP = Stage::KP, ES = Stage::ES;
+    constexpr int STAGES = Layout::STAGES;
+    // warp w: token tile (and key tiles) mrow = w % 4, column tiles nt0 .. nt0 + NTW - 1 (the half w / 4)
+    constexpr int MT = K / 64, NTW = VT / 16;  // a warp's key tiles (16 keys) and column tiles (8 columns)
+    constexpr bool KL = KM == kSplit, SL = SM == kSplit;
+    static_assert(K % 64 == 0 && VT % 16 == 0, "bad prefill tiling");
+    extern __shared__ __align__(16) unsigned char prefill_smem[];
+    float* const sh_state = reinterpret_cast<float*>(prefill_smem + Layout::STATE_AT);
+    float* const sh_y = reinterpret_cast<float*>(prefill_smem + Layout::Y_AT);
+    float* const sh_u = reinterpret_cast<float*>(prefill_smem + Layout::U_AT);
+    float* const sh_uw = reinterpret_cast<float*>(prefill_smem + Layout::UW_AT);
+    const float* work = inter;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, lg = lane >> 2, lj = lane & 3;
+    const int mrow = warp & 3, nt0 = (warp >> 2) * NTW;
+    const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H), slabs = V / VT;
+    const int bh = static_cast<int>(blockIdx.x) / slabs;
+    const int col0 = (static_cast<int>(blockIdx.x) - bh * slabs) * VT;
+    const int b = bh / H, h = bh - b * H, hk = h / static_cast<int>(prm.group);
+    const long long first = first_slot<SERVING>(cu_seqlens, prm, b);
+    const int T = tokens<SERVING>(cu_seqlens, prm, b, q, k, v, p, beta, g, o);
+    const long long slot = state_slot<SERVING>(slots, prm, b);
+    if (SERVING && slot < 0) {  // a padding row
+        zero_o(o, prm, b, h, col0, VT, T, tid, kScanThreads);
+        return;
+    }
+    const long long head = (SERVING ? slot * H + h : static_cast<long long>(bh)) * K * V;
+    const int chunks = (T + C - 1) / C;
+
+    const bool q_copy = rows_copyable(q, prm.q_sb, prm.q_st, prm.q_sh, prm.q_sk, prm.q_t, ES);
+    const bool k_copy = rows_copyable(k, prm.k_sb, prm.k_st, prm.k_sh, prm.k_sk, prm.k_t, ES);
+    const bool p_copy = rows_copyable(p, prm.p_sb, prm.p_st, prm.p_sh, prm.p_sk, prm.p_t, ES);
+    const int v_bytes = prm.v_t == F32 ? 4 : 2;
+    const bool v_copy = prm.v_sv == 1 && (prm.v_sb * v_bytes) % 16 == 0 && (prm.v_st * v_bytes) % 16 == 0 &&
+                        (prm.v_sh * v_bytes) % 16 == 0 && reinterpret_cast<unsigned long long>(v) % 16 == 0;
+    // Chunk c's inputs into stage `at`: copies in flight (one cp.async group, committed by the caller),
+    // or, where rows are not copyable, stored before the caller's next barrier.
+    auto stage_chunk = [&](int c, unsigned char* at) {
+        const long long t0 = static_cast<long long>(c) * C;
+        const int n = static_cast<int>(min(static_cast<long long>(C), T - t0));
+        stage_keys<K, ES, kScanThreads>(at, q, b * prm.q_sb + t0 * prm.q_st + hk * prm.q_sh, prm.q_st, prm.q_sk, prm.q_t, n,
+                          q_copy, tid);
+        stage_keys<K, ES, kScanThreads>(at + Stage::KEY_BYTES, k, b * prm.k_sb + t0 * prm.k_st + hk * prm.k_sh, prm.k_st,
+                          prm.k_sk, prm.k_t, n, k_copy, tid);
+        if (SEPARATE_P)
+            stage_keys<K, ES, kScanThreads>(at + 2 * Stage::KEY_BYTES, p, b * prm.p_sb + t0 * prm.p_st + hk * prm.p_sh,
+                              prm.p_st, prm.p_sk, prm.p_t, n, p_copy, tid);
+        const long long v0 = b * prm.v_sb + t0 * prm.v_st + h * prm.v_sh + col0 * prm.v_sv;
+        if (v_copy) {
+            const int per_row = VT * v_bytes / 16;
+            for (int i = tid; i < C * per_row; i += kScanThreads) {
+                const int t = i / per_row, e = i - t * per_row;
+                const bool in = t < n;
+                copy_async16(at + Stage::V_AT + t * Stage::V_ROW + 16 * e,
+                             static_cast<const char*>(v) + (v0 + (in ? t : 0) * prm.v_st) * v_bytes + 16 * e, in);
+            }
+        } else {
+            for (int i = tid; i < C * VT; i += kScanThreads) {
+                const int t = i / VT, e = i - t * VT;
+                const unsigned bits = t < n ? load_bits(v, v0 + t * prm.v_st + e * prm.v_sv, prm.v_t) : 0u;
+                unsigned char* d = at + Stage::V_AT + t * Stage::V_ROW + e * v_bytes;
+                if (v_bytes == 4) *reinterpret_cast<unsigned*>(d) = bits;
+                else *reinterpret_cast<unsigned short*>(d) = static_cast<unsigned short>(bits);
+            }
+        }
+        const float* rec = work + ((first + c) * H + h) * kRecord;
+        for (int i = tid; i < kRecord / 4; i += kScanThreads)
+            copy_async16(at + Stage::REC_AT + 16 * i, rec + 4 * i, true);
+    };
+
+    // This lane's state: key tile m = MT mrow + i holds keys 16 m + 2 lg (accumulator row lg) and
+    // 16 m + 2 lg + 1 (row lg + 8) -- a permutation of the key index that makes a lane's two write-key
+    // values one pair load -- and columns 8 nt + 2 lj, + 1.
+    if (chunks > 0) {
+        stage_chunk(0, prefill_smem + Layout::STAGE_AT);
+        copy_async_commit();
+    }
+    float hacc[MT][NTW][4];
+    auto key_of = [&](int i) { return 16 * (MT * mrow + i) + 2 * lg; };
+    if (prm.has_initial) {
+        const float* src = state + head;
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int nt = 0; nt < NTW; ++nt) {
+                const int kk = key_of(i), cc = col0 + 8 * (nt0 + nt) + 2 * lj;
+                if constexpr (VK) {
+                    const float2 a = *reinterpret_cast<const float2*>(src + cc * K + kk);
+                    const float2 z = *reinterpret_cast<const float2*>(src + (cc + 1) * K + kk);
+                    hacc[i][nt][0] = a.x; hacc[i][nt][2] = a.y; hacc[i][nt][1] = z.x; hacc[i][nt][3] = z.y;
+                } else {
+                    const float2 a = *reinterpret_cast<const float2*>(src + kk * V + cc);
+                    const float2 z = *reinterpret_cast<const float2*>(src + (kk + 1) * V + cc);
+                    hacc[i][nt][0] = a.x; hacc[i][nt][1] = a.y; hacc[i][nt][2] = z.x; hacc[i][nt][3] = z.y;
+                }
+            }
+    } else {
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) hacc[i][nt][r] = 0.f;
+    }
+    auto publish_state = [&]() {  // the accumulators into the state slab, the read's B operand
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int nt = 0; nt < NTW; ++nt) {
+                const int kk = key_of(i), cc = 8 * (nt0 + nt) + 2 * lj;
+                float* at = sh_state + (kk >> 2) * HS + 4 * cc + (kk & 3);
+                *reinterpret_cast<float2*>(at) = make_float2(produced<SM>(hacc[i][nt][0]), produced<SM>(hacc[i][nt][2]));
+                *reinterpret_cast<float2*>(at + 4) =
+                    make_float2(produced<SM>(hacc[i][nt][1]), produced<SM>(hacc[i][nt][3]));
+            }
+    };
+    publish_state();
+
+    const bool opair = pairs_aligned(o, prm.o_sb, prm.o_st, prm.o_sh, prm.o_sv, prm.o_t);
+    const int ta = 16 * mrow + lg, tb = ta + 8;  // this lane's token rows of Y, U and O
+    const long long v_t = prm.v_t;
+
+    for (int c = 0; c < chunks; ++c) {
+        copy_async_wait<0>();
+        __syncthreads();  // chunk c staged; the state of chunk c - 1 published; the other stage free
+        if (STAGES == 2 && c + 1 < chunks) {
+            stage_chunk(c + 1, prefill_smem + Layout::STAGE_AT + ((c + 1) & 1) * Stage::BYTES);
+            copy_async_commit();
+        }
+        const unsigned char* st = prefill_smem + Layout::STAGE_AT + (STAGES == 2 ? (c & 1) * Stage::BYTES : 0);
+        const unsigned char* sq = st;
+        const unsigned char* sk = st + Stage::KEY_BYTES;
+        const unsigned char* sp = SEPARATE_P ? st + 2 * Stage::KEY_BYTES : sk;
+        const float* rec = reinterpret_cast<const float*>(st + Stage::REC_AT);
+        const long long t0 = static_cast<long long>(c) * C;
+        const int n = static_cast<int>(min(static_cast<long long>(C), T - t0));
+
+        // [Rp | Rq] = [P | Q] S0 over this warp's 16 tokens; keys permuted as in prefill_prep.
+        float rp[NTW][4], rq[NTW][4];
+#pragma unroll
+        for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) rp[nt][r] = rq[nt][r] = 0.f;
+#pragma unroll 2
+        for (int key = 0; key < K; key += 16) {
+            const int kq = key + 4 * lj;
+            const float4 pa = staged4<ES>(sp + (ta * KP + kq) * ES);
+            const float4 pb = staged4<ES>(sp + (tb * KP + kq) * ES);
+            const float4 qa = staged4<ES>(sq + (ta * KP + kq) * ES);
+            const float4 qb = staged4<ES>(sq + (tb * KP + kq) * ES);
+            unsigned ph0[4], pl0[4], ph1[4], pl1[4], qh0[4], ql0[4], qh1[4], ql1[4];
+            a_operand4<KM>(pa.x, pb.x, pa.y, pb.y, ph0, pl0);
+            a_operand4<KM>(pa.z, pb.z, pa.w, pb.w, ph1, pl1);
+            a_operand4<KM>(qa.x, qb.x, qa.y, qb.y, qh0, ql0);
+            a_operand4<KM>(qa.z, qb.z, qa.w, qb.w, qh1, ql1);
+#pragma unroll
+            for (int nt = 0; nt < NTW; ++nt) {
+                const float4 s4 = *reinterpret_cast<const float4*>(sh_state + ((key >> 2) + lj) * HS + 4 * (8 * (nt0 + nt) + lg));
+                unsigned bh[4], bl[4];
+                operand<SM>(s4.x, bh[0], bl[0]);
+                operand<SM>(s4.y, bh[1], bl[1]);
+                operand<SM>(s4.z, bh[2], bl[2]);
+                operand<SM>(s4.w, bh[3], bl[3]);
+                mma_acc<KL, SL>(rp[nt], ph0, pl0, bh[0], bh[1], bl[0], bl[1]);
+                mma_acc<KL, SL>(rp[nt], ph1, pl1, bh[2], bh[3], bl[2], bl[3]);
+                mma_acc<KL, SL>(rq[nt], qh0, ql0, bh[0], bh[1], bl[0], bl[1]);
+                mma_acc<KL, SL>(rq[nt], qh1, ql1, bh[2], bh[3], bl[2], bl[3]);
+            }
+        }
+
+        // Y = V - diag(G fp) Rp, into shared memory (the B operand of U = A Y); one copy of the loop a v dtype
+        auto form_y = [&](auto vt) {
+            constexpr long long VT_ = decltype(vt)::value;
+            constexpr int VB = VT_ == F32 ? 4 : 2;
+            const float ga = rec[kRecordGp + ta], gb = rec[kRecordGp + tb];
+            const unsigned char* va = st + Stage::V_AT + ta * Stage::V_ROW;
+            const unsigned char* vb = st + Stage::V_AT + tb * Stage::V_ROW;
+#pragma unroll
+            for (int nt = 0; nt < NTW; ++nt) {
+                const int cc = 8 * (nt0 + nt) + 2 * lj;
+                const float2 x = VT_ == F16 ? staged_f16x2(va + cc * VB) : staged2<VB>(va + cc * VB);
+                const float2 z = VT_ == F16 ? staged_f16x2(vb + cc * VB) : staged2<VB>(vb + cc * VB);
+                *reinterpret_cast<float2*>(sh_y + ta * YS + cc) =
+                    make_float2(produced<SM>(fmaf(-ga, rp[nt][0], x.x)), produced<SM>(fmaf(-ga, rp[nt][1], x.y)));
+                *reinterpret_cast<float2*>(sh_y + tb * YS + cc) =
+                    make_float2(produced<SM>(fmaf(-gb, rp[nt][2], z.x)), produced<SM>(fmaf(-gb, rp[nt][3], z.y)));
+            }
+        };
+        if (v_t == BF16) form_y(Constant<BF16>{});
+        else if (v_t == F16) form_y(Constant<F16>{});
+        else form_y(Constant<F32>{});
+        __syncthreads();
+
+        // U = A Y: this warp's 16 rows, the tiles of A up to the diagonal (k-steps 0 .. 2 mrow + 1)
+        const float4* afrag = reinterpret_cast<const float4*>(rec + kRecordA) + mrow * (mrow + 1) * 32 + lane;
+        const float4* mfrag = reinterpret_cast<const float4*>(rec + kRecordMq) + mrow * (mrow + 1) * 32 + lane;
+        auto coefficient_product = [&](const float4* frag, const float* rhs, float (&acc)[NTW][4]) {
+            for (int ks = 0; ks <= 2 * mrow + 1; ++ks) {
+                const float4 a = frag[32 * ks];
+                unsigned ah[4], al[4];
+                a_operand4<SM>(a.x, a.y, a.z, a.w, ah, al);
+                const float* r0 = rhs + (8 * ks + lj) * YS + lg;
+#pragma unroll
+                for (int nt = 0; nt < NTW; ++nt) {
+                    unsigned b0h, b0l, b1h, b1l;
+                    operand<SM>(r0[8 * (nt0 + nt)], b0h, b0l);
+                    operand<SM>(r0[4 * YS + 8 * (nt0 + nt)], b1h, b1l);
+                    mma_acc<SL, SL>(acc[nt], ah, al, b0h, b1h, b0l, b1l);
+                }
+            }
+        };
+        {
+            float u[NTW][4];
+#pragma unroll
+            for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) u[nt][r] = 0.f;
+            coefficient_product(afrag, sh_y, u);
+            const float wa = rec[kRecordW + ta], wb = rec[kRecordW + tb];
+#pragma unroll
+            for (int nt = 0; nt < NTW; ++nt) {
+                const int cc = 8 * (nt0 + nt) + 2 * lj;
+                *reinterpret_cast<float2*>(sh_u + ta * YS + cc) =
+                    make_float2(produced<SM>(u[nt][0]), produced<SM>(u[nt][1]));
+                *reinterpret_cast<float2*>(sh_u + tb * YS + cc) =
+                    make_float2(produced<SM>(u[nt][2]), produced<SM>(u[nt][3]));
+                *reinterpret_cast<float2*>(sh_uw + ta * YS + cc) =
+                    make_float2(produced<SM>(wa * u[nt][0]), produced<SM>(wa * u[nt][1]));
+                *reinterpret_cast<float2*>(sh_uw + tb * YS + cc) =
+                    make_float2(produced<SM>(wb * u[nt][2]), produced<SM>(wb * u[nt][3]));
+            }
+        }
+        __syncthreads();
+
+        // O = diag(scale G fq) Rq + Mq U, stored
+        {
+            const float ga = rec[kRecordGq + ta], gb = rec[kRecordGq + tb];
+#pragma unroll
+            for (int nt = 0; nt < NTW; ++nt) {
+                rq[nt][0] *= ga; rq[nt][1] *= ga; rq[nt][2] *= gb; rq[nt][3] *= gb;
+            }
+            coefficient_product(mfrag, sh_u, rq);
+            const long long oa = b * prm.o_sb + (t0 + ta) * prm.o_st + h * prm.o_sh;
+            const long long ob = b * prm.o_sb + (t0 + tb) * prm.o_st + h * prm.o_sh;
+#pragma unroll
+            for (int nt = 0; nt < NTW; ++nt) {
+                const long long cc = (col0 + 8 * (nt0 + nt) + 2 * lj) * prm.o_sv;
+                if (ta < n) store_act_pair(o, oa + cc, prm.o_sv, prm.o_t, rq[nt][0], rq[nt][1], opair);
+                if (tb < n) store_act_pair(o, ob + cc, prm.o_sv, prm.o_t, rq[nt][2], rq[nt][3], opair);
+            }
+        }
+
+        // S = G_63 S0 + Kc^T (w U): A operand the write keys (rows: this lane's key pair), B w U
+        {
+            const float G = rec[kRecordG];
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) hacc[i][nt][r] *= G;
+#pragma unroll 2
+            for (int ks = 0; ks < C / 8; ++ks) {
+                const int tj = 8 * ks + lj, tj4 = tj + 4;
+                const float* r0 = sh_uw + tj * YS + lg;
+                unsigned bh[NTW][2], bl[NTW][2];
+#pragma unroll
+                for (int nt = 0; nt < NTW; ++nt) {
+                    operand<SM>(r0[8 * (nt0 + nt)], bh[nt][0], bl[nt][0]);
+                    operand<SM>(r0[4 * YS + 8 * (nt0 + nt)], bh[nt][1], bl[nt][1]);
+                }
+#pragma unroll
+                for (int i = 0; i < MT; ++i) {
+                    const int kk = key_of(i);
+                    const float2 x = staged2<ES>(sk + (tj * KP + kk) * ES);
+                    const float2 z = staged2<ES>(sk + (tj4 * KP + kk) * ES);
+                    unsigned ah[4], al[4];
+                    a_operand4<KM>(x.x, x.y, z.x, z.y, ah, al);
+#pragma unroll
+                    for (int nt = 0; nt < NTW; ++nt)
+                        mma_acc<KL, SL>(hacc[i][nt], ah, al, bh[nt][0], bh[nt][1], bl[nt][0], bl[nt][1]);
+                }
+            }
+        }
+        publish_state();  // every warp's reads of the old state ended before the first barrier
+        if (STAGES == 1 && c + 1 < chunks) {
+            __syncthreads();  // every warp done with the stage
+            stage_chunk(c + 1, prefill_smem + Layout::STAGE_AT);
+            copy_async_commit();
+        }
+    }
+
+    if (prm.write_final) {
+        float* dst = state_out + (SERVING ? pool_head<K>(slots, prm, b, h) : head);
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int nt = 0; nt < NTW; ++nt) {
+                const int kk = key_of(i), cc = col0 + 8 * (nt0 + nt) + 2 * lj;
+                if constexpr (VK) {
+                    store_state(dst + cc * K + kk, make_float2(hacc[i][nt][0], hacc[i][nt][2]));
+                    store_state(dst + (cc + 1) * K + kk, make_float2(hacc[i][nt][1], hacc[i][nt][3]));
+                } else {
+                    store_state(dst + kk * V + cc, make_float2(hacc[i][nt][0], hacc[i][nt][1]));
+                    store_state(dst + (kk + 1) * V + cc, make_float2(hacc[i][nt][2], hacc[i][nt][3]));
+                }
+            }
+    }
+}
+
+}  // namespace comba

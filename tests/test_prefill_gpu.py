@@ -1,0 +1,207 @@
+"""The 64-token prefill kernels (``{layout}{slab}c64``) against the float64 reference (``pytest -m gpu``).
+
+Every case runs a forced variant on fresh random inputs into NaN-poisoned outputs.  ``precision="fp32"``
+(3xTF32) is held to the fp32 kernels' accuracy, ``"tf32"`` to the accuracy docs/design.md states for it.
+"""
+
+import numpy
+import pytest
+
+from cupy_comba import bfloat16, comba_forward, families, gated_delta_forward, reference
+from cupy_comba.inputs import forward_inputs
+
+cupy = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+F16, F32 = numpy.dtype(numpy.float16), numpy.dtype(numpy.float32)
+#: Relative error bounds (state, o) by precision and activation dtype; bf16 and fp16 o are rounded outputs.
+TOL = {("fp32", "bfloat16"): (1e-6, 4e-3), ("fp32", "float16"): (1e-6, 1e-3), ("fp32", "float32"): (1e-6, 5e-6),
+       ("tf32", "bfloat16"): (1.5e-3, 5e-3), ("tf32", "float16"): (1.5e-3, 2e-3), ("tf32", "float32"): (1.5e-3, 2e-3)}
+
+
+def _forward(comba, q, k, v, p, beta, g, S, **opts):
+    out = cupy.full(v.shape, cupy.nan, opts.pop("o_dtype", v.dtype))
+    state_out = None if S is None or not opts.get("output_final_state", True) else cupy.full(S.shape, cupy.nan,
+                                                                                              F32)
+    if comba:
+        return comba_forward(q, k, v, p, beta, g, initial_state=S, out=out, state_out=state_out, **opts)
+    return gated_delta_forward(q, k, v, beta, g, initial_state=S, out=out, state_out=state_out, **opts)
+
+
+def _check(comba, args, precision, **opts):
+    q, k, v, p, beta, g, S0 = args
+    o, S = _forward(comba, *args, precision=precision, **opts)
+    ref_opts = {n: x for n, x in opts.items() if n not in ("variant", "output_final_state")}
+    S_ref, o_ref = reference.comba_loop(S0, q, k, v, p if comba else k, beta, g, **ref_opts)
+    tol_s, tol_o = TOL[precision, numpy.dtype(q.dtype).name]
+    assert reference.relative_error(o, o_ref) <= tol_o
+    if opts.get("output_final_state", True):
+        assert reference.relative_error(S, S_ref) <= tol_s
+    else:
+        assert S is None
+    return o, S
+
+
+@pytest.mark.parametrize("K,V", [(64, 64), (128, 128), (128, 96), (256, 64)])
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
+@pytest.mark.parametrize("gate,l2norm", [("log", False), ("linear", True)], ids=["log", "linear-l2norm"])
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+def test_matches_reference(K, V, layout, comba, gate, l2norm, T, precision):
+    if K == 256 and T not in (65, 200):
+        pytest.skip("K = 256: two lengths")
+    args = forward_inputs(2, T, 4, K, V, Hk=2, state_layout=layout, gate=gate, seed=K + T + V, dtype=bfloat16,
+                          normalize_keys=not l2norm, xp=cupy)
+    for slab in families.PREFILL_SLABS:
+        if V % slab == 0:
+            _check(comba, args, precision, state_layout=layout, gate=gate, use_qk_l2norm=l2norm,
+                   variant=f"{layout}{slab}c64")
+
+
+@pytest.mark.parametrize("dtype", [F16, F32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+def test_wide_keys(dtype, layout, comba, precision):
+    """fp16 and fp32 keys are staged as fp32 (their own builds)."""
+    args = forward_inputs(2, 130, 4, 128, 64, Hk=2, state_layout=layout, seed=7, dtype=dtype, xp=cupy)
+    _check(comba, args, precision, state_layout=layout, variant=f"{layout}32c64")
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("dtype", [bfloat16, F32], ids=["bf16", "fp32"])
+def test_strided_activations(layout, dtype):
+    """q, k, v, p slices of one packed projection (no 16-byte copies) and an o with a gap between heads."""
+    B, T, H, K, V = 2, 100, 4, 128, 64
+    rng = numpy.random.default_rng(5)
+    packed = cupy.asarray(rng.standard_normal((B, T, H, 3 * K + V + 3)).astype(dtype))
+    q, k, p, v = packed[..., :K], packed[..., K + 1:2 * K + 1], packed[..., 2 * K + 2:3 * K + 2], packed[..., -V:]
+    k = k / cupy.linalg.norm(k.astype(F32), axis=-1, keepdims=True).astype(dtype)
+    p = p / cupy.linalg.norm(p.astype(F32), axis=-1, keepdims=True).astype(dtype)
+    beta = cupy.asarray(rng.random((B, T, H)).astype(dtype))
+    g = cupy.asarray(-rng.random((B, T, H)).astype(F32) / 4)
+    S0 = cupy.asarray(rng.standard_normal((B, H, K, V) if layout == "kv" else (B, H, V, K)).astype(F32) / 8)
+    o_buf = cupy.full((B, T, H, V + 8), cupy.nan, dtype)
+    o, S = comba_forward(q, k, v, p, beta, g, initial_state=S0, out=o_buf[..., :V], state_layout=layout,
+                         variant=f"{layout}32c64", precision="fp32")
+    S_ref, o_ref = reference.comba_loop(S0, q, k, v, p, beta, g, state_layout=layout)
+    assert reference.relative_error(S, S_ref) <= 1e-6
+    assert reference.relative_error(o, o_ref) <= TOL["fp32", numpy.dtype(dtype).name][1]
+    assert bool(cupy.isnan(o_buf[..., V:]).all())  # the gap untouched
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+def test_ragged_pool_gating(layout, comba, precision):
+    """Packed sequences of many lengths (empty ones too) from a pool with padding rows, in-kernel gating."""
+    lens = [0, 70, 1, 0, 200, 64, 128, 5]
+    N, H, Hk, K, V = len(lens), 4, 2, 128, 64
+    cu = numpy.concatenate([[0], numpy.cumsum(lens)]).astype(numpy.int32)
+    q, k, v, p, beta, g, _ = forward_inputs(1, int(cu[-1]), H, K, V, Hk=Hk, state_layout=layout, seed=3, xp=cupy)
+    rng = numpy.random.default_rng(0)
+    shape = (N + 3, H, K, V) if layout == "kv" else (N + 3, H, V, K)
+    pool = cupy.asarray(rng.standard_normal(shape).astype(F32) / 8)
+    before = cupy.asnumpy(pool)
+    idx = numpy.array([3, 0, 5, -1, 9, 1, 2, 7], numpy.int64)
+    A_log = cupy.asarray(rng.standard_normal(H).astype(F32) / 2)
+    dt_bias = cupy.asarray(rng.standard_normal(H).astype(F32) / 2)
+    out = cupy.full(v.shape, cupy.nan, v.dtype)
+    kw = dict(state_layout=layout, state_indices=cupy.asarray(idx), cu_seqlens=cupy.asarray(cu), A_log=A_log,
+              dt_bias=dt_bias, use_beta_sigmoid=True, variant=f"{layout}32c64", precision=precision)
+    if comba:
+        o, S = comba_forward(q, k, v, p, beta, g, initial_state=pool, out=out, **kw)
+    else:
+        o, S = gated_delta_forward(q, k, v, beta, g, initial_state=pool, out=out, **kw)
+    assert S is pool and o is out
+    h = cupy.asnumpy
+    S_ref, o_ref = reference.comba_loop(before, h(q), h(k), h(v), h(p if comba else k), h(beta), h(g),
+                                        state_layout=layout, state_indices=idx, cu_seqlens=cu, A_log=h(A_log),
+                                        dt_bias=h(dt_bias), use_beta_sigmoid=True)
+    tol_s, tol_o = TOL[precision, "bfloat16"]
+    live = reference.live_slots(idx, N + 3)
+    assert reference.relative_error(h(S)[live], S_ref[live]) <= tol_s
+    assert reference.relative_error(o, o_ref) <= tol_o
+    untouched = numpy.setdiff1d(numpy.arange(N + 3), live)
+    assert numpy.array_equal(h(S)[untouched], before[untouched])  # bit for bit
+    assert not bool(cupy.isnan(o).any())  # every token written, the padding row's with zeros
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_zero_state_and_no_final_state(layout):
+    q, k, v, p, beta, g, _ = forward_inputs(3, 150, 4, 64, 64, state_layout=layout, seed=11, xp=cupy)
+    S_ref, o_ref = reference.comba_loop(numpy.zeros((3, 4, 64, 64)), q, k, v, p, beta, g, state_layout=layout)
+    for final in (True, False):
+        o, S = _forward(True, q, k, v, p, beta, g, None, state_layout=layout, variant=f"{layout}16c64",
+                        precision="fp32", output_final_state=final)
+        assert reference.relative_error(o, o_ref) <= TOL["fp32", "bfloat16"][1]
+        if final:
+            assert reference.relative_error(S, S_ref) <= 1e-6
+        else:
+            assert S is None
+
+
+def test_equals_the_token_loop_at_fp32():
+    """precision="fp32" agrees with the token loop (both fp32-accurate) far below bf16 rounding."""
+    q, k, v, p, beta, g, S0 = forward_inputs(2, 300, 4, 128, 128, seed=2, dtype=F32, xp=cupy)
+    o1, S1 = comba_forward(q, k, v, p, beta, g, initial_state=S0, variant="kv32c64", precision="fp32")
+    o2, S2 = comba_forward(q, k, v, p, beta, g, initial_state=S0, variant="kv64x4")
+    assert reference.relative_error(S1, S2) <= 1e-6
+    assert reference.relative_error(o1, o2) <= 1e-6
+
+
+def test_repeated_calls_with_new_buffers():
+    """The two-kernel launch replayed as a graph, its nodes given new pointers on every call."""
+    args = forward_inputs(2, 129, 4, 128, 64, seed=4, xp=cupy)
+    results = []
+    for _ in range(4):
+        o, S = gated_delta_forward(*args[:3], *args[4:6], initial_state=args[6], variant="kv32c64")
+        results.append((o, S))
+    cupy.cuda.Device().synchronize()
+    for o, S in results[1:]:
+        assert bool((o == results[0][0]).all()) and bool((S == results[0][1]).all())
+    S_ref, o_ref = reference.comba_loop(args[6], *args[:3], args[1], *args[4:6])
+    assert reference.relative_error(results[-1][0], o_ref) <= TOL["tf32", "bfloat16"][1]
+
+
+def test_variants_that_do_not_fit_are_refused():
+    args = forward_inputs(1, 70, 2, 256, 64, seed=1, dtype=F32, xp=cupy)
+    with pytest.raises(ValueError, match="shared memory"):
+        comba_forward(*args[:6], initial_state=args[6], variant="kv32c64")
+    o, S = gated_delta_forward(*args[:3], *args[4:6], initial_state=args[6], variant="kv16c64", precision="fp32")
+    S_ref, _ = reference.comba_loop(args[6], *args[:3], args[1], *args[4:6])
+    assert reference.relative_error(S, S_ref) <= 1e-6
+
+
+def test_precision_is_checked():
+    args = forward_inputs(1, 4, 2, 64, 64, seed=1, xp=cupy)
+    with pytest.raises(ValueError, match="precision"):
+        comba_forward(*args[:6], initial_state=args[6], precision="bf16")
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_a_cuda_graph_of_a_ragged_prefill(layout):
+    """Device-resident cu_seqlens in a captured graph, replayed with new lengths (no host sync)."""
+    H, K, V, total = 2, 64, 64, 300
+    q, k, v, p, beta, g, _ = forward_inputs(1, total, H, K, V, seed=9, state_layout=layout, xp=cupy)
+    cu = cupy.asarray(numpy.array([0, 100, 300], numpy.int32))
+    S0 = cupy.zeros((2, H, K, V), F32)
+    o = cupy.empty_like(v)
+    S = cupy.empty_like(S0)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        comba_forward(q, k, v, p, beta, g, initial_state=S0, cu_seqlens=cu, out=o, state_out=S, state_layout=layout,
+                      variant=f"{layout}32c64")  # the plan and its workspace for this stream, before the capture
+        stream.begin_capture()
+        comba_forward(q, k, v, p, beta, g, initial_state=S0, cu_seqlens=cu, out=o, state_out=S, state_layout=layout,
+                      variant=f"{layout}32c64")
+        graph = stream.end_capture()
+        for lens in ([0, 300], [299, 1], [64, 236]):
+            cu[...] = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(lens)]).astype(numpy.int32))
+            graph.launch(stream)
+            stream.synchronize()
+            S_ref, o_ref = reference.comba_loop(cupy.asnumpy(S0), *map(cupy.asnumpy, (q, k, v, p, beta, g)),
+                                                state_layout=layout, cu_seqlens=cupy.asnumpy(cu))
+            assert reference.relative_error(o, o_ref) <= TOL["tf32", "bfloat16"][1]
+            assert reference.relative_error(S, S_ref) <= TOL["tf32", "bfloat16"][0]
