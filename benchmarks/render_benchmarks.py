@@ -4,9 +4,10 @@
 
 Rewrites the text between ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` from the CLI's
 reports, between ``<!-- forward:begin -->`` and ``<!-- forward:end -->`` from
-``benchmarks/sweep_forward.py --json`` files, and between ``<!-- tilings:begin -->``
+``benchmarks/sweep_forward.py --json`` files, between ``<!-- tilings:begin -->``
 and ``<!-- tilings:end -->`` from ``benchmarks/sweep_decode.py --json`` and
-``benchmarks/sweep_forward_tilings.py --json`` files.
+``benchmarks/sweep_forward_tilings.py --json`` files, and between ``<!-- prefill:begin -->`` and
+``<!-- prefill:end -->`` from ``benchmarks/sweep_prefill.py`` files (``--fla`` and ``--tiling``).
 """
 
 import json
@@ -14,16 +15,22 @@ import sys
 
 BLOCKS = {"bench": ("<!-- bench:begin -->", "<!-- bench:end -->"),
           "forward": ("<!-- forward:begin -->", "<!-- forward:end -->"),
-          "tilings": ("<!-- tilings:begin -->", "<!-- tilings:end -->")}
+          "tilings": ("<!-- tilings:begin -->", "<!-- tilings:end -->"),
+          "prefill": ("<!-- prefill:begin -->", "<!-- prefill:end -->")}
 
 
 def block_of(report):
+    rows = report.get("rows") or [{}]
+    if "fla_us" in rows[0] or "chosen" in rows[0]:
+        return "prefill"
     if "rows" in report and report["rows"] and "variant" in report["rows"][0]:
         return "tilings"
     return "forward" if "rows" in report else "bench"
 
 
 def table(report):
+    if block_of(report) == "prefill":
+        return prefill_fla_table(report) if "fla_us" in report["rows"][0] else prefill_tiling_table(report)
     if block_of(report) == "tilings":
         return decode_tilings_table(report) if "op" in report["rows"][0] else forward_tilings_table(report)
     return forward_table(report) if "rows" in report else decode_table(report)
@@ -43,6 +50,38 @@ def decode_tilings_table(report):
         cells = ", ".join(f"{r['variant']} {r['fraction']:.3f}{' *' if r['chosen'] else ''}"
                           + (f" ({r['us']:.1f} us)" if small else "") for r in rows)
         lines.append(f"| {op} | {', '.join(map(str, shape))} | {cells} |")
+    return "\n".join(lines)
+
+
+def prefill_fla_table(report):
+    """A ``benchmarks/sweep_prefill.py --fla`` file: ours against flash-linear-attention's chunked kernels."""
+    env = report["environment"]
+    lines = [f"**{env.get('gpu')}**, {env['date']}: forward passes from a state, bf16, CUDA-graph replay, against "
+             "flash-linear-attention 0.6's `chunk_gated_delta_rule` / `chunk_comba` in the same process.", "",
+             "| op | B, T, H | K, V | ours us | M tokens/s | FLA us | FLA / ours | our kernel |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        tokens = r["B"] * r["T"] / r["ours_us"]
+        lines.append(f"| {r['op']} | {r['B']}, {r['T']}, {r['H']} | {r['K']}, {r['V']} | {r['ours_us']:.1f} | "
+                     f"{tokens:.1f} | {r['fla_us']:.1f} | {r['fla_us'] / r['ours_us']:.2f} | {r['ours_variant']} |")
+    if report.get("note"):
+        lines += ["", report["note"] + "."]
+    return "\n".join(lines)
+
+
+def prefill_tiling_table(report):
+    """A ``benchmarks/sweep_prefill.py --tiling`` file: the 64-token slabs against the kernel taken without them,
+    ``*`` on the variant the tree's ``tiling.choose`` picks."""
+    from cupy_comba import tiling
+
+    env = report["environment"]
+    lines = [f"**{env.get('gpu')}**, {env['date']}: forward passes from a state, K = V = 128, bf16, graph replay, us; "
+             "`*` marks the variant `tiling.choose` picks.", "",
+             "| op | layout | B*H | T | kernels |", "|---|---|---|---|---|"]
+    for r in report["rows"]:
+        chosen = tiling.choose(r["layout"], 128, 128, r["op"] == "comba", True, r["T"], r["B"] * r["H"])
+        cells = ", ".join(f"{v} {us:.1f}{' *' if v == chosen else ''}" for v, us in r["us"].items())
+        lines.append(f"| {r['op']} | {r['layout']} | {r['B'] * r['H']} | {r['T']} | {cells} |")
     return "\n".join(lines)
 
 
