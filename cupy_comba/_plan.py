@@ -60,7 +60,8 @@ class Plan:
         self.variant = sig.variant or tiling.choose(sig.layout, sig.K, sig.V, sig.comba, sig.multi, T, sig.B * sig.H,
                                                     not bf16_keys)
         self.kernel = kernel = families.kernel(sig.layout, self.variant, K=sig.K, separate_p=sig.comba,
-                                               multi=sig.multi, f32_keys=f32_keys, precision=sig.precision, bf16_keys=bf16_keys,
+                                               multi=sig.multi, f32_keys=f32_keys, precision=sig.precision,
+                                               bf16_keys=bf16_keys,
                                                serving=sig.pool or sig.gating or sig.beta_sigmoid or sig.ragged
                                                or bool(sig.per_token))
         if not sig.B * sig.H:

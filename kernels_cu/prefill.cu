@@ -96,38 +96,34 @@ __device__ __forceinline__ void a_operand4(float a0, float a1, float a2, float a
     operand<MODE>(a3, hi[3], lo[3]);
 }
 
-// Four consecutive keys key .. key + 3 of the row at element offset `row` (zeros when !valid): one
-// 8- or 16-byte load when `vec` (rows_vectorisable: contiguous keys, aligned rows), else four.
-__device__ __forceinline__ float4 load_keys4(const void* base, long long row, int key, long long sk, long long dtype,
-                                             bool vec, bool valid) {
-    if (!valid) return make_float4(0.f, 0.f, 0.f, 0.f);
-    if (vec) {
-        if (dtype == F32) return *reinterpret_cast<const float4*>(static_cast<const float*>(base) + row + key);
-        const uint2 w = *reinterpret_cast<const uint2*>(static_cast<const unsigned short*>(base) + row + key);
-        return make_float4(bits_to_float(w.x & 0xffffu, dtype), bits_to_float(w.x >> 16, dtype),
-                           bits_to_float(w.y & 0xffffu, dtype), bits_to_float(w.y >> 16, dtype));
-    }
-    const long long i = row + key * sk;
-    const unsigned b0 = load_bits(base, i, dtype), b1 = load_bits(base, i + sk, dtype);
-    const unsigned b2 = load_bits(base, i + 2 * sk, dtype), b3 = load_bits(base, i + 3 * sk, dtype);
-    return make_float4(bits_to_float(b0, dtype), bits_to_float(b1, dtype), bits_to_float(b2, dtype),
-                       bits_to_float(b3, dtype));
+// The A fragments of one 16-key step of two token rows (lg and lg + 8): lane lj holds keys 4 lj .. 4 lj + 3,
+// the step's two k-steps taking the pairs (4 lj, 4 lj + 1) and (4 lj + 2, 4 lj + 3) as their columns
+// (lj, lj + 4) -- a permutation of the key index that the B operand follows (key_step_mma).
+struct KeyStep {
+    unsigned h0[4], l0[4], h1[4], l1[4];
+};
+
+template <int MODE>
+__device__ __forceinline__ KeyStep key_step(float4 a, float4 b) {
+    KeyStep s;
+    a_operand4<MODE>(a.x, b.x, a.y, b.y, s.h0, s.l0);
+    a_operand4<MODE>(a.z, b.z, a.w, b.w, s.h1, s.l1);
+    return s;
 }
 
-// Two consecutive elements i, i + s of a row (zeros when !valid): one load when `paired` (s == 1,
-// aligned), else two.
-__device__ __forceinline__ float2 load_pair(const void* base, long long i, long long s, long long dtype, bool paired,
-                                            bool valid) {
-    if (!valid) return make_float2(0.f, 0.f);
-    if (paired) {
-        if (dtype == F32) return *reinterpret_cast<const float2*>(static_cast<const float*>(base) + i);
-        const unsigned w = *reinterpret_cast<const unsigned*>(static_cast<const unsigned short*>(base) + i);
-        return make_float2(bits_to_float(w & 0xffffu, dtype), bits_to_float(w >> 16, dtype));
-    }
-    return make_float2(bits_to_float(load_bits(base, i, dtype), dtype),
-                       bits_to_float(load_bits(base, i + s, dtype), dtype));
+// d += the step's rows times a B column of the same four keys (x .. w), made operands by BM.
+template <int BM, bool A_LO, bool B_LO>
+__device__ __forceinline__ void key_step_mma(float (&d)[4], const KeyStep& a, float4 b) {
+    unsigned bh[4], bl[4];
+    operand<BM>(b.x, bh[0], bl[0]);
+    operand<BM>(b.y, bh[1], bl[1]);
+    operand<BM>(b.z, bh[2], bl[2]);
+    operand<BM>(b.w, bh[3], bl[3]);
+    mma_acc<A_LO, B_LO>(d, a.h0, a.l0, bh[0], bh[1], bl[0], bl[1]);
+    mma_acc<A_LO, B_LO>(d, a.h1, a.l1, bh[2], bh[3], bl[2], bl[3]);
 }
 
+// Whether o's rows take a lane's two values as one store (store_act_pair).
 __device__ __forceinline__ bool pairs_aligned(const void* base, long long sb, long long st, long long sh, long long s,
                                               long long dtype) {
     return s == 1 && sb % 2 == 0 && st % 2 == 0 && sh % 2 == 0 &&
@@ -279,20 +275,24 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) prefill_prep(COMBA_KERNEL_
     const int n = static_cast<int>(min(static_cast<long long>(C), T - t0));
     float* rec = work + (slot * H + h) * kRecord;
 
-    stage_keys<K, ES, kPrefillThreads>(sq, q, b * prm.q_sb + t0 * prm.q_st + hk * prm.q_sh, prm.q_st, prm.q_sk, prm.q_t, n,
-                      rows_copyable(q, prm.q_sb, prm.q_st, prm.q_sh, prm.q_sk, prm.q_t, ES), tid);
-    stage_keys<K, ES, kPrefillThreads>(sk, k, b * prm.k_sb + t0 * prm.k_st + hk * prm.k_sh, prm.k_st, prm.k_sk, prm.k_t, n,
-                      rows_copyable(k, prm.k_sb, prm.k_st, prm.k_sh, prm.k_sk, prm.k_t, ES), tid);
-    stage_keys<K, ES, kPrefillThreads>(sp, p, b * prm.p_sb + t0 * prm.p_st + hk * prm.p_sh, prm.p_st, prm.p_sk, prm.p_t, n,
-                      rows_copyable(p, prm.p_sb, prm.p_st, prm.p_sh, prm.p_sk, prm.p_t, ES), tid);
+    stage_keys<K, ES, kPrefillThreads>(sq, q, b * prm.q_sb + t0 * prm.q_st + hk * prm.q_sh, prm.q_st, prm.q_sk,
+                                       prm.q_t, n,
+                                       rows_copyable(q, prm.q_sb, prm.q_st, prm.q_sh, prm.q_sk, prm.q_t, ES), tid);
+    stage_keys<K, ES, kPrefillThreads>(sk, k, b * prm.k_sb + t0 * prm.k_st + hk * prm.k_sh, prm.k_st, prm.k_sk,
+                                       prm.k_t, n,
+                                       rows_copyable(k, prm.k_sb, prm.k_st, prm.k_sh, prm.k_sk, prm.k_t, ES), tid);
+    stage_keys<K, ES, kPrefillThreads>(sp, p, b * prm.p_sb + t0 * prm.p_st + hk * prm.p_sh, prm.p_st, prm.p_sk,
+                                       prm.p_t, n,
+                                       rows_copyable(p, prm.p_sb, prm.p_st, prm.p_sh, prm.p_sk, prm.p_t, ES), tid);
     copy_async_commit();
 
     // gates (0 past the end), while the keys arrive
     if (tid < C) {
         const HeadGating gating = head_gating<SERVING>(A_log, dt_bias, h);
         const bool in = tid < n;
-        const float graw = in ? bits_to_float(load_bits(g, b * prm.g_sb + (t0 + tid) * prm.g_st + h * prm.g_sh, prm.g_t),
-                                              prm.g_t) : 0.f;
+        const float graw =
+            in ? bits_to_float(load_bits(g, b * prm.g_sb + (t0 + tid) * prm.g_st + h * prm.g_sh, prm.g_t), prm.g_t)
+               : 0.f;
         const float braw = in ? bits_to_float(load_bits(beta, b * prm.beta_sb + (t0 + tid) * prm.beta_st +
                                                                   h * prm.beta_sh, prm.beta_t), prm.beta_t) : 0.f;
         e[tid] = in ? gate_of<SERVING>(graw, prm, gating) : 1.f;
@@ -353,6 +353,7 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) prefill_prep(COMBA_KERNEL_
 #pragma unroll
         for (int i = 0; i < decltype(width)::value; ++i) {
             if (i < count) {
+                // the key row as a B operand, formed once for both products
                 const float4 kr = staged4<ES>(sk + ((8 * i + lg) * KP + kq) * ES);
                 unsigned bh[4], bl[4];
                 operand<KM>(kr.x, bh[0], bl[0]);
@@ -547,13 +548,14 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
     auto stage_chunk = [&](int c, unsigned char* at) {
         const long long t0 = static_cast<long long>(c) * C;
         const int n = static_cast<int>(min(static_cast<long long>(C), T - t0));
-        stage_keys<K, ES, kScanThreads>(at, q, b * prm.q_sb + t0 * prm.q_st + hk * prm.q_sh, prm.q_st, prm.q_sk, prm.q_t, n,
-                          q_copy, tid);
-        stage_keys<K, ES, kScanThreads>(at + Stage::KEY_BYTES, k, b * prm.k_sb + t0 * prm.k_st + hk * prm.k_sh, prm.k_st,
-                          prm.k_sk, prm.k_t, n, k_copy, tid);
+        stage_keys<K, ES, kScanThreads>(at, q, b * prm.q_sb + t0 * prm.q_st + hk * prm.q_sh, prm.q_st, prm.q_sk,
+                                        prm.q_t, n, q_copy, tid);
+        stage_keys<K, ES, kScanThreads>(at + Stage::KEY_BYTES, k, b * prm.k_sb + t0 * prm.k_st + hk * prm.k_sh,
+                                        prm.k_st, prm.k_sk, prm.k_t, n, k_copy, tid);
         if (SEPARATE_P)
-            stage_keys<K, ES, kScanThreads>(at + 2 * Stage::KEY_BYTES, p, b * prm.p_sb + t0 * prm.p_st + hk * prm.p_sh,
-                              prm.p_st, prm.p_sk, prm.p_t, n, p_copy, tid);
+            stage_keys<K, ES, kScanThreads>(at + 2 * Stage::KEY_BYTES, p,
+                                            b * prm.p_sb + t0 * prm.p_st + hk * prm.p_sh, prm.p_st, prm.p_sk, prm.p_t,
+                                            n, p_copy, tid);
         const long long v0 = b * prm.v_sb + t0 * prm.v_st + h * prm.v_sh + col0 * prm.v_sv;
         if (v_copy) {
             const int per_row = VT * v_bytes / 16;
@@ -618,7 +620,8 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
             for (int nt = 0; nt < NTW; ++nt) {
                 const int kk = key_of(i), cc = 8 * (nt0 + nt) + 2 * lj;
                 float* at = sh_state + (kk >> 2) * HS + 4 * cc + (kk & 3);
-                *reinterpret_cast<float2*>(at) = make_float2(produced<SM>(hacc[i][nt][0]), produced<SM>(hacc[i][nt][2]));
+                *reinterpret_cast<float2*>(at) =
+                    make_float2(produced<SM>(hacc[i][nt][0]), produced<SM>(hacc[i][nt][2]));
                 *reinterpret_cast<float2*>(at + 4) =
                     make_float2(produced<SM>(hacc[i][nt][1]), produced<SM>(hacc[i][nt][3]));
             }
@@ -657,23 +660,13 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
             const float4 pb = staged4<ES>(sp + (tb * KP + kq) * ES);
             const float4 qa = staged4<ES>(sq + (ta * KP + kq) * ES);
             const float4 qb = staged4<ES>(sq + (tb * KP + kq) * ES);
-            unsigned ph0[4], pl0[4], ph1[4], pl1[4], qh0[4], ql0[4], qh1[4], ql1[4];
-            a_operand4<KM>(pa.x, pb.x, pa.y, pb.y, ph0, pl0);
-            a_operand4<KM>(pa.z, pb.z, pa.w, pb.w, ph1, pl1);
-            a_operand4<KM>(qa.x, qb.x, qa.y, qb.y, qh0, ql0);
-            a_operand4<KM>(qa.z, qb.z, qa.w, qb.w, qh1, ql1);
+            const KeyStep P = key_step<KM>(pa, pb), Q = key_step<KM>(qa, qb);
 #pragma unroll
             for (int nt = 0; nt < NTW; ++nt) {
-                const float4 s4 = *reinterpret_cast<const float4*>(sh_state + ((key >> 2) + lj) * HS + 4 * (8 * (nt0 + nt) + lg));
-                unsigned bh[4], bl[4];
-                operand<SM>(s4.x, bh[0], bl[0]);
-                operand<SM>(s4.y, bh[1], bl[1]);
-                operand<SM>(s4.z, bh[2], bl[2]);
-                operand<SM>(s4.w, bh[3], bl[3]);
-                mma_acc<KL, SL>(rp[nt], ph0, pl0, bh[0], bh[1], bl[0], bl[1]);
-                mma_acc<KL, SL>(rp[nt], ph1, pl1, bh[2], bh[3], bl[2], bl[3]);
-                mma_acc<KL, SL>(rq[nt], qh0, ql0, bh[0], bh[1], bl[0], bl[1]);
-                mma_acc<KL, SL>(rq[nt], qh1, ql1, bh[2], bh[3], bl[2], bl[3]);
+                const float4 s4 =
+                    *reinterpret_cast<const float4*>(sh_state + ((key >> 2) + lj) * HS + 4 * (8 * (nt0 + nt) + lg));
+                key_step_mma<SM, KL, SL>(rp[nt], P, s4);
+                key_step_mma<SM, KL, SL>(rq[nt], Q, s4);
             }
         }
 

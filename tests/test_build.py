@@ -132,8 +132,14 @@ def test_mma_stage_bytes_is_the_struct_size():
         n = families.mma_stage_bytes(int(K), int(slab), sep == "true", 8 * int(subs))
         checks.append(f'static_assert(sizeof(comba::MmaStage<{K}, {slab}, {sep}, {subs}>) == {n}, "{expression}");')
     assert len(checks) == 36
-    source = _build.kernel_source("delta_rule_mma.cu") + "\n" + "\n".join(checks) + "\n"
-    prog = nvrtc.createProgram(source, "stage_bytes.cu", (), ())
+    _compiles_with("delta_rule_mma.cu", checks)
+
+
+def _compiles_with(source, lines):
+    """NVRTC compiles ``kernels_cu/<source>`` with ``lines`` (static_asserts) after it, else the test fails with
+    NVRTC's log."""
+    text = _build.kernel_source(source) + "\n" + "\n".join(lines) + "\n"
+    prog = nvrtc.createProgram(text, "static_asserts.cu", (), ())
     try:
         try:
             nvrtc.compileProgram(prog, _build.NVRTC_OPTIONS + ("--gpu-architecture=compute_90",))
@@ -163,15 +169,7 @@ def test_prefill_shared_bytes_are_the_layouts():
             checks.append(f'static_assert(comba::ScanLayout<{K}, {slab}, {sep}, {"true" if wide else "false"}>::BYTES '
                           f'== {n}, "{expression}");')
     assert len(checks) == 192
-    source = _build.kernel_source("prefill.cu") + "\n" + "\n".join(checks) + "\n"
-    prog = nvrtc.createProgram(source, "prefill_bytes.cu", (), ())
-    try:
-        try:
-            nvrtc.compileProgram(prog, _build.NVRTC_OPTIONS + ("--gpu-architecture=compute_90",))
-        except nvrtc.NVRTCError:
-            pytest.fail(nvrtc.getProgramLog(prog))
-    finally:
-        nvrtc.destroyProgram(prog)
+    _compiles_with("prefill.cu", checks)
     # what does not fit is not built: K = 256 with fp32 keys, except Gated DeltaNet on 16-column slabs
     assert [(K, slab, sep) for K in families.SUPPORTED_K for slab in families.PREFILL_SLABS for sep in (True, False)
             if not families.prefill_fits(K, slab, sep, True)] == [(256, 32, True), (256, 32, False), (256, 16, True)]
