@@ -75,13 +75,14 @@ def prefill_tiling_table(report):
     from cupy_comba import tiling
 
     env = report["environment"]
-    lines = [f"**{env.get('gpu')}**, {env['date']}: forward passes from a state, K = V = 128, bf16, graph replay, us; "
+    lines = [f"**{env.get('gpu')}**, {env['date']}: forward passes from a state, V = 128, bf16, graph replay, us; "
              "`*` marks the variant `tiling.choose` picks.", "",
-             "| op | layout | B*H | T | kernels |", "|---|---|---|---|---|"]
+             "| op | layout | K | B*H | T | kernels |", "|---|---|---|---|---|---|"]
     for r in report["rows"]:
-        chosen = tiling.choose(r["layout"], 128, 128, r["op"] == "comba", True, r["T"], r["B"] * r["H"])
+        K = r.get("K", 128)
+        chosen = tiling.choose(r["layout"], K, r.get("V", 128), r["op"] == "comba", True, r["T"], r["B"] * r["H"])
         cells = ", ".join(f"{v} {us:.1f}{' *' if v == chosen else ''}" for v, us in r["us"].items())
-        lines.append(f"| {r['op']} | {r['layout']} | {r['B'] * r['H']} | {r['T']} | {cells} |")
+        lines.append(f"| {r['op']} | {r['layout']} | {K} | {r['B'] * r['H']} | {r['T']} | {cells} |")
     return "\n".join(lines)
 
 

@@ -5,7 +5,8 @@ flash-linear-attention's chunked kernels in the same process (bf16, K = V = 128,
     PYTHONPATH=.:/tmp/site python benchmarks/sweep_prefill.py --fla benchmarks/results/h200-prefill.json
 
 ``--tiling``: Gated DeltaNet and Comba, "kv" and "vk", over 1-128 heads (H = 16; H = 32 from 32 heads
-on) and T = 256-4096: both 64-token slabs and the kernel the tiling takes below PREFILL_MIN_T.
+on) and T = 256-4096, at each K of ``--head-sizes``: both 64-token slabs and the kernel the tiling
+takes below PREFILL_MIN_T.
 ``--fla`` (needs torch and fla-core): the shapes of the issue's table, both ops, our choice against
 ``chunk_gated_delta_rule`` / ``chunk_comba``, as rows ``{op, B, T, H, K, V, dtype, ours_us, fla_us}``;
 and the relative errors of o and of the final state of both against the float64 reference at B = 1,
@@ -13,6 +14,7 @@ T = 1024, H = 4 (each library's bf16 default).
 """
 
 import argparse
+import itertools
 import json
 
 import cupy
@@ -35,9 +37,9 @@ def _call(comba, args, **opts):
     return lambda: gated_delta_forward(q, k, v, beta, g, initial_state=S, out=out, state_out=state_out, **opts)
 
 
-def sweep_tiling(layouts):
+def sweep_tiling(layouts, head_sizes):
     rows = []
-    for layout in layouts:
+    for K, layout in itertools.product(head_sizes, layouts):
         for comba in (False, True):
             for heads in (1, 16, 32, 64, 128):
                 H = min(16 if heads < 32 else 32, heads)
@@ -50,11 +52,11 @@ def sweep_tiling(layouts):
                         times[variant] = time_graph(_call(comba, args, state_layout=layout, variant=variant),
                                                     iters=5).median_us
                     chosen = tiling.choose(layout, K, V, comba, True, T, heads)
-                    row = dict(op="comba" if comba else "gdn", layout=layout, B=B, T=T, H=H, us=times,
+                    row = dict(op="comba" if comba else "gdn", layout=layout, B=B, T=T, H=H, K=K, V=V, us=times,
                                chosen=chosen)
                     rows.append(row)
                     best = min(times, key=times.get)
-                    print(f"{row['op']:5s} {layout} heads={heads:4d} T={T:5d} " +
+                    print(f"{row['op']:5s} {layout} K={K} heads={heads:4d} T={T:5d} " +
                           " ".join(f"{v}={t:8.1f}" for v, t in times.items()) +
                           f"  best {best}, chosen {chosen} ({times.get(chosen, float('nan')) / times[best]:.3f})",
                           flush=True)
@@ -124,10 +126,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiling", metavar="JSON")
     ap.add_argument("--layouts", default="kv,vk")
+    ap.add_argument("--head-sizes", default="128", help="K values for --tiling, comma-separated (V = 128)")
     ap.add_argument("--fla", metavar="JSON")
     a = ap.parse_args()
     if a.tiling:
-        rows = sweep_tiling(a.layouts.split(","))
+        rows = sweep_tiling(a.layouts.split(","), [int(k) for k in a.head_sizes.split(",")])
         with open(a.tiling, "w") as f:
             json.dump({"environment": environment(), "rows": rows}, f, indent=1)
     if a.fla:
