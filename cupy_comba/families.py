@@ -40,14 +40,14 @@ serving options (``serving``: a state pool, in-kernel gating), compiled when a c
 import itertools
 from typing import NamedTuple
 
-#: Head sizes K: every family is built for the first two; K = 256 has the token loops only.
+#: Head sizes K: every family is built for the first two; K = 256 has the token loops and the prefill kernels.
 SUPPORTED_K = (64, 128, 256)
 #: Head sizes the chunked and the tensor-core families are built for.
 FAMILY_K = (64, 128)
 #: Slabs (value columns a CTA) of the 64-token prefill kernels, built at every K.
 PREFILL_SLABS = (32, 16)
-#: The prefill kernels' numerics, by ``precision``: TF32 products ("tf32"), or split operands ("fp32",
-#: 3xTF32), with or without an fp32 among q, k, p (the template argument ACC of kernels_cu/prefill.cu).
+#: The prefill kernels' numerics, by ``precision``: TF32 products ("tf32") or split operands ("fp32",
+#: 3xTF32), each with bf16 q, k, p or wider ones (the template argument ACC of kernels_cu/prefill.cu).
 PRECISIONS = ("tf32", "fp32")
 #: Tokens a chunk, and floats of a chunk's record in the prefill workspace (kRecord in prefill.cu).
 PREFILL_CHUNK, PREFILL_RECORD = 64, 2 * 20 * 32 * 4 + 256
@@ -68,7 +68,7 @@ class Tiling(NamedTuple):
     args: tuple         #: template arguments between K and the flags
     slab: int           #: value columns (or rows of V) a CTA holds: V must be a multiple
     threads: int        #: threads a CTA
-    tokens: int         #: tokens a pass over the state: 1 (token loop), 4 (chunked), 8 or 16
+    tokens: int         #: tokens a pass over the state: 1 (token loop), 4 (chunked), 8 or 16, 64 (prefill)
     passes_only: bool   #: built for T-token passes only (no decode build)
 
 
@@ -81,8 +81,8 @@ class Kernel(NamedTuple):
     block: int
     shared_bytes: int   #: dynamic shared memory a CTA
     prep: str = ""      #: a kernel launched first with the same arguments (the prefill family's)
-    prep_shared_bytes: int = 0
-    prep_block: int = 0
+    prep_shared_bytes: int = 0  #: its dynamic shared memory a CTA
+    prep_block: int = 0         #: its threads a CTA (its grid: a CTA a chunk slot and value head)
 
     def grid(self, heads, V):
         """CTAs for ``heads`` = B * H heads of V value columns: one a slab of a head."""
