@@ -92,6 +92,26 @@ def test_arrays_on_two_devices_are_refused():
         comba_forward(*on0[:6], initial_state=on1[6])
 
 
+def _per_device(fn):
+    """fn(device) on one thread per device at once; their results by device, after every thread ended
+    (an exception in one is raised here)."""
+    results, errors = {}, []
+
+    def run(device):
+        try:
+            results[device] = fn(device)
+        except BaseException as e:  # noqa: BLE001 - raised by the calling thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(d,)) for d in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return results
+
+
 def _work(device, inputs, iterations):
     """Decode steps and forward passes (tensor-core and prefill kernels) on one device, graph launches on."""
     state, q, k, v, p, beta, g, fq, fk, fv, fp, fbeta, fg, fS = inputs
@@ -113,20 +133,7 @@ def test_one_thread_per_device():
     host = list(decode_inputs(4, 4, 128, 128, seed=5)) + list(forward_inputs(1, 512, 16, 128, 128, seed=6))
     inputs = {d: _on(d, host) for d in (0, 1)}
     single = {d: _work(d, inputs[d], 1)[0] for d in (0, 1)}
-    results, errors = {}, []
-
-    def run(device):
-        try:
-            results[device] = _work(device, inputs[device], 40)
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(d,)) for d in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    results = _per_device(lambda d: _work(d, inputs[d], 40))
     for d in (0, 1):
         for got in results[d]:
             for a, b in zip(got, single[d]):
@@ -156,23 +163,15 @@ def test_first_calls_on_both_devices_compile_once_each(monkeypatch):
     host = decode_inputs(4, 2, 64, 64, seed=7)
     host = (numpy.ascontiguousarray(host[0].swapaxes(-1, -2)),) + tuple(host[1:])
     inputs = {d: _on(d, host) for d in (0, 1)}
-    barrier, errors = threading.Barrier(2), []
+    barrier = threading.Barrier(2)
 
     def first(device):
-        try:
-            with cupy.cuda.Device(device):
-                barrier.wait()
-                comba_decode_step(*inputs[device], state_layout="vk", variant="vk8x2")
-                cupy.cuda.Device().synchronize()
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+        with cupy.cuda.Device(device):
+            barrier.wait()
+            comba_decode_step(*inputs[device], state_layout="vk", variant="vk8x2")
+            cupy.cuda.Device().synchronize()
 
-    threads = [threading.Thread(target=first, args=(d,)) for d in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    _per_device(first)
     assert modules == [[expression]]
     assert {key[2] for key in _build._kernels if key[:2] == (source, expression)} == {0, 1}
 
