@@ -202,7 +202,7 @@ class Launcher:
         if buf is None:
             buf = self._buffers[stream] = cupy.empty(max(self.workspace, 1), numpy.uint8)
         if capturing:
-            _CAPTURED.append(buf)
+            _CAPTURED[id(buf)] = buf
         return buf.data.ptr
 
     def _launch(self, pointers, stream):
@@ -273,4 +273,4 @@ class Launcher:
 #: The pointer slot the prefill kernels take their workspace in (intermediate_states, which they never keep).
 _WORKSPACE = 13
 #: Workspaces that a capturing stream used: a captured graph holds their addresses for as long as it lives.
-_CAPTURED = []
+_CAPTURED = {}

@@ -16,7 +16,7 @@ import numpy
 
 from . import families, reference, tiling
 from ._backend import cupy
-from ._dtypes import bfloat16, float32
+from ._dtypes import float32
 from ._launcher import Launcher, pack_params
 from . import _validate
 from ._validate import ARRAYS, STATE, STATE_OUT
@@ -56,12 +56,11 @@ class Plan:
         # token's state (speculative verify) is formed by the token loop only
         T = max(1, sig.T // max(sig.B, 1)) if sig.ragged else 1 if sig.per_token else sig.T
         f32_keys = any(a[n] is not None and a[n].dtype == float32 for n in ("q", "k", "p"))
-        bf16_keys = all(a[n] is None or a[n].dtype == bfloat16 for n in ("q", "k", "p"))
         self.variant = sig.variant or tiling.choose(sig.layout, sig.K, sig.V, sig.comba, sig.multi, T, sig.B * sig.H,
-                                                    not bf16_keys)
+                                                    not sig.bf16_keys)
         self.kernel = kernel = families.kernel(sig.layout, self.variant, K=sig.K, separate_p=sig.comba,
                                                multi=sig.multi, f32_keys=f32_keys, precision=sig.precision,
-                                               bf16_keys=bf16_keys,
+                                               bf16_keys=sig.bf16_keys,
                                                serving=sig.pool or sig.gating or sig.beta_sigmoid or sig.ragged
                                                or bool(sig.per_token))
         if not sig.B * sig.H:
@@ -76,16 +75,18 @@ class Plan:
         with cupy.cuda.Device(self.device):
             from ._build import get_kernel
 
-            fn = get_kernel(kernel.source, kernel.expression, self.device)
-            if fn.max_dynamic_shared_size_bytes < kernel.shared_bytes:
-                fn.max_dynamic_shared_size_bytes = kernel.shared_bytes
+            def compiled(expression, shared_bytes):  # the kernel, allowed its dynamic shared memory
+                fn = get_kernel(kernel.source, expression, self.device)
+                if fn.max_dynamic_shared_size_bytes < shared_bytes:
+                    fn.max_dynamic_shared_size_bytes = shared_bytes
+                return fn
+
             if kernel.prep:
-                prep = get_kernel(kernel.source, kernel.prep, self.device)
-                if prep.max_dynamic_shared_size_bytes < kernel.prep_shared_bytes:
-                    prep.max_dynamic_shared_size_bytes = kernel.prep_shared_bytes
-                before = (prep, slots * sig.H, kernel.prep_block, kernel.prep_shared_bytes)
-            self.launcher = Launcher(fn, grid, kernel.block, pack_params(sig), numpy.float32(sig.scale),
-                                     kernel.shared_bytes, before=before, workspace=workspace)
+                before = (compiled(kernel.prep, kernel.prep_shared_bytes), slots * sig.H, kernel.prep_block,
+                          kernel.prep_shared_bytes)
+            self.launcher = Launcher(compiled(kernel.expression, kernel.shared_bytes), grid, kernel.block,
+                                     pack_params(sig), numpy.float32(sig.scale), kernel.shared_bytes, before=before,
+                                     workspace=workspace)
 
 
 # -- the one path of every op ------------------------------------------------------------------------

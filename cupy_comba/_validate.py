@@ -66,7 +66,7 @@ class Signature:
 
     __slots__ = ("step", "comba", "layout", "gate", "l2norm", "write_final", "B", "T", "H", "Hk", "K", "V",
                  "scale", "o_dtype", "o_shape", "state_shape", "arrays", "variant", "multi", "pool", "N",
-                 "gating", "beta_sigmoid", "pairs", "ragged", "per_token", "precision")
+                 "gating", "beta_sigmoid", "pairs", "ragged", "per_token", "precision", "bf16_keys")
 
 
 # -- options ---------------------------------------------------------------------------------------
@@ -276,8 +276,8 @@ def _check_ragged(sigs, tokens):
     _check_strides("cu_seqlens", cu)
     for n in tokens:
         if sigs[n].shape[0] != 1:
-            raise ValueError(f"with cu_seqlens the sequences are packed along T: {n} must have shape (1, total_T, ...), "
-                             f"got {sigs[n].shape}")
+            raise ValueError(f"with cu_seqlens the sequences are packed along T: {n} must have shape "
+                             f"(1, total_T, ...), got {sigs[n].shape}")
     return cu.shape[0] - 1
 
 
@@ -421,6 +421,7 @@ def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, ga
             raise TypeError(f"o_dtype={dtype_name(o_dtype)} disagrees with out.dtype={dtype_name(out.dtype)}")
         o_dtype = out.dtype
     multi = ragged or per_token or not (T == 1 and sigs["state"] is not None and write_final)
+    bf16_keys = all(sigs[n].dtype == bfloat16 for n in keys)  # the prefill kernels stage those as they are
     if variant is not None:
         # a known name, else ValueError; a variant built for T-token passes only runs one step as one
         multi = multi or families.tiling(state_layout, K, variant).passes_only
@@ -431,7 +432,7 @@ def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, ga
                              f"{' keeping every token' + chr(39) + 's state' if per_token else ''}; "
                              f"expected one of {allowed}")
         t = families.tiling(state_layout, K, variant)
-        wide = not all(sigs[n].dtype == bfloat16 for n in keys)
+        wide = not bf16_keys
         if t.family == "prefill_scan" and not families.prefill_fits(K, t.slab, comba, wide):
             raise ValueError(f"variant {variant!r} with {'fp32 or fp16' if wide else 'bf16'} q, k, p at K={K} "
                              f"does not fit in shared memory{' (Comba)' if comba else ''}; expected one of "
@@ -447,7 +448,7 @@ def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, ga
     sig.o_shape, sig.state_shape, sig.arrays, sig.variant, sig.multi = o_shape, state_shape, sigs, variant, multi
     if precision is None:  # TF32 products for forward passes whose activations are all 16-bit (TF32 values already)
         precision = "tf32" if not step and all(sigs[n].dtype.itemsize == 2 for n in keys + ["v"]) else "fp32"
-    sig.precision = precision
+    sig.precision, sig.bf16_keys = precision, bf16_keys
     sig.pairs = _overlap_pairs(tuple(None if a is None else a.span() for a in sigs.values()), pool)
     return sig
 

@@ -207,8 +207,10 @@ def specialisations():
         for t in TILINGS:
             for separate_p in (True, False):
                 for multi in ((True,) if t.passes_only else (False, True)):
-                    for precision, f32_keys in itertools.product(PRECISIONS, (False, True)):
-                        if t.family == "prefill_scan" and not prefill_fits(t.K, t.slab, separate_p, f32_keys):
+                    prefill = t.family == "prefill_scan"  # its builds differ by numerics too
+                    for precision, f32_keys in itertools.product(PRECISIONS, (False, True)) if prefill else \
+                            (("fp32", False), ("fp32", True)):
+                        if prefill and not prefill_fits(t.K, t.slab, separate_p, f32_keys):
                             continue
                         k = kernel(t.layout, t.variant, K=t.K, separate_p=separate_p, multi=multi, serving=serving,
                                    precision=precision, f32_keys=f32_keys)

@@ -17,6 +17,8 @@ tensor cores, 128-column slabs at K = 64
 
 from typing import Callable, NamedTuple
 
+from .families import prefill_fits
+
 #: At most this many heads (B * H) count as few.
 FEW_HEADS = 128
 #: At most this many heads the tensor-core kernel takes 32-column slabs at K = 128.
@@ -77,8 +79,6 @@ PREFILL_MIN_T, PREFILL_HEADS, PREFILL_LONG_T = 256, 32, 4096
 
 
 def _prefill(c):
-    from .families import prefill_fits
-
     if not c.multi or c.heads is None or c.V % 32 or c.K != 128:  # measured at K = 128 only so far
         return False
     if not ((c.heads <= PREFILL_HEADS and c.T >= PREFILL_MIN_T) or (c.heads <= 2 * PREFILL_HEADS
@@ -100,7 +100,8 @@ RULES = (
          _prefill,
          lambda c: f"{c.layout}{_prefill_slab(c)}c64",
          "h200-prefill-tiling.json (K = V = 128, kv; vk runs the same scan, its state read and written once "
-         "in its own layout; K = 64 and 256 are not measured yet and keep the rules below): over 1-16 heads 16-column slabs from T = 256, Gated DeltaNet 34.6-36.6 against 53.3-53.4 us "
+         "in its own layout; K = 64 and 256 are not measured yet and keep the rules below): over 1-16 heads "
+         "16-column slabs from T = 256, Gated DeltaNet 34.6-36.6 against 53.3-53.4 us "
          "for kv32tc16, T = 4096 229.7-299.0 against 805.3-808.3 us; over 32 heads 32-column slabs (T = 256: "
          "41.4 against 53.8 us, T = 4096: 437.3 against 810.9 us); over 64 heads the tensor-core kernel "
          "leads up to T = 1024 (223.2 against 234.5 us) and 32-column slabs from T = 4096 (827.7 against 879.4 "
@@ -109,7 +110,8 @@ RULES = (
     Rule("K = 256: the kv token loop",
          lambda c: c.K == 256 and c.layout == "kv",
          lambda c: "kv64x16" if c.wide and (c.heads is None or c.heads > 1024) else "kv32x16",
-         "h200-decode-k256.json: at K = 256 only the token loops are built.  Over 7168 heads 64-column slabs "
+         "h200-decode-k256.json: at K = 256 the tiling takes the token loops (the 64-token prefill kernels run there "
+         "when forced).  Over 7168 heads 64-column slabs "
          "with 16 row groups (16 float4 of state a thread) run the decode step at 0.972 (Comba) / 0.979 of the "
          "copy against 0.968 / 0.965 for 32-column ones; over 1024 / 128 heads 32-column ones lead (71.0 / 8.9 "
          "against 73.6 / 9.0 us, Comba)."),
