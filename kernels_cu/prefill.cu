@@ -188,14 +188,19 @@ __device__ __forceinline__ bool rows_copyable(const void* base, long long sb, lo
 template <int K, int ES, int NTHREADS>
 __device__ __forceinline__ void stage_keys(unsigned char* dst, const void* src, long long row0, long long st,
                                            long long sk, long long dtype, int n, bool copyable, int tid) {
-    constexpr int KP = K + 16, PER = 16 / ES, PIECES = kPrefillChunk * K / PER;
+    constexpr int KP = K + 16, PER = 16 / ES, ROW = K / PER, ROWS = NTHREADS / ROW;  // pieces a row; rows a pass
+    static_assert(NTHREADS % ROW == 0 && kPrefillChunk % ROWS == 0, "whole rows a pass");
     if (copyable) {
-#pragma unroll 4
-        for (int i = tid; i < PIECES; i += NTHREADS) {
-            const int t = i / (K / PER), e = (i - t * (K / PER)) * PER;
-            const bool in = t < n;
-            const char* from = static_cast<const char*>(src) + (row0 + (in ? t : 0) * st + e) * ES;
-            copy_async16(dst + (t * KP + e) * ES, from, in);
+        // thread tid copies piece tid % ROW of rows tid / ROW + ROWS j: one address each, stepped
+        const int t = tid / ROW, e = (tid - t * ROW) * PER;
+        const char* first = static_cast<const char*>(src) + (row0 + e) * ES;  // row 0: a chunk has one
+        const char* from = first + t * st * ES;
+        const long long step = ROWS * st * ES;
+        unsigned char* to = dst + (t * KP + e) * ES;
+#pragma unroll
+        for (int j = 0; j < kPrefillChunk / ROWS; ++j, from += step) {
+            const bool in = t + ROWS * j < n;
+            copy_async16(to + ROWS * KP * ES * j, in ? from : first, in);
         }
         return;
     }
@@ -653,7 +658,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
         for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
             for (int r = 0; r < 4; ++r) rp[nt][r] = rq[nt][r] = 0.f;
-#pragma unroll 2
+#pragma unroll
         for (int key = 0; key < K; key += 16) {
             const int kq = key + 4 * lj;
             const float4 pa = staged4<ES>(sp + (ta * KP + kq) * ES);
@@ -697,7 +702,9 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
         const float4* afrag = reinterpret_cast<const float4*>(rec + kRecordA) + mrow * (mrow + 1) * 32 + lane;
         const float4* mfrag = reinterpret_cast<const float4*>(rec + kRecordMq) + mrow * (mrow + 1) * 32 + lane;
         auto coefficient_product = [&](const float4* frag, const float* rhs, float (&acc)[NTW][4]) {
-            for (int ks = 0; ks <= 2 * mrow + 1; ++ks) {
+#pragma unroll
+            for (int ks = 0; ks < C / 8; ++ks) {
+                if (ks > 2 * mrow + 1) break;  // above the diagonal: zero
                 const float4 a = frag[32 * ks];
                 unsigned ah[4], al[4];
                 a_operand4<SM>(a.x, a.y, a.z, a.w, ah, al);
@@ -761,7 +768,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
                 for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
                     for (int r = 0; r < 4; ++r) hacc[i][nt][r] *= G;
-#pragma unroll 2
+#pragma unroll
             for (int ks = 0; ks < C / 8; ++ks) {
                 const int tj = 8 * ks + lj, tj4 = tj + 4;
                 const float* r0 = sh_uw + tj * YS + lg;
