@@ -237,9 +237,9 @@ def _prefill_layout(K, slab, separate_p, wide_keys):
 
 def prefill_prep_bytes(K, wide_keys):
     """Bytes of ``PrepLayout<K, K32>`` (kernels_cu/prefill.cu): a chunk's q, k, p rows, then in their
-    place its two Gram matrices."""
+    place its Gram matrices, X = (I + L)^-1 and the solve's partial products."""
     keys = 3 * PREFILL_CHUNK * (K + 16) * (4 if wide_keys else 2)
-    return max(keys, 2 * 4 * PREFILL_CHUNK * (PREFILL_CHUNK + 1))
+    return max(keys, 4 * (3 * PREFILL_CHUNK * (PREFILL_CHUNK + 1) + 3 * 256))
 
 
 def prefill_fits(K, slab, separate_p, wide_keys):

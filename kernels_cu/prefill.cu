@@ -245,8 +245,8 @@ template <int K, bool K32>
 struct PrepLayout {
     static constexpr int KP = K + 16, ES = K32 ? 4 : 2, S = kPrefillChunk + 1;  // Gram rows padded by one float
     static constexpr int KEY_BYTES = kPrefillChunk * KP * ES;
-    static constexpr int GRAM_BYTES = 2 * 4 * kPrefillChunk * S;
-    // the staged keys are dead once the Gram products are in registers: the Gram matrices reuse them
+    static constexpr int GRAM_BYTES = 4 * (3 * kPrefillChunk * S + 3 * 256);  // L, Mq, X and the solve's Z
+    // the staged keys are dead once the Gram products are in registers: the matrices reuse them
     static constexpr int BYTES = 3 * KEY_BYTES > GRAM_BYTES ? 3 * KEY_BYTES : GRAM_BYTES;
 };
 
@@ -263,8 +263,10 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) prefill_prep(COMBA_KERNEL_
     unsigned char* const sq = prefill_smem;
     unsigned char* const sk = prefill_smem + Layout::KEY_BYTES;
     unsigned char* const sp = prefill_smem + 2 * Layout::KEY_BYTES;
-    float* const gram_p = reinterpret_cast<float*>(prefill_smem);  // p_t . k_j, then L, then A
+    float* const gram_p = reinterpret_cast<float*>(prefill_smem);  // p_t . k_j, then L
     float* const gram_q = gram_p + C * S;                          // q_t . k_j, then Mq
+    float* const xs = gram_q + C * S;                              // X = (I + L)^-1
+    float* const zs = xs + C * S;                                  // the solve's partial products
     __shared__ float e[C], bt[C], fq[C], fk[C], fp[C];
     float* work = inter;
 
@@ -435,29 +437,48 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) prefill_prep(COMBA_KERNEL_
     }
     __syncthreads();
 
-    // X = (I + L)^-1 by forward substitution, column c on thread c (in registers; L read as broadcasts).
-    // The columns of warp 1 (c >= 32) are zero above row 32: it starts there.
-    float x[C];
+    // X = (I + L)^-1 blockwise over 16 x 16 blocks: the four diagonal blocks by forward substitution (thread
+    // 16 i + c holds column c of block i in registers), then the blocks below them by distance d = i - j,
+    //   X_ij = -X_ii sum_{k = j .. i - 1} L_ik X_kj,
+    // whose X_kj are diagonal or nearer ones, each output on one thread.
     if (tid < C) {
-        const int c = tid, from = 32 * warp;
+        const int base = 16 * (tid >> 4), c = tid & 15;
+        float x[16];
 #pragma unroll
-        for (int i = 0; i < C; ++i) x[i] = i == c ? 1.f : 0.f;
+        for (int i = 0; i < 16; ++i) x[i] = i == c ? 1.f : 0.f;
 #pragma unroll
-        for (int j = 0; j < C - 1; ++j) {
-            if (j >= from) {
-                const float xj = x[j];
+        for (int j = 0; j < 15; ++j) {
+            const float xj = x[j];
 #pragma unroll
-                for (int t = j + 1; t < C; ++t) x[t] = fmaf(-gram_p[t * S + j], xj, x[t]);
-            }
+            for (int t = j + 1; t < 16; ++t) x[t] = fmaf(-gram_p[(base + t) * S + base + j], xj, x[t]);
         }
-    }
-    __syncthreads();
-    if (tid < C) {
-        const float bc = bt[tid];
 #pragma unroll
-        for (int t = 0; t < C; ++t) gram_p[t * S + tid] = x[t] * bc;  // A = X diag(beta)
+        for (int t = 0; t < 16; ++t) xs[(base + t) * S + base + c] = x[t];
     }
     __syncthreads();
+#pragma unroll
+    for (int d = 1; d < 4; ++d) {
+        for (int o = tid; o < (4 - d) * 256; o += kPrefillThreads) {  // Z = sum_k L_ik X_kj, block j = o / 256
+            const int j = o >> 8, i = j + d, r = (o >> 4) & 15, cc = o & 15;
+            const float* l = gram_p + (16 * i + r) * S + 16 * j;
+            const float* xk = xs + 16 * j * S + 16 * j + cc;
+            float z = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < 16 * d; ++kk) z = fmaf(l[kk], xk[kk * S], z);
+            zs[o] = z;
+        }
+        __syncthreads();
+        for (int o = tid; o < (4 - d) * 256; o += kPrefillThreads) {  // X_ij = -X_ii Z
+            const int j = o >> 8, i = j + d, r = (o >> 4) & 15, cc = o & 15;
+            const float* xi = xs + (16 * i + r) * S + 16 * i;
+            const float* z = zs + (o & ~255) + cc;
+            float x = 0.f;
+#pragma unroll
+            for (int m = 0; m < 16; ++m) x = fmaf(-xi[m], z[16 * m], x);
+            xs[(16 * i + r) * S + 16 * j + cc] = x;
+        }
+        __syncthreads();
+    }
 
     // A and Mq as A fragments: tile (m, ks) at m (m + 1) + ks, lane (lg, lj) the float4 (rows 16 m + lg,
     // + 8; columns 8 ks + lj, + 4).
@@ -465,9 +486,10 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) prefill_prep(COMBA_KERNEL_
         const int f = i >> 5, l = i & 31;
         const int m = f < 2 ? 0 : f < 6 ? 1 : f < 12 ? 2 : 3, ks = f - m * (m + 1);
         const int r0 = 16 * m + (l >> 2), c0 = 8 * ks + (l & 3);
+        const float b0 = bt[c0], b1 = bt[c0 + 4];  // A = X diag(beta)
         *reinterpret_cast<float4*>(rec + kRecordA + 4 * i) =
-            make_float4(produced<CM>(gram_p[r0 * S + c0]), produced<CM>(gram_p[(r0 + 8) * S + c0]),
-                        produced<CM>(gram_p[r0 * S + c0 + 4]), produced<CM>(gram_p[(r0 + 8) * S + c0 + 4]));
+            make_float4(produced<CM>(xs[r0 * S + c0] * b0), produced<CM>(xs[(r0 + 8) * S + c0] * b0),
+                        produced<CM>(xs[r0 * S + c0 + 4] * b1), produced<CM>(xs[(r0 + 8) * S + c0 + 4] * b1));
         *reinterpret_cast<float4*>(rec + kRecordMq + 4 * i) =
             make_float4(produced<CM>(gram_q[r0 * S + c0]), produced<CM>(gram_q[(r0 + 8) * S + c0]),
                         produced<CM>(gram_q[r0 * S + c0 + 4]), produced<CM>(gram_q[(r0 + 8) * S + c0 + 4]));
