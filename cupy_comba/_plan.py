@@ -110,7 +110,7 @@ def run(step, state, q, k, v, p, beta, g, scale, write_final, out, state_out, o_
             and (p is None or type(p) is nd) and (state is None or type(state) is nd)
             and (out is None or type(out) is nd) and (state_out is None or type(state_out) is nd)
             and (write_final is True or write_final is False) and (l2norm is True or l2norm is False)
-            and (precision is None or precision == "tf32" or precision == "fp32")
+            and (precision is None or precision == "tf32" or precision == "fp32" or precision == "bf16")
             and (serving is None or ((idx is None or type(idx) is nd) and (a_log is None or type(a_log) is nd)
                                      and (dt_bias is None or type(dt_bias) is nd) and (cu is None or type(cu) is nd)
                                      and (inter is None or type(inter) is nd)

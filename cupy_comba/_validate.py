@@ -120,7 +120,7 @@ def options(scale, write_final, state_out, o_dtype, state_layout, gate, l2norm, 
     return (scale, write_final, output_dtype(o_dtype), choice("state_layout", state_layout, ("kv", "vk")),
             choice("gate", gate, ("log", "linear")), flag("use_qk_l2norm", l2norm), variant,
             flag("use_beta_sigmoid", beta_sigmoid),
-            None if precision is None else choice("precision", precision, ("tf32", "fp32")))
+            None if precision is None else choice("precision", precision, ("tf32", "fp32", "bf16")))
 
 
 # -- array types -----------------------------------------------------------------------------------

@@ -46,9 +46,10 @@ SUPPORTED_K = (64, 128, 256)
 FAMILY_K = (64, 128)
 #: Slabs (value columns a CTA) of the 64-token prefill kernels, built at every K.
 PREFILL_SLABS = (32, 16)
-#: The prefill kernels' numerics, by ``precision``: TF32 products ("tf32") or split operands ("fp32",
-#: 3xTF32), each with bf16 q, k, p or wider ones (the template argument ACC of kernels_cu/prefill.cu).
-PRECISIONS = ("tf32", "fp32")
+#: The prefill kernels' numerics, by ``precision``: TF32 products ("tf32"), split operands ("fp32",
+#: 3xTF32), each with bf16 q, k, p or wider ones, or the read on bf16 products ("bf16", bf16 keys) (the
+#: template argument ACC of kernels_cu/prefill.cu).
+PRECISIONS = ("tf32", "fp32", "bf16")
 #: Tokens a chunk, and floats of a chunk's record in the prefill workspace (kRecord in prefill.cu).
 PREFILL_CHUNK, PREFILL_RECORD = 64, 2 * 20 * 32 * 4 + 256
 
@@ -182,11 +183,11 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
     t = tiling(layout, K, variant)
     if t.family == "prefill_scan":
         wide = f32_keys if bf16_keys is None else not bf16_keys
-        acc = (3 if wide else 0) if precision == "tf32" else 2 if wide else 1
+        acc = (3 if wide else 4 if precision == "bf16" else 0) if precision != "fp32" else 2 if wide else 1
         return Kernel(t.source, f"comba::prefill_scan<{K}, {t.slab}, {_flag(separate_p)}, {_flag(layout == 'vk')}, "
                                 f"{acc}, {_flag(serving)}>", t.slab, t.threads,
                       prefill_scan_bytes(K, t.slab, separate_p, wide),
-                      f"comba::prefill_prep<{K}, {acc}, {_flag(serving)}>", prefill_prep_bytes(K, wide), 128)
+                      f"comba::prefill_prep<{K}, {0 if acc == 4 else acc}, {_flag(serving)}>", prefill_prep_bytes(K, wide), 128)
     if t.family == "delta_rule_mma":
         slab, tokens = t.slab, t.tokens
         if f32_keys and tokens == 16:

@@ -87,6 +87,16 @@ __device__ __forceinline__ void mma_acc(float (&d)[4], const unsigned (&ah)[4], 
     mma_tf32(d[0], d[1], d[2], d[3], ah, bh0, bh1);
 }
 
+// d += a b on mma.sync m16n8k16 with bf16 operands: a the row tile's four registers of bf16 pairs
+// (rows lg, lg + 8; k 2 lj, + 1 and 2 lj + 8, + 9), b the column's two.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 template <int MODE>
 __device__ __forceinline__ void a_operand4(float a0, float a1, float a2, float a3, unsigned (&hi)[4],
                                            unsigned (&lo)[4]) {
@@ -517,6 +527,7 @@ template <int K, int VT, bool SEPARATE_P, bool K32>
 struct ScanLayout {
     using Stage = ScanStage<K, VT, SEPARATE_P, K32>;
     static constexpr int HS = 4 * VT + 8;              // floats a row of 4 keys of the state (conflict-free reads)
+    static constexpr int HB = 8 * VT + 32;             // bytes a row of 4 keys of the bf16 state (ACC 4; fits in HS)
     static constexpr int YS = VT == 16 ? 40 : VT + 8;  // floats a token row of Y, U, w U
     // S[key][col] at state[key / 4][4 col + key % 4]: a lane's 4 keys of a column in one float4
     static constexpr int STATE_AT = 0, Y_AT = 4 * (K / 4) * HS, U_AT = Y_AT + 4 * kPrefillChunk * YS;
@@ -528,7 +539,9 @@ struct ScanLayout {
 
 template <int K, int VT, bool SEPARATE_P, bool VK, int ACC, bool SERVING>
 __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARGS) {
-    constexpr bool K32 = ACC >= 2;  // q, k, p staged as fp32 (else bf16)
+    constexpr bool K32 = ACC == 2 || ACC == 3;  // q, k, p staged as fp32 (else bf16)
+    // ACC 4 ("bf16"): the read [P | Q] S on bf16 products, the state published as bf16 for it
+    constexpr bool B16 = ACC == 4;
     // keys as they are (bf16), split or rounded; the state, Y, U, w U and the coefficients split, or rounded
     // once by their producers
     constexpr int KM = ACC == 2 ? kSplit : ACC == 3 ? kRound : kExact;
@@ -646,6 +659,15 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
 #pragma unroll
             for (int nt = 0; nt < NTW; ++nt) {
                 const int kk = key_of(i), cc = 8 * (nt0 + nt) + 2 * lj;
+                if constexpr (B16) {  // keys kk, kk + 1 of a column: one bf16 pair, the lower key in the low half
+                    unsigned char* at = reinterpret_cast<unsigned char*>(sh_state) + (kk >> 2) * Layout::HB +
+                                        8 * cc + 2 * (kk & 3);
+                    *reinterpret_cast<unsigned*>(at) =
+                        float_to_bf16_bits(hacc[i][nt][0]) | (unsigned(float_to_bf16_bits(hacc[i][nt][2])) << 16);
+                    *reinterpret_cast<unsigned*>(at + 8) =
+                        float_to_bf16_bits(hacc[i][nt][1]) | (unsigned(float_to_bf16_bits(hacc[i][nt][3])) << 16);
+                    continue;
+                }
                 float* at = sh_state + (kk >> 2) * HS + 4 * cc + (kk & 3);
                 *reinterpret_cast<float2*>(at) =
                     make_float2(produced<SM>(hacc[i][nt][0]), produced<SM>(hacc[i][nt][2]));
@@ -683,6 +705,23 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
 #pragma unroll
         for (int key = 0; key < K; key += 16) {
             const int kq = key + 4 * lj;
+            if constexpr (B16) {
+                // a lane's 4 keys of a row are the A registers as they are staged: k-slots (2 lj, 2 lj + 1) and
+                // (2 lj + 8, 2 lj + 9) stand for keys 4 lj .. 4 lj + 3, which the state's bf16 quads follow
+                const uint2 pa = *reinterpret_cast<const uint2*>(sp + (ta * KP + kq) * 2);
+                const uint2 pb = *reinterpret_cast<const uint2*>(sp + (tb * KP + kq) * 2);
+                const uint2 qa = *reinterpret_cast<const uint2*>(sq + (ta * KP + kq) * 2);
+                const uint2 qb = *reinterpret_cast<const uint2*>(sq + (tb * KP + kq) * 2);
+#pragma unroll
+                for (int nt = 0; nt < NTW; ++nt) {
+                    const uint2 s2 = *reinterpret_cast<const uint2*>(reinterpret_cast<const unsigned char*>(sh_state) +
+                                                                     ((key >> 2) + lj) * Layout::HB +
+                                                                     8 * (8 * (nt0 + nt) + lg));
+                    mma_bf16(rp[nt], pa.x, pb.x, pa.y, pb.y, s2.x, s2.y);
+                    mma_bf16(rq[nt], qa.x, qb.x, qa.y, qb.y, s2.x, s2.y);
+                }
+                continue;
+            }
             const float4 pa = staged4<ES>(sp + (ta * KP + kq) * ES);
             const float4 pb = staged4<ES>(sp + (tb * KP + kq) * ES);
             const float4 qa = staged4<ES>(sq + (ta * KP + kq) * ES);

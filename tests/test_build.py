@@ -34,10 +34,10 @@ def test_the_registry_lists_every_build_once():
     counts = {source: len(e) for source, e in SPECIALISATIONS.items()}
     # token loop: 2 K x (5 kv + 2 vk tilings) + K = 256 x (3 kv + 2 vk tilings), x p or not x decode or T tokens;
     # chunked: 2 K x 2 kv + 2 vk at K = 128, x p or not; tensor cores: 9 builds (K, slab, tokens) x p or not x
-    # layout; prefill: 3 K x (2 slabs x 2 layouts x p or not scans + 1 prep) x 4 numerics (tf32 or fp32; bf16 or
-    # wider keys) less the 24 scans whose stage does not fit (K = 256, wider keys); each with and without the
-    # serving options
-    assert counts == {"token_loop.cu": 152, "chunked.cu": 24, "delta_rule_mma.cu": 72, "prefill.cu": 192,
+    # layout; prefill: 3 K x 2 slabs x 2 layouts x p or not scans x 5 numerics (tf32 or fp32, bf16 or wider keys;
+    # bf16 reads) less the 24 whose stage does not fit (K = 256, wider keys), and 3 K x 4 preps; each with and
+    # without the serving options
+    assert counts == {"token_loop.cu": 152, "chunked.cu": 24, "delta_rule_mma.cu": 72, "prefill.cu": 240,
                       "copy.cu": 1}
     for source, expressions in SPECIALISATIONS.items():
         assert len(set(expressions)) == len(expressions), source
@@ -100,9 +100,9 @@ def _pre_hopper_spread():
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89"])
 def test_every_family_also_builds_for_pre_hopper_gpus(arch):
     picks = _pre_hopper_spread()
-    # 8 + 8 token loop, 4 + 4 chunked, 16 tensor cores, 4 + 32 prefill (numerics x p x layout) (each with and
+    # 8 + 8 token loop, 4 + 4 chunked, 16 tensor cores, 4 + 20 prefill (numerics, x p x layout) (each with and
     # without serving), the copy
-    assert len(picks) == 81
+    assert len(picks) == 89
     for source in SPECIALISATIONS:
         expressions = [e for s, e in picks if s == source]
         assert set(_build.compile_for_arch(source, expressions, arch)) == set(expressions)
@@ -158,17 +158,17 @@ def test_prefill_shared_bytes_are_the_layouts():
         args = _template_args(expression)
         if expression.startswith("comba::prefill_prep"):
             K, acc, _ = args
-            n = families.prefill_prep_bytes(int(K), int(acc) >= 2)
-            checks.append(f'static_assert(comba::PrepLayout<{K}, {"true" if int(acc) >= 2 else "false"}>::BYTES == '
-                          f'{n}, "{expression}");')
+            n = families.prefill_prep_bytes(int(K), int(acc) in (2, 3))
+            checks.append(f'static_assert(comba::PrepLayout<{K}, {"true" if int(acc) in (2, 3) else "false"}>::BYTES '
+                          f'== {n}, "{expression}");')
         else:
             K, slab, sep, _, acc, _ = args
-            wide = int(acc) >= 2
+            wide = int(acc) in (2, 3)
             assert families.prefill_fits(int(K), int(slab), sep == "true", wide)
             n = families.prefill_scan_bytes(int(K), int(slab), sep == "true", wide)
             checks.append(f'static_assert(comba::ScanLayout<{K}, {slab}, {sep}, {"true" if wide else "false"}>::BYTES '
                           f'== {n}, "{expression}");')
-    assert len(checks) == 192
+    assert len(checks) == 240
     _compiles_with("prefill.cu", checks)
     # what does not fit is not built: K = 256 with fp32 keys, except Gated DeltaNet on 16-column slabs
     assert [(K, slab, sep) for K in families.SUPPORTED_K for slab in families.PREFILL_SLABS for sep in (True, False)

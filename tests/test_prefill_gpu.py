@@ -16,7 +16,8 @@ pytestmark = pytest.mark.gpu
 F16, F32 = numpy.dtype(numpy.float16), numpy.dtype(numpy.float32)
 #: Relative error bounds (state, o) by precision and activation dtype; bf16 and fp16 o are rounded outputs.
 TOL = {("fp32", "bfloat16"): (1e-6, 4e-3), ("fp32", "float16"): (1e-6, 1e-3), ("fp32", "float32"): (1e-6, 5e-6),
-       ("tf32", "bfloat16"): (1.5e-3, 5e-3), ("tf32", "float16"): (1.5e-3, 2e-3), ("tf32", "float32"): (1.5e-3, 2e-3)}
+       ("tf32", "bfloat16"): (1.5e-3, 5e-3), ("tf32", "float16"): (1.5e-3, 2e-3), ("tf32", "float32"): (1.5e-3, 2e-3),
+       ("bf16", "bfloat16"): (1e-2, 1e-2), ("bf16", "float16"): (1.5e-3, 2e-3), ("bf16", "float32"): (1.5e-3, 2e-3)}
 
 
 def _forward(comba, q, k, v, p, beta, g, S, **opts):
@@ -47,7 +48,7 @@ def _check(comba, args, precision, **opts):
 @pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
 @pytest.mark.parametrize("gate,l2norm", [("log", False), ("linear", True)], ids=["log", "linear-l2norm"])
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
-@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 def test_matches_reference(K, V, layout, comba, gate, l2norm, T, precision):
     if K == 256 and T not in (65, 200):
         pytest.skip("K = 256: two lengths")
