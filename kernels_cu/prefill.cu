@@ -360,6 +360,24 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) prefill_prep(COMBA_KERNEL_
     auto tiles = [&](int m, int count, auto width, float (&gp)[decltype(width)::value][4],
                      float (&gq)[decltype(width)::value][4], int kq) {
         const int r0 = 16 * m + lg;
+        if constexpr (!K32) {
+            // bf16 keys: bf16 products are exact in fp32, so m16n8k16 on the staged words as they are gives the
+            // sums of the TF32 path in half the mma.sync (k-slots 2 lj, 2 lj + 1, 2 lj + 8, 2 lj + 9 for keys
+            // 4 lj .. 4 lj + 3, as in the scan's read)
+            const uint2 pa = *reinterpret_cast<const uint2*>(sp + (r0 * KP + kq) * 2);
+            const uint2 pb = *reinterpret_cast<const uint2*>(sp + ((r0 + 8) * KP + kq) * 2);
+            const uint2 qa = *reinterpret_cast<const uint2*>(sq + (r0 * KP + kq) * 2);
+            const uint2 qb = *reinterpret_cast<const uint2*>(sq + ((r0 + 8) * KP + kq) * 2);
+#pragma unroll
+            for (int i = 0; i < decltype(width)::value; ++i) {
+                if (i < count) {
+                    const uint2 kr = *reinterpret_cast<const uint2*>(sk + ((8 * i + lg) * KP + kq) * 2);
+                    mma_bf16(gp[i], pa.x, pb.x, pa.y, pb.y, kr.x, kr.y);
+                    mma_bf16(gq[i], qa.x, qb.x, qa.y, qb.y, kr.x, kr.y);
+                }
+            }
+            return;
+        }
         const float4 pa = staged4<ES>(sp + (r0 * KP + kq) * ES), pb = staged4<ES>(sp + ((r0 + 8) * KP + kq) * ES);
         const float4 qa = staged4<ES>(sq + (r0 * KP + kq) * ES), qb = staged4<ES>(sq + ((r0 + 8) * KP + kq) * ES);
         unsigned ph0[4], pl0[4], ph1[4], pl1[4], qh0[4], ql0[4], qh1[4], ql1[4];
