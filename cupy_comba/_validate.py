@@ -446,8 +446,8 @@ def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, ga
     sig.scale = K ** -0.5 if scale is None else scale
     sig.o_dtype = sigs["v"].dtype if o_dtype is None else o_dtype
     sig.o_shape, sig.state_shape, sig.arrays, sig.variant, sig.multi = o_shape, state_shape, sigs, variant, multi
-    if precision is None:  # TF32 products for forward passes whose activations are all 16-bit (TF32 values already)
-        precision = "tf32" if not step and all(sigs[n].dtype.itemsize == 2 for n in keys + ["v"]) else "fp32"
+    if precision is None and (step or any(sigs[n].dtype.itemsize != 2 for n in keys + ["v"])):
+        precision = "fp32"  # else None: the half-precision default of forward passes, chosen with the slab (families)
     sig.precision, sig.bf16_keys = precision, bf16_keys
     sig.pairs = _overlap_pairs(tuple(None if a is None else a.span() for a in sigs.values()), pool)
     return sig

@@ -59,12 +59,14 @@ def comba_forward(q, k, v, p, beta, g, scale=None, *, initial_state=None, output
         Buffer for the final state; ``state_out=initial_state`` updates in place.
     o_dtype, state_layout, gate, use_qk_l2norm, variant
         As in :func:`cupy_comba.comba_decode_step`.
-    precision : {None, "tf32", "fp32", "bf16"}
-        The products of the 64-token prefill kernels: "tf32" rounds their operands to TF32 (state
-        error ~3e-4 relative against float64 over long prompts), "fp32" splits them for fp32 accuracy
-        (~2e-7) at about twice the tensor-core work, "bf16" (bf16 q, k, p; else "tf32") reads the
-        state as bf16 on bf16 products.  None: "tf32" when q, k, p and v are all 16-bit, else
-        "fp32".  Every other kernel is fp32-accurate whatever it says (docs/design.md).
+    precision : {None, "tf32", "bf16", "fp32"}
+        The products of the 64-token prefill kernels: "tf32" rounds their operands to TF32, "bf16"
+        (bf16 q, k, p; else "tf32") also reads the state as bf16 on bf16 products -- both a state
+        error of ~3e-4 relative against float64 over long prompts, a tenth of
+        flash-linear-attention's on the same inputs -- and "fp32" splits them for fp32 accuracy
+        (~2e-7) at about 1.3x the time.  None: for 16-bit q, k, p and v the faster of "bf16" and
+        "tf32" at the chosen slab, else "fp32".  Every other kernel is fp32-accurate whatever it
+        says (docs/design.md).
 
     Returns
     -------

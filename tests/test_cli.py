@@ -2,11 +2,12 @@
 
 import json
 
+import numpy
 import pytest
 from click.testing import CliRunner
 
-from cupy_comba import gpu_available
-from cupy_comba.bench import OPS
+from cupy_comba import bfloat16, gpu_available
+from cupy_comba.bench import OPS, registry
 from cupy_comba.cli import main
 
 TINY = ["--shapes", "4,2,64,64", "--shapes", "2,3,2,64,64", "--iters", "2", "--warmup", "1"]
@@ -80,6 +81,17 @@ def test_bench_forward_pass(runner, tmp_path):
     (row,) = json.loads(path.read_text())["results"]
     assert row["shape"] == {"B": 2, "T": 5, "H": 2, "K": 128, "V": 64} and row["ok"]
     assert row["bytes"] == 2 * 2 * (2 * 128 * 64 * 4 + 5 * (2 * 128 * 2 + 2 * 64 * 2 + 2 + 4))
+
+
+def test_the_check_gates_half_products_where_the_prefill_kernels_run():
+    """16-bit forward passes on the prefill kernels are held to their half-precision state error;
+    every other case, and fp32 activations, to fp32's."""
+    gdn = OPS["gated_delta_forward"]
+    long_bf16 = gdn.prepare((1, 256, 2, 64, 64), bfloat16, numpy, variant="kv16c64")
+    short_bf16 = gdn.prepare((1, 16, 2, 64, 64), bfloat16, numpy, variant="kv64x8")
+    long_fp32 = gdn.prepare((1, 256, 2, 64, 64), numpy.float32, numpy, variant="kv16c64")
+    assert long_bf16.tolerances["state"] == registry.HALF_PRODUCTS_STATE_TOLERANCE
+    assert short_bf16.tolerances["state"] == long_fp32.tolerances["state"] == registry.STATE_TOLERANCE
 
 
 @pytest.mark.parametrize("args,message", [

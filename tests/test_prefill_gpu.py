@@ -17,7 +17,7 @@ F16, F32 = numpy.dtype(numpy.float16), numpy.dtype(numpy.float32)
 #: Relative error bounds (state, o) by precision and activation dtype; bf16 and fp16 o are rounded outputs.
 TOL = {("fp32", "bfloat16"): (1e-6, 4e-3), ("fp32", "float16"): (1e-6, 1e-3), ("fp32", "float32"): (1e-6, 5e-6),
        ("tf32", "bfloat16"): (1.5e-3, 5e-3), ("tf32", "float16"): (1.5e-3, 2e-3), ("tf32", "float32"): (1.5e-3, 2e-3),
-       ("bf16", "bfloat16"): (1e-2, 1e-2), ("bf16", "float16"): (1.5e-3, 2e-3), ("bf16", "float32"): (1.5e-3, 2e-3)}
+       ("bf16", "bfloat16"): (1.5e-3, 5e-3), ("bf16", "float16"): (1.5e-3, 2e-3), ("bf16", "float32"): (1.5e-3, 2e-3)}
 
 
 def _forward(comba, q, k, v, p, beta, g, S, **opts):
@@ -178,7 +178,7 @@ def test_variants_that_do_not_fit_are_refused():
 def test_precision_is_checked():
     args = forward_inputs(1, 4, 2, 64, 64, seed=1, xp=cupy)
     with pytest.raises(ValueError, match="precision"):
-        comba_forward(*args[:6], initial_state=args[6], precision="bf16")
+        comba_forward(*args[:6], initial_state=args[6], precision="fp16")
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
