@@ -272,7 +272,10 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) prefill_prep(COMBA_KERNEL_
     extern __shared__ __align__(16) unsigned char prefill_smem[];
     unsigned char* const sq = prefill_smem;
     unsigned char* const sk = prefill_smem + Layout::KEY_BYTES;
-    unsigned char* const sp = prefill_smem + 2 * Layout::KEY_BYTES;
+    // Gated DeltaNet hands k as p (the same array): its rows are staged once
+    const bool p_is_k = p == k && prm.p_sb == prm.k_sb && prm.p_st == prm.k_st && prm.p_sh == prm.k_sh &&
+                        prm.p_sk == prm.k_sk && prm.p_t == prm.k_t;
+    unsigned char* const sp = p_is_k ? sk : prefill_smem + 2 * Layout::KEY_BYTES;
     float* const gram_p = reinterpret_cast<float*>(prefill_smem);  // p_t . k_j, then L
     float* const gram_q = gram_p + C * S;                          // q_t . k_j, then Mq
     float* const xs = gram_q + C * S;                              // X = (I + L)^-1
@@ -298,9 +301,11 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) prefill_prep(COMBA_KERNEL_
     stage_keys<K, ES, kPrefillThreads>(sk, k, b * prm.k_sb + t0 * prm.k_st + hk * prm.k_sh, prm.k_st, prm.k_sk,
                                        prm.k_t, n,
                                        rows_copyable(k, prm.k_sb, prm.k_st, prm.k_sh, prm.k_sk, prm.k_t, ES), tid);
-    stage_keys<K, ES, kPrefillThreads>(sp, p, b * prm.p_sb + t0 * prm.p_st + hk * prm.p_sh, prm.p_st, prm.p_sk,
-                                       prm.p_t, n,
-                                       rows_copyable(p, prm.p_sb, prm.p_st, prm.p_sh, prm.p_sk, prm.p_t, ES), tid);
+    if (!p_is_k)
+        stage_keys<K, ES, kPrefillThreads>(sp, p, b * prm.p_sb + t0 * prm.p_st + hk * prm.p_sh, prm.p_st, prm.p_sk,
+                                           prm.p_t, n,
+                                           rows_copyable(p, prm.p_sb, prm.p_st, prm.p_sh, prm.p_sk, prm.p_t, ES),
+                                           tid);
     copy_async_commit();
 
     // gates (0 past the end), while the keys arrive
@@ -484,10 +489,13 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) prefill_prep(COMBA_KERNEL_
         for (int t = 0; t < 16; ++t) xs[(base + t) * S + base + c] = x[t];
     }
     __syncthreads();
+    // Each thread's outputs of one distance are independent: the loops over them have constant counts, so
+    // that their dot products interleave.
 #pragma unroll
     for (int d = 1; d < 4; ++d) {
-        for (int o = tid; o < (4 - d) * 256; o += kPrefillThreads) {  // Z = sum_k L_ik X_kj, block j = o / 256
-            const int j = o >> 8, i = j + d, r = (o >> 4) & 15, cc = o & 15;
+#pragma unroll
+        for (int it = 0; it < (4 - d) * 256 / kPrefillThreads; ++it) {  // Z = sum_k L_ik X_kj, block j = o / 256
+            const int o = tid + it * kPrefillThreads, j = o >> 8, i = j + d, r = (o >> 4) & 15, cc = o & 15;
             const float* l = gram_p + (16 * i + r) * S + 16 * j;
             const float* xk = xs + 16 * j * S + 16 * j + cc;
             float z = 0.f;
@@ -496,8 +504,9 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) prefill_prep(COMBA_KERNEL_
             zs[o] = z;
         }
         __syncthreads();
-        for (int o = tid; o < (4 - d) * 256; o += kPrefillThreads) {  // X_ij = -X_ii Z
-            const int j = o >> 8, i = j + d, r = (o >> 4) & 15, cc = o & 15;
+#pragma unroll
+        for (int it = 0; it < (4 - d) * 256 / kPrefillThreads; ++it) {  // X_ij = -X_ii Z
+            const int o = tid + it * kPrefillThreads, j = o >> 8, i = j + d, r = (o >> 4) & 15, cc = o & 15;
             const float* xi = xs + (16 * i + r) * S + 16 * i;
             const float* z = zs + (o & ~255) + cc;
             float x = 0.f;
