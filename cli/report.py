@@ -109,8 +109,10 @@ def info_lines():
         count = f"{len(expressions):3d}" + ("" if built is None else f", {built:3d} compiled")
         yield f"  {source:<18} {count}"
     loaded = _build.loaded()
-    if loaded:
-        yield "loaded in this process: " + ", ".join(e for _, e, _ in loaded)
+    if loaded:  # one a line: a process that ran many shapes holds hundreds
+        yield f"loaded in this process ({len(loaded)}):"
+        for _, e, _ in loaded:
+            yield f"- {e}"
 
 
 def plot_fractions(report, path):
