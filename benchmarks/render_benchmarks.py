@@ -21,7 +21,7 @@ BLOCKS = {"bench": ("<!-- bench:begin -->", "<!-- bench:end -->"),
 
 def block_of(report):
     rows = report.get("rows") or [{}]
-    if "fla_us" in rows[0] or "chosen" in rows[0]:
+    if "fla_us" in rows[0] or isinstance(rows[0].get("us"), dict):
         return "prefill"
     if "rows" in report and report["rows"] and "variant" in report["rows"][0]:
         return "tilings"
@@ -64,25 +64,47 @@ def prefill_fla_table(report):
         tokens = r["B"] * r["T"] / r["ours_us"]
         lines.append(f"| {r['op']} | {r['B']}, {r['T']}, {r['H']} | {r['K']}, {r['V']} | {r['ours_us']:.1f} | "
                      f"{tokens:.1f} | {r['fla_us']:.1f} | {r['fla_us'] / r['ours_us']:.2f} | {r['ours_variant']} |")
+    e = report.get("errors")
+    if e:
+        shape = ", ".join(f"{k} = {v}" for k, v in e["shape"].items())
+        lines += ["", f"Relative errors against the float64 reference, Gated DeltaNet at {shape}, each library's "
+                      f"bf16 default: ours o {e['ours_o']:.2e}, final state {e['ours_state']:.2e}; "
+                      f"flash-linear-attention o {e['fla_o']:.2e}, final state {e['fla_state']:.2e}."]
     if report.get("note"):
         lines += ["", report["note"] + "."]
     return "\n".join(lines)
 
 
 def prefill_tiling_table(report):
-    """A ``benchmarks/sweep_prefill.py --tiling`` file: the 64-token slabs against the kernel taken without them,
-    ``*`` on the variant the tree's ``tiling.choose`` picks."""
+    """A ``benchmarks/sweep_prefill.py --tiling`` or ``--lengths`` file: per op, layout, K and B*H, at each T
+    the variant the tree's ``tiling.choose`` picks and its time, and where another timed variant is faster,
+    that one and how much slower the choice is."""
     from cupy_comba import tiling
 
     env = report["environment"]
-    lines = [f"**{env.get('gpu')}**, {env['date']}: forward passes from a state, V = 128, bf16, graph replay, us; "
-             "`*` marks the variant `tiling.choose` picks.", "",
-             "| op | layout | K | B*H | T | kernels |", "|---|---|---|---|---|---|"]
+    Ts = sorted({r["T"] for r in report["rows"]})
+    lines = [f"**{env.get('gpu')}**, {env['date']}: forward passes from a state, V = 128, bf16, graph replay: the "
+             "variant `tiling.choose` picks and its time in us; *best X r* where X, also timed, is faster by more "
+             "than half a percent and the choice takes r times its time.", "",
+             "| op | layout | K | B*H | " + " | ".join(f"T = {t}" for t in Ts) + " |",
+             "|---|---|---|---|" + "---|" * len(Ts)]
+    groups = {}
     for r in report["rows"]:
-        K = r.get("K", 128)
-        chosen = tiling.choose(r["layout"], K, r.get("V", 128), r["op"] == "comba", True, r["T"], r["B"] * r["H"])
-        cells = ", ".join(f"{v} {us:.1f}{' *' if v == chosen else ''}" for v, us in r["us"].items())
-        lines.append(f"| {r['op']} | {r['layout']} | {K} | {r['B'] * r['H']} | {r['T']} | {cells} |")
+        groups.setdefault((r["op"], r["layout"], r.get("K", 128), r["B"] * r["H"]), {})[r["T"]] = r
+    for (op, layout, K, heads), by_T in groups.items():
+        cells = []
+        for T in Ts:
+            r = by_T.get(T)
+            if r is None:
+                cells.append("")
+                continue
+            chosen = tiling.choose(layout, K, r.get("V", 128), op == "comba", True, T, heads)
+            best = min(r["us"], key=r["us"].get)
+            cell = f"{chosen} {r['us'][chosen]:.1f}" if chosen in r["us"] else f"{chosen} (not timed)"
+            if chosen in r["us"] and r["us"][chosen] > 1.005 * r["us"][best]:  # beyond timing noise
+                cell += f", *best {best} {r['us'][chosen] / r['us'][best]:.2f}*"
+            cells.append(cell)
+        lines.append(f"| {op} | {layout} | {K} | {heads} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

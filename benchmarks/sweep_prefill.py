@@ -2,11 +2,15 @@
 flash-linear-attention's chunked kernels in the same process (bf16, K = V = 128, CUDA-graph replay).
 
     PYTHONPATH=. python benchmarks/sweep_prefill.py --tiling benchmarks/results/h200-prefill-tiling.json
+    PYTHONPATH=. python benchmarks/sweep_prefill.py --lengths benchmarks/results/h200-prefill-lengths.json
     PYTHONPATH=.:/tmp/site python benchmarks/sweep_prefill.py --fla benchmarks/results/h200-prefill.json
 
 ``--tiling``: Gated DeltaNet and Comba, "kv" and "vk", over 1-128 heads (H = 16; H = 32 from 32 heads
-on) and T = 256-4096, at each K of ``--head-sizes``: both 64-token slabs and the kernel the tiling
-takes below PREFILL_MIN_T.
+on) and T = 256-4096, at each K of ``--head-sizes``: both 64-token slabs and the kernel the rules
+after the prefill rule choose (`_without_prefill`).
+``--lengths``: Gated DeltaNet and Comba, "kv", over 1, 16, 64 and 128 heads and T = 16-65536 at each K of
+``--head-sizes``: the tiling's choice, both 64-token slabs and the kernel the rules after the prefill rule
+choose.  Rows hold the times only: the renderer marks the choice of the tree it runs in.
 ``--fla`` (needs torch and fla-core): the shapes of the issue's table, both ops, our choice against
 ``chunk_gated_delta_rule`` / ``chunk_comba``, as rows ``{op, B, T, H, K, V, dtype, ours_us, fla_us}``;
 and the relative errors of o and of the final state of both against the float64 reference at B = 1,
@@ -37,30 +41,40 @@ def _call(comba, args, **opts):
     return lambda: gated_delta_forward(q, k, v, beta, g, initial_state=S, out=out, state_out=state_out, **opts)
 
 
+def _without_prefill(layout, K, V, comba, T, heads):
+    """The variant the rules after the prefill rule choose: the kernel the prefill kernels replace."""
+    case = tiling.Case(layout, K, V, comba, True, T, heads)
+    assert tiling.RULES[0].name.startswith("prefill")
+    return next(rule.variant(case) for rule in tiling.RULES[1:] if rule.applies(case))
+
+
+def _point(layout, K, comba, heads, T):
+    """One row: the times of the tiling's choice, both 64-token slabs and the kernel the rules after the
+    prefill rule choose (H = 16; H = 32 from 32 heads on)."""
+    H = min(16 if heads < 32 else 32, heads)
+    B = heads // H
+    args = forward_inputs(B, T, H, K, V, xp=cupy, state_layout=layout, warm_steps=0, seed=T)
+    chosen = tiling.choose(layout, K, V, comba, True, T, heads)
+    times = {}
+    for variant in dict.fromkeys((chosen, _without_prefill(layout, K, V, comba, T, heads), f"{layout}16c64",
+                                  f"{layout}32c64")):
+        times[variant] = time_graph(_call(comba, args, state_layout=layout, variant=variant), iters=5).median_us
+    best = min(times, key=times.get)
+    op = "comba" if comba else "gdn"
+    print(f"{op:5s} {layout} K={K} heads={heads:4d} T={T:6d} " + " ".join(f"{v}={t:9.1f}" for v, t in times.items())
+          + f"  best {best}, chosen {chosen} ({times[chosen] / times[best]:.3f})", flush=True)
+    return dict(op=op, layout=layout, B=B, T=T, H=H, K=K, V=V, us=times)
+
+
 def sweep_tiling(layouts, head_sizes):
-    rows = []
-    for K, layout in itertools.product(head_sizes, layouts):
-        for comba in (False, True):
-            for heads in (1, 16, 32, 64, 128):
-                H = min(16 if heads < 32 else 32, heads)
-                B = heads // H
-                for T in (256, 512, 1024, 4096):
-                    args = forward_inputs(B, T, H, K, V, xp=cupy, state_layout=layout, warm_steps=0, seed=T)
-                    base = tiling.choose(layout, K, V, comba, True, min(T, tiling.PREFILL_MIN_T - 1), heads)
-                    times = {}
-                    for variant in (base, f"{layout}16c64", f"{layout}32c64"):
-                        times[variant] = time_graph(_call(comba, args, state_layout=layout, variant=variant),
-                                                    iters=5).median_us
-                    chosen = tiling.choose(layout, K, V, comba, True, T, heads)
-                    row = dict(op="comba" if comba else "gdn", layout=layout, B=B, T=T, H=H, K=K, V=V, us=times,
-                               chosen=chosen)
-                    rows.append(row)
-                    best = min(times, key=times.get)
-                    print(f"{row['op']:5s} {layout} K={K} heads={heads:4d} T={T:5d} " +
-                          " ".join(f"{v}={t:8.1f}" for v, t in times.items()) +
-                          f"  best {best}, chosen {chosen} ({times.get(chosen, float('nan')) / times[best]:.3f})",
-                          flush=True)
-    return rows
+    return [_point(layout, K, comba, heads, T) for K, layout in itertools.product(head_sizes, layouts)
+            for comba in (False, True) for heads in (1, 16, 32, 64, 128) for T in (256, 512, 1024, 4096)]
+
+
+def sweep_lengths(head_sizes):
+    """The tiling's choice against the 64-token slabs and the kernel they replace, T = 16 - 65536."""
+    return [_point("kv", K, comba, heads, T) for K in head_sizes for comba in (False, True)
+            for heads in (1, 16, 64, 128) for T in (16, 32, 64, 128, 192, 256, 1024, 8192, 65536)]
 
 
 def sweep_fla():
@@ -128,7 +142,13 @@ def main():
     ap.add_argument("--layouts", default="kv,vk")
     ap.add_argument("--head-sizes", default="128", help="K values for --tiling, comma-separated (V = 128)")
     ap.add_argument("--fla", metavar="JSON")
+    ap.add_argument("--lengths", metavar="JSON", help="the tiling's choice against the best, T = 16 - 65536 (kv, "
+                                                      "--head-sizes)")
     a = ap.parse_args()
+    if a.lengths:
+        rows = sweep_lengths([int(k) for k in a.head_sizes.split(",")])
+        with open(a.lengths, "w") as f:
+            json.dump({"environment": environment(), "rows": rows}, f, indent=1)
     if a.tiling:
         rows = sweep_tiling(a.layouts.split(","), [int(k) for k in a.head_sizes.split(",")])
         with open(a.tiling, "w") as f:

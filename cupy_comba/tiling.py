@@ -73,22 +73,21 @@ def _mma(c):
     return f"{c.layout}{32 if narrow else 64}tc{16 if c.sixteen else ''}"
 
 
-#: The prefill kernels take T-token passes from PREFILL_MIN_T tokens over at most PREFILL_HEADS heads, and from
-#: PREFILL_LONG_T tokens over at most twice that.
-PREFILL_MIN_T, PREFILL_HEADS, PREFILL_LONG_T = 256, 32, 4096
+#: The prefill kernels take T-token passes from PREFILL_MIN_T tokens over at most PREFILL_HEADS heads; at K = 256
+#: over any number of heads (the token loops they replace there walk 256 keys a token).
+PREFILL_MIN_T, PREFILL_HEADS = 256, 64
 
 
 def _prefill(c):
-    if not c.multi or c.heads is None or c.V % 32 or c.K != 128:  # measured at K = 128 only so far
+    if not c.multi or c.V % 32 or c.T < PREFILL_MIN_T:
         return False
-    if not ((c.heads <= PREFILL_HEADS and c.T >= PREFILL_MIN_T) or (c.heads <= 2 * PREFILL_HEADS
-                                                                    and c.T >= PREFILL_LONG_T)):
+    if c.K != 256 and (c.heads is None or c.heads > PREFILL_HEADS):
         return False
     return prefill_fits(c.K, _prefill_slab(c), c.separate_p, c.wide_keys)
 
 
 def _prefill_slab(c):
-    return 16 if c.heads <= 16 else 32
+    return 16 if c.heads is not None and c.heads <= 16 else 32
 
 
 def _tensor_cores(c):
@@ -99,19 +98,18 @@ RULES = (
     Rule("prefill: 64-token chunks on the tensor cores",
          _prefill,
          lambda c: f"{c.layout}{_prefill_slab(c)}c64",
-         "h200-prefill-tiling.json (K = V = 128, kv; vk runs the same scan, its state read and written once "
-         "in its own layout; K = 64 and 256 are not measured yet and keep the rules below): over 1-16 heads "
-         "16-column slabs from T = 256, Gated DeltaNet 34.6-36.6 against 53.3-53.4 us "
-         "for kv32tc16, T = 4096 229.7-299.0 against 805.3-808.3 us; over 32 heads 32-column slabs (T = 256: "
-         "41.4 against 53.8 us, T = 4096: 437.3 against 810.9 us); over 64 heads the tensor-core kernel "
-         "leads up to T = 1024 (223.2 against 234.5 us) and 32-column slabs from T = 4096 (827.7 against 879.4 "
-         "us; Comba 881.4 against 945.2); over 128 heads kv64tc16 leads at every T (T = 4096: 1309.1 against "
-         "1599.4 us)."),
+         "h200-prefill-tiling.json (kv and vk, K = 64 / 128 / 256, 1-128 heads, T = 256-4096) and "
+         "h200-prefill-lengths.json (kv, T = 16-65536): at K = 64 and 128 over 1-16 heads 16-column slabs from "
+         "T = 256 (K = 128, 16 heads: 28.3 against 53.6 us for kv32tc16 at T = 256, 3385 against 12896 us at "
+         "T = 65536), over 17-64 heads 32-column ones (64 heads, T = 256: 51.2 against 59.4 us for kv64tc16); over "
+         "128 heads kv64tc16, ahead up to T = 1024 and within 4.4% of kv32c64 beyond (T = 65536: 21747 against "
+         "20825 us, Comba); at K = 256 over every head count, 3.3-19x the token loops from T = 256 (128 heads, "
+         "T = 4096: 2037.7 against 13137.7 us for kv32x16).  Below T = 256 the rules below keep their kernels."),
     Rule("K = 256: the kv token loop",
          lambda c: c.K == 256 and c.layout == "kv",
          lambda c: "kv64x16" if c.wide and (c.heads is None or c.heads > 1024) else "kv32x16",
-         "h200-decode-k256.json: at K = 256 the tiling takes the token loops (the 64-token prefill kernels run there "
-         "when forced).  Over 7168 heads 64-column slabs "
+         "h200-decode-k256.json: at K = 256 decode steps and passes of fewer than 256 tokens take the token "
+         "loops.  Over 7168 heads 64-column slabs "
          "with 16 row groups (16 float4 of state a thread) run the decode step at 0.972 (Comba) / 0.979 of the "
          "copy against 0.968 / 0.965 for 32-column ones; over 1024 / 128 heads 32-column ones lead (71.0 / 8.9 "
          "against 73.6 / 9.0 us, Comba)."),

@@ -1,5 +1,6 @@
 """The rules of cupy_comba.tiling.choose, and the variant names of cupy_comba.families."""
 
+import json
 import re
 from pathlib import Path
 
@@ -96,17 +97,38 @@ def test_gated_deltanet_decode_over_very_few_heads(heads, variant):
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("comba", [True, False])
 def test_prefill_over_few_heads_and_long_prompts(layout, comba):
-    """h200-prefill-tiling.json: 64-token chunks from T = 256 over at most 32 heads (16-column slabs up to 16
-    heads), from T = 4096 over 64; the tensor-core kernel otherwise."""
-    def choose(T, heads, **kw):
-        return tiling.choose(layout, 128, 128, comba, True, T, heads, **kw)
+    """h200-prefill-tiling.json, h200-prefill-lengths.json: 64-token chunks from T = 256 over at most 64 heads
+    (16-column slabs up to 16 heads) at K = 64 and 128, over any number at K = 256; the tensor-core kernel or
+    the token loop otherwise."""
+    def choose(T, heads, K=128, **kw):
+        return tiling.choose(layout, K, 128, comba, True, T, heads, **kw)
 
     assert choose(255, 16) == f"{layout}32tc16"
-    assert choose(256, 1) == choose(8192, 16) == f"{layout}16c64"
-    assert choose(256, 32) == choose(32768, 17) == f"{layout}32c64"
-    assert choose(1024, 64) == f"{layout}64tc16" and choose(4096, 64) == f"{layout}32c64"
-    assert choose(4096, 128) == f"{layout}64tc16" and choose(65536, None) == f"{layout}64tc16"
+    assert choose(256, 1) == choose(8192, 16) == choose(256, 16, K=64) == f"{layout}16c64"
+    assert choose(256, 17) == choose(65536, 64) == choose(1024, 64, K=64) == f"{layout}32c64"
+    assert choose(256, 65) == choose(65536, 128) == choose(65536, None) == f"{layout}64tc16"
+    assert choose(4096, 16, K=256) == f"{layout}16c64"
+    assert choose(256, 17, K=256) == choose(65536, 8192, K=256) == choose(4096, None, K=256) == f"{layout}32c64"
+    assert not choose(255, 16, K=256).endswith("c64")
+    # K = 256 with wide keys: only Gated DeltaNet's 16-column slab fits in shared memory
+    assert choose(4096, 16, K=256, wide_keys=True) == (choose(16, 16, K=256) if comba else f"{layout}16c64")
+    assert not choose(4096, 17, K=256, wide_keys=True).endswith("c64")
     assert not tiling.choose(layout, 128, 128, comba, False, 1, 16).endswith("c64")  # a decode step
-    assert not tiling.choose(layout, 256, 128, comba, True, 4096, 16).endswith("c64")  # measured at K = 128 only
     assert tiling.choose(layout, 128, 96, comba, True, 4096, 16) == f"{layout}16c64"  # V a multiple of 16
-    assert tiling.choose(layout, 128, 128, comba, True, 4096, 16, wide_keys=True) == f"{layout}16c64"
+    assert choose(4096, 16, wide_keys=True) == f"{layout}16c64"
+
+
+@pytest.mark.parametrize("name", ["h200-prefill-tiling.json", "h200-prefill-lengths.json"])
+def test_the_prefill_choice_is_within_5_percent_of_the_best_timed(name):
+    """From T = 256 on, at every point of the committed sweeps, the variant chosen is among those timed and
+    within 5% of the fastest of them."""
+    with open(RESULTS / name) as f:
+        rows = json.load(f)["rows"]
+    checked = 0
+    for r in rows:
+        if r["T"] < tiling.PREFILL_MIN_T:
+            continue
+        chosen = tiling.choose(r["layout"], r["K"], r["V"], r["op"] == "comba", True, r["T"], r["B"] * r["H"])
+        assert r["us"][chosen] <= 1.05 * min(r["us"].values()), r
+        checked += 1
+    assert checked >= 90  # the file is not a stub
