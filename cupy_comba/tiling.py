@@ -73,17 +73,23 @@ def _mma(c):
     return f"{c.layout}{32 if narrow else 64}tc{16 if c.sixteen else ''}"
 
 
-#: The prefill kernels take T-token passes from PREFILL_MIN_T tokens over at most PREFILL_HEADS heads; at K = 256
-#: over any number of heads (the token loops they replace there walk 256 keys a token).
-PREFILL_MIN_T, PREFILL_HEADS = 256, 64
+#: The prefill kernels take T-token passes of at least PREFILL_MIN_T tokens over at most 16 heads and at least
+#: PREFILL_LONG_T over at most PREFILL_HEADS, at K = 64 and 128; at K = 256 from 17 tokens over any number of
+#: heads, from 16 over more than PREFILL_HEADS (the token loops they replace there walk 256 keys a token).
+PREFILL_MIN_T, PREFILL_LONG_T, PREFILL_HEADS = 96, 192, 64
 
 
 def _prefill(c):
-    if not c.multi or c.V % 32 or c.T < PREFILL_MIN_T:
+    if not c.multi or c.V % 32:
         return False
-    if c.K != 256 and (c.heads is None or c.heads > PREFILL_HEADS):
+    if c.K == 256:
+        many = c.heads is None or c.heads > PREFILL_HEADS
+        shortest = 16 if many else 17
+    elif c.heads is None or c.heads > PREFILL_HEADS:
         return False
-    return prefill_fits(c.K, _prefill_slab(c), c.separate_p, c.wide_keys)
+    else:
+        shortest = PREFILL_MIN_T if c.heads <= 16 else PREFILL_LONG_T
+    return c.T >= shortest and prefill_fits(c.K, _prefill_slab(c), c.separate_p, c.wide_keys)
 
 
 def _prefill_slab(c):
@@ -100,11 +106,14 @@ RULES = (
          lambda c: f"{c.layout}{_prefill_slab(c)}c64",
          "h200-prefill-tiling.json (kv and vk, K = 64 / 128 / 256, 1-128 heads, T = 256-4096) and "
          "h200-prefill-lengths.json (kv, T = 16-65536): at K = 64 and 128 over 1-16 heads 16-column slabs from "
-         "T = 256 (K = 128, 16 heads: 28.3 against 53.6 us for kv32tc16 at T = 256, 3385 against 12896 us at "
-         "T = 65536), over 17-64 heads 32-column ones (64 heads, T = 256: 51.2 against 59.4 us for kv64tc16); over "
-         "128 heads kv64tc16, ahead up to T = 1024 and within 4.4% of kv32c64 beyond (T = 65536: 21747 against "
-         "20825 us, Comba); at K = 256 over every head count, 3.3-19x the token loops from T = 256 (128 heads, "
-         "T = 4096: 2037.7 against 13137.7 us for kv32x16).  Below T = 256 the rules below keep their kernels."),
+         "T = 96, where two chunks (22.6 us at K = 128, 16 heads, T = 128) cost what the 16-token kernel's "
+         "passes do (T = 64: 16.7, T = 128: 28.3 us; 53.6 against 28.3 us at T = 256, 12896 against 3385 us at "
+         "T = 65536); over 17-64 heads 32-column ones from T = 192 (64 heads: 42.9 against 45.3 us for kv64tc16; "
+         "34.3 against 31.5 us at T = 128); over 128 heads kv64tc16, ahead up to T = 1024 and within 4.4% of "
+         "kv32c64 beyond (T = 65536: 21747 against 20825 us, Comba); at K = 256 over every head count from "
+         "T = 17 (T = 16: the token loop 19.7-27.7 against 20.6-31.7 us over 1-64 heads; T = 32: 35.4-51.5 "
+         "against 20.9-32.1 us), from T = 16 over 128 heads (54.1 against 53.2 us, Comba 55.0 against 57.8), "
+         "3.3-19x the token loops from T = 256 (128 heads, T = 4096: 2037.7 against 13137.7 us for kv32x16)."),
     Rule("K = 256: the kv token loop",
          lambda c: c.K == 256 and c.layout == "kv",
          lambda c: "kv64x16" if c.wide and (c.heads is None or c.heads > 1024) else "kv32x16",
