@@ -188,28 +188,43 @@ __device__ __forceinline__ void copy_async16(void* dst, const void* src, bool va
 // Bulk copies (the TMA's one-dimensional form: one instruction moves a whole row or record) into shared
 // memory, counted by an mbarrier.  Every thread of the CTA arrives once a phase with the bytes its own
 // copies bring (the tx-count may run ahead of the arrivals: a phase ends when all have arrived and all
-// announced bytes have landed), so no thread needs to know what the others copy.
+// announced bytes have landed), so no thread needs to know what the others copy.  Hopper on: builds for
+// earlier GPUs stage by cp.async (kBulkCopies false; these helpers are empty there).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define COMBA_BULK_COPIES 1
+#else
+#define COMBA_BULK_COPIES 0
+#endif
+constexpr bool kBulkCopies = COMBA_BULK_COPIES;
+
 __device__ __forceinline__ void bulk_barrier_init(unsigned long long* bar, unsigned arrivals) {
+#if COMBA_BULK_COPIES
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(bar)), "r"(arrivals) : "memory");
+#endif
 }
 
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+#if COMBA_BULK_COPIES
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
                      shared_address(dst)),
                  "l"(src), "r"(bytes), "r"(shared_address(bar))
                  : "memory");
+#endif
 }
 
 __device__ __forceinline__ void bulk_arrive(unsigned long long* bar, unsigned bytes) {
+#if COMBA_BULK_COPIES
     asm volatile(
         "{\n\t.reg .b64 state;\n\tmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(
             shared_address(bar)),
         "r"(bytes)
         : "memory");
+#endif
 }
 
 // Waits for the phase of parity `parity` to end (its copies visible to this thread).
 __device__ __forceinline__ void bulk_wait(unsigned long long* bar, unsigned parity) {
+#if COMBA_BULK_COPIES
     unsigned done = 0;
     while (!done)
         asm volatile(
@@ -217,10 +232,15 @@ __device__ __forceinline__ void bulk_wait(unsigned long long* bar, unsigned pari
             : "=r"(done)
             : "r"(shared_address(bar)), "r"(parity)
             : "memory");
+#endif
 }
 
 // Orders this CTA's earlier generic accesses to shared memory before the bulk copies it issues next.
-__device__ __forceinline__ void bulk_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_fence() {
+#if COMBA_BULK_COPIES
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
 
 // Whether the rows of a key array can be copied as 16-byte pieces into a stage of ES-byte elements
 // (bf16 into 16-bit stages, fp32 into fp32 ones).
@@ -268,8 +288,8 @@ __device__ __forceinline__ unsigned stage_rows(unsigned char* dst, const void* s
                                                long long sk, long long dtype, int n, bool copyable, int tid,
                                                int owner0, unsigned long long* bar) {
     constexpr int KP = K + 16, ROW_BYTES = K * ES;
-    if (!copyable) {
-        stage_keys<K, ES, NTHREADS>(dst, src, row0, st, sk, dtype, n, false, tid);
+    if (!copyable || !kBulkCopies) {
+        stage_keys<K, ES, NTHREADS>(dst, src, row0, st, sk, dtype, n, copyable, tid);
         return 0;
     }
     const int r = tid - owner0;
@@ -714,8 +734,12 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
                 else *reinterpret_cast<unsigned short*>(d) = static_cast<unsigned short>(bits);
             }
         }
-        if (tid == kScanThreads - 1) {
-            bulk_copy(at + Stage::REC_AT, work + ((first + c) * H + h) * kRecord, 4 * kRecord, bar);
+        const float* rec = work + ((first + c) * H + h) * kRecord;
+        if (!kBulkCopies) {
+            for (int i = tid; i < kRecord / 4; i += kScanThreads)
+                copy_async16(at + Stage::REC_AT + 16 * i, rec + 4 * i, true);
+        } else if (tid == kScanThreads - 1) {
+            bulk_copy(at + Stage::REC_AT, rec, 4 * kRecord, bar);
             bytes += 4 * kRecord;
         }
         bulk_arrive(bar, bytes);
@@ -724,7 +748,9 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
     if (tid == 0) {
         bulk_barrier_init(&stage_bar[0], kScanThreads);
         bulk_barrier_init(&stage_bar[1], kScanThreads);
+#if COMBA_BULK_COPIES
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
     }
     __syncthreads();
 
