@@ -98,7 +98,7 @@ def run(step, state, q, k, v, p, beta, g, scale, write_final, out, state_out, o_
     ``step``: a decode step (``state`` required, T = 1 axes absent); ``p`` None for Gated
     DeltaNet.  The options as the public ops take them; ``serving`` None or ``(state_indices,
     A_log, dt_bias, use_beta_sigmoid, cu_seqlens, intermediate_states, num_accepted_tokens)``
-    (docs/serving.md); ``precision`` None, "tf32" or "fp32" (forward passes).
+    (docs/serving.md); ``precision`` None, "tf32", "bf16" or "fp32" (forward passes).
     """
     nd = _ND
     if serving is None:
