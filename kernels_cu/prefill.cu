@@ -555,7 +555,7 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) prefill_prep(COMBA_KERNEL_
     // X = (I + L)^-1 blockwise over 16 x 16 blocks: the four diagonal blocks by forward substitution (thread
     // 16 i + c holds column c of block i in registers), then the blocks below them by distance d = i - j,
     //   X_ij = -X_ii sum_{k = j .. i - 1} L_ik X_kj,
-    // whose X_kj are diagonal or nearer ones, each output on one thread.
+    // whose X_kj are diagonal or nearer ones.
     if (tid < C) {
         const int base = 16 * (tid >> 4), c = tid & 15;
         float x[16];
@@ -571,30 +571,46 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) prefill_prep(COMBA_KERNEL_
         for (int t = 0; t < 16; ++t) xs[(base + t) * S + base + c] = x[t];
     }
     __syncthreads();
-    // Each thread's outputs of one distance are independent: the loops over them have constant counts, so
-    // that their dot products interleave.
+    // The blocks of one distance on the tensor cores, a 16 x 8 half of a block (columns c0 .. c0 + 7) a warp
+    // at a time: Z = sum_k L_ik X_kj, then X_ij = -X_ii Z, both on split operands (3xTF32, fp32-accurate as
+    // the substitution); Z passes through the warp's 128 floats of zs, [row][column], to become a B operand.
+    // Only L's blocks strictly below the diagonal are read (above it gram_p still holds raw products).
+    float* const zw = zs + 128 * warp;
 #pragma unroll
     for (int d = 1; d < 4; ++d) {
 #pragma unroll
-        for (int it = 0; it < (4 - d) * 256 / kPrefillThreads; ++it) {  // Z = sum_k L_ik X_kj, block j = o / 256
-            const int o = tid + it * kPrefillThreads, j = o >> 8, i = j + d, r = (o >> 4) & 15, cc = o & 15;
-            const float* l = gram_p + (16 * i + r) * S + 16 * j;
-            const float* xk = xs + 16 * j * S + 16 * j + cc;
-            float z = 0.f;
+        for (int job = warp; job < 2 * (4 - d); job += 4) {
+            const int j = job >> 1, i = j + d, c0 = 16 * j + 8 * (job & 1);
+            float z[4] = {0.f, 0.f, 0.f, 0.f}, x[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-            for (int kk = 0; kk < 16 * d; ++kk) z = fmaf(l[kk], xk[kk * S], z);
-            zs[o] = z;
-        }
-        __syncthreads();
+            for (int kk = 16 * j; kk < 16 * i; kk += 8) {
+                const float* l = gram_p + (16 * i + lg) * S + kk + lj;
+                unsigned ah[4], al[4], bh0, bl0, bh1, bl1;
+                a_operand4<kSplit>(l[0], l[8 * S], l[4], l[8 * S + 4], ah, al);
+                operand<kSplit>(xs[(kk + lj) * S + c0 + lg], bh0, bl0);
+                operand<kSplit>(xs[(kk + lj + 4) * S + c0 + lg], bh1, bl1);
+                mma_acc<true, true>(z, ah, al, bh0, bh1, bl0, bl1);
+            }
+            zw[lg * 8 + 2 * lj] = z[0];
+            zw[lg * 8 + 2 * lj + 1] = z[1];
+            zw[(lg + 8) * 8 + 2 * lj] = z[2];
+            zw[(lg + 8) * 8 + 2 * lj + 1] = z[3];
+            __syncwarp();
 #pragma unroll
-        for (int it = 0; it < (4 - d) * 256 / kPrefillThreads; ++it) {  // X_ij = -X_ii Z
-            const int o = tid + it * kPrefillThreads, j = o >> 8, i = j + d, r = (o >> 4) & 15, cc = o & 15;
-            const float* xi = xs + (16 * i + r) * S + 16 * i;
-            const float* z = zs + (o & ~255) + cc;
-            float x = 0.f;
-#pragma unroll
-            for (int m = 0; m < 16; ++m) x = fmaf(-xi[m], z[16 * m], x);
-            xs[(16 * i + r) * S + 16 * j + cc] = x;
+            for (int ks = 0; ks < 16; ks += 8) {
+                const float* xi = xs + (16 * i + lg) * S + 16 * i + ks + lj;
+                unsigned ah[4], al[4], bh0, bl0, bh1, bl1;
+                a_operand4<kSplit>(xi[0], xi[8 * S], xi[4], xi[8 * S + 4], ah, al);
+                operand<kSplit>(zw[(ks + lj) * 8 + lg], bh0, bl0);
+                operand<kSplit>(zw[(ks + lj + 4) * 8 + lg], bh1, bl1);
+                mma_acc<true, true>(x, ah, al, bh0, bh1, bl0, bl1);
+            }
+            float* out = xs + (16 * i + lg) * S + c0 + 2 * lj;
+            out[0] = -x[0];
+            out[1] = -x[1];
+            out[8 * S] = -x[2];
+            out[8 * S + 1] = -x[3];
+            __syncwarp();  // zw read before this warp's next job writes it
         }
         __syncthreads();
     }
