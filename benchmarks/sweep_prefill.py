@@ -8,7 +8,7 @@ flash-linear-attention's chunked kernels in the same process (bf16, K = V = 128,
 ``--tiling``: Gated DeltaNet and Comba, "kv" and "vk", over 1-128 heads (H = 16; H = 32 from 32 heads
 on) and T = 256-4096, at each K of ``--head-sizes``: both 64-token slabs and the kernel the rules
 after the prefill rule choose (`_without_prefill`).
-``--lengths``: Gated DeltaNet and Comba, "kv", over 1, 16, 64 and 128 heads and T = 16-65536 at each K of
+``--lengths``: Gated DeltaNet and Comba, "kv", over 1, 16, 32, 64 and 128 heads and T = 16-65536 at each K of
 ``--head-sizes``: the tiling's choice, both 64-token slabs and the kernel the rules after the prefill rule
 choose.  Rows hold the times only: the renderer marks the choice of the tree it runs in.
 ``--fla`` (needs torch and fla-core): the shapes of the issue's table, both ops, our choice against
@@ -74,7 +74,7 @@ def sweep_tiling(layouts, head_sizes):
 def sweep_lengths(head_sizes):
     """The tiling's choice against the 64-token slabs and the kernel they replace, T = 16 - 65536."""
     return [_point("kv", K, comba, heads, T) for K in head_sizes for comba in (False, True)
-            for heads in (1, 16, 64, 128) for T in (16, 32, 64, 128, 192, 256, 1024, 8192, 65536)]
+            for heads in (1, 16, 32, 64, 128) for T in (16, 32, 64, 128, 192, 256, 1024, 8192, 65536)]
 
 
 def sweep_fla():
