@@ -321,6 +321,15 @@ __device__ __forceinline__ float2 staged2(const unsigned char* at) {
     return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
 }
 
+// lo and hi rounded to bf16 (to nearest, even) as one pair, lo in the low half: one cvt instruction, where
+// float_to_bf16_bits takes six a value.  (NaN becomes the canonical bf16 NaN; the scan's state is never one
+// unless an input is.)
+__device__ __forceinline__ unsigned bf16_pair(float lo, float hi) {
+    unsigned d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
 __device__ __forceinline__ float2 staged_f16x2(const unsigned char* at) {
     const unsigned w = *reinterpret_cast<const unsigned*>(at);
     return make_float2(f16_bits_to_float(static_cast<unsigned short>(w & 0xffffu)),
@@ -813,10 +822,8 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
                 if constexpr (B16) {  // keys kk, kk + 1 of a column: one bf16 pair, the lower key in the low half
                     unsigned char* at = reinterpret_cast<unsigned char*>(sh_state) + (kk >> 2) * Layout::HB +
                                         8 * cc + 2 * (kk & 3);
-                    *reinterpret_cast<unsigned*>(at) =
-                        float_to_bf16_bits(hacc[i][nt][0]) | (unsigned(float_to_bf16_bits(hacc[i][nt][2])) << 16);
-                    *reinterpret_cast<unsigned*>(at + 8) =
-                        float_to_bf16_bits(hacc[i][nt][1]) | (unsigned(float_to_bf16_bits(hacc[i][nt][3])) << 16);
+                    *reinterpret_cast<unsigned*>(at) = bf16_pair(hacc[i][nt][0], hacc[i][nt][2]);
+                    *reinterpret_cast<unsigned*>(at + 8) = bf16_pair(hacc[i][nt][1], hacc[i][nt][3]);
                     continue;
                 }
                 float* at = sh_state + (kk >> 2) * HS + 4 * cc + (kk & 3);
