@@ -351,8 +351,11 @@ struct PrepLayout {
     static constexpr int BYTES = 3 * KEY_BYTES > GRAM_BYTES ? 3 * KEY_BYTES : GRAM_BYTES;
 };
 
+// Four CTAs an SM where they fit: bf16 keys and TF32 products ("tf32" and "bf16", ACC 0) at K <= 128 hold
+// their registers to 128 without a spill, and their 57.6 KB of shared memory four times is within the SM's
+// 228 KB; the other builds would spill at that bound and keep three or fewer.
 template <int K, int ACC, bool SERVING>
-__global__ void __launch_bounds__(kPrefillThreads, 1) prefill_prep(COMBA_KERNEL_ARGS) {
+__global__ void __launch_bounds__(kPrefillThreads, ACC == 0 && K <= 128 ? 4 : 1) prefill_prep(COMBA_KERNEL_ARGS) {
     // keys as they are (bf16), split or rounded; A and Mq rounded for a scan that reads them as they are
     constexpr bool K32 = ACC >= 2;
     constexpr int KM = ACC == 2 ? kSplit : ACC == 3 ? kRound : kExact, CM = ACC == 1 || ACC == 2 ? kSplit : kExact;
