@@ -351,11 +351,10 @@ struct PrepLayout {
     static constexpr int BYTES = 3 * KEY_BYTES > GRAM_BYTES ? 3 * KEY_BYTES : GRAM_BYTES;
 };
 
-// Four CTAs an SM where they fit: bf16 keys and TF32 products ("tf32" and "bf16", ACC 0) at K <= 128 hold
-// their registers to 128 without a spill, and their 57.6 KB of shared memory four times is within the SM's
-// 228 KB; the other builds would spill at that bound and keep three or fewer.
+// Four CTAs an SM where they fit: with bf16 keys (ACC 0 and 1) at K <= 128 a CTA needs at most 128 registers
+// and 57.6 KB of shared memory, four of which are within the SM's 228 KB; wider keys stage twice the bytes.
 template <int K, int ACC, bool SERVING>
-__global__ void __launch_bounds__(kPrefillThreads, ACC == 0 && K <= 128 ? 4 : 1) prefill_prep(COMBA_KERNEL_ARGS) {
+__global__ void __launch_bounds__(kPrefillThreads, ACC <= 1 && K <= 128 ? 4 : 1) prefill_prep(COMBA_KERNEL_ARGS) {
     // keys as they are (bf16), split or rounded; A and Mq rounded for a scan that reads them as they are
     constexpr bool K32 = ACC >= 2;
     constexpr int KM = ACC == 2 ? kSplit : ACC == 3 ? kRound : kExact, CM = ACC == 1 || ACC == 2 ? kSplit : kExact;
@@ -443,21 +442,19 @@ __global__ void __launch_bounds__(kPrefillThreads, ACC == 0 && K <= 128 ? 4 : 1)
         fq[tid] = fk[tid] = fp[tid] = tid < n ? 1.f : 0.f;
     }
 
-    // Gram products: this warp's row tiles ma (na column tiles) and mb (nb), over its half of the keys; keys in
-    // steps of 16, lane lj holding keys 4 lj .. 4 lj + 3 (the two k-steps' columns (lj, lj + 4) the pairs
-    // (4 lj, 4 lj + 1) and (4 lj + 2, 4 lj + 3): a permutation of the key index that A and B share).
+    // Gram products: this warp's row tiles MA (NA column tiles) and MB (NB) -- ten tiles in all, NA + NB = 10,
+    // the warp pair a template constant, so that the accumulators are exactly those ten -- over its half of
+    // the keys; keys in steps of 16, lane lj holding keys 4 lj .. 4 lj + 3 (the two k-steps' columns (lj, lj + 4)
+    // the pairs (4 lj, 4 lj + 1) and (4 lj + 2, 4 lj + 3): a permutation of the key index that A and B share).
     const int pair = warp & 1, half = warp >> 1;
-    const int ma = pair, mb = 3 - pair, na = 2 * ma + 2, nb = 2 * mb + 2;
-    float pa_[4][4], qa_[4][4], pb_[8][4], qb_[8][4];  // accumulators of row tile ma, mb
+    float gp[10][4], gq[10][4];  // row tile MA's column tiles, then MB's
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
+    for (int i = 0; i < 10; ++i)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) pa_[i][r] = qa_[i][r] = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) pb_[i][r] = qb_[i][r] = 0.f;
-    }
-    auto tiles = [&](int m, int count, auto width, float (&gp)[decltype(width)::value][4],
-                     float (&gq)[decltype(width)::value][4], int kq) {
+        for (int r = 0; r < 4; ++r) gp[i][r] = gq[i][r] = 0.f;
+    // row tile m's column tiles 0 .. N - 1 into accumulators F .. F + N - 1
+    auto tiles = [&](int m, auto first, auto width, int kq) {
+        constexpr int F = decltype(first)::value;
         const int r0 = 16 * m + lg;
         if constexpr (!K32) {
             // bf16 keys: bf16 products are exact in fp32, so m16n8k16 on the staged words as they are gives the
@@ -469,11 +466,9 @@ __global__ void __launch_bounds__(kPrefillThreads, ACC == 0 && K <= 128 ? 4 : 1)
             const uint2 qb = *reinterpret_cast<const uint2*>(sq + ((r0 + 8) * KP + kq) * 2);
 #pragma unroll
             for (int i = 0; i < decltype(width)::value; ++i) {
-                if (i < count) {
-                    const uint2 kr = *reinterpret_cast<const uint2*>(sk + ((8 * i + lg) * KP + kq) * 2);
-                    mma_bf16(gp[i], pa.x, pb.x, pa.y, pb.y, kr.x, kr.y);
-                    mma_bf16(gq[i], qa.x, qb.x, qa.y, qb.y, kr.x, kr.y);
-                }
+                const uint2 kr = *reinterpret_cast<const uint2*>(sk + ((8 * i + lg) * KP + kq) * 2);
+                mma_bf16(gp[F + i], pa.x, pb.x, pa.y, pb.y, kr.x, kr.y);
+                mma_bf16(gq[F + i], qa.x, qb.x, qa.y, qb.y, kr.x, kr.y);
             }
             return;
         }
@@ -486,54 +481,54 @@ __global__ void __launch_bounds__(kPrefillThreads, ACC == 0 && K <= 128 ? 4 : 1)
         a_operand4<KM>(qa.z, qb.z, qa.w, qb.w, qh1, ql1);
 #pragma unroll
         for (int i = 0; i < decltype(width)::value; ++i) {
-            if (i < count) {
-                // the key row as a B operand, formed once for both products
-                const float4 kr = staged4<ES>(sk + ((8 * i + lg) * KP + kq) * ES);
-                unsigned bh[4], bl[4];
-                operand<KM>(kr.x, bh[0], bl[0]);
-                operand<KM>(kr.y, bh[1], bl[1]);
-                operand<KM>(kr.z, bh[2], bl[2]);
-                operand<KM>(kr.w, bh[3], bl[3]);
-                mma_acc<KL, KL>(gp[i], ph0, pl0, bh[0], bh[1], bl[0], bl[1]);
-                mma_acc<KL, KL>(gp[i], ph1, pl1, bh[2], bh[3], bl[2], bl[3]);
-                mma_acc<KL, KL>(gq[i], qh0, ql0, bh[0], bh[1], bl[0], bl[1]);
-                mma_acc<KL, KL>(gq[i], qh1, ql1, bh[2], bh[3], bl[2], bl[3]);
-            }
+            // the key row as a B operand, formed once for both products
+            const float4 kr = staged4<ES>(sk + ((8 * i + lg) * KP + kq) * ES);
+            unsigned bh[4], bl[4];
+            operand<KM>(kr.x, bh[0], bl[0]);
+            operand<KM>(kr.y, bh[1], bl[1]);
+            operand<KM>(kr.z, bh[2], bl[2]);
+            operand<KM>(kr.w, bh[3], bl[3]);
+            mma_acc<KL, KL>(gp[F + i], ph0, pl0, bh[0], bh[1], bl[0], bl[1]);
+            mma_acc<KL, KL>(gp[F + i], ph1, pl1, bh[2], bh[3], bl[2], bl[3]);
+            mma_acc<KL, KL>(gq[F + i], qh0, ql0, bh[0], bh[1], bl[0], bl[1]);
+            mma_acc<KL, KL>(gq[F + i], qh1, ql1, bh[2], bh[3], bl[2], bl[3]);
         }
+    };
+    auto pass = [&](auto pair_c, int kq) {  // pair P: row tiles P (2 P + 2 column tiles) and 3 - P (8 - 2 P)
+        constexpr int P = decltype(pair_c)::value;
+        tiles(P, Constant<0>{}, Constant<2 * P + 2>{}, kq);
+        tiles(3 - P, Constant<2 * P + 2>{}, Constant<8 - 2 * P>{}, kq);
     };
 #pragma unroll 1
     for (int key = half * (K / 2); key < (half + 1) * (K / 2); key += 16) {
-        tiles(ma, na, Constant<4>{}, pa_, qa_, key + 4 * lj);
-        tiles(mb, nb, Constant<8>{}, pb_, qb_, key + 4 * lj);
+        if (pair) pass(Constant<1>{}, key + 4 * lj);
+        else pass(Constant<0>{}, key + 4 * lj);
     }
     __syncthreads();  // the staged keys are read: the Gram matrices take their place
-    auto gram_out = [&](int m, int count, auto width, float (&gp)[decltype(width)::value][4],
-                        float (&gq)[decltype(width)::value][4], bool add) {
+    auto gram_out = [&](auto pair_c, bool add) {
+        constexpr int P = decltype(pair_c)::value;
 #pragma unroll
-        for (int i = 0; i < decltype(width)::value; ++i) {
-            if (i < count) {
-                const int r0 = 16 * m + lg, j = 8 * i + 2 * lj;
-                float* p0 = gram_p + r0 * S + j;
-                float* q0 = gram_q + r0 * S + j;
-                if (add) {
-                    p0[0] += gp[i][0]; p0[1] += gp[i][1]; p0[8 * S] += gp[i][2]; p0[8 * S + 1] += gp[i][3];
-                    q0[0] += gq[i][0]; q0[1] += gq[i][1]; q0[8 * S] += gq[i][2]; q0[8 * S + 1] += gq[i][3];
-                } else {
-                    p0[0] = gp[i][0]; p0[1] = gp[i][1]; p0[8 * S] = gp[i][2]; p0[8 * S + 1] = gp[i][3];
-                    q0[0] = gq[i][0]; q0[1] = gq[i][1]; q0[8 * S] = gq[i][2]; q0[8 * S + 1] = gq[i][3];
-                }
+        for (int f = 0; f < 10; ++f) {
+            const int m = f < 2 * P + 2 ? P : 3 - P, i = f < 2 * P + 2 ? f : f - 2 * P - 2;
+            const int r0 = 16 * m + lg, j = 8 * i + 2 * lj;
+            float* p0 = gram_p + r0 * S + j;
+            float* q0 = gram_q + r0 * S + j;
+            if (add) {
+                p0[0] += gp[f][0]; p0[1] += gp[f][1]; p0[8 * S] += gp[f][2]; p0[8 * S + 1] += gp[f][3];
+                q0[0] += gq[f][0]; q0[1] += gq[f][1]; q0[8 * S] += gq[f][2]; q0[8 * S + 1] += gq[f][3];
+            } else {
+                p0[0] = gp[f][0]; p0[1] = gp[f][1]; p0[8 * S] = gp[f][2]; p0[8 * S + 1] = gp[f][3];
+                q0[0] = gq[f][0]; q0[1] = gq[f][1]; q0[8 * S] = gq[f][2]; q0[8 * S + 1] = gq[f][3];
             }
         }
     };
-    if (half == 0) {
-        gram_out(ma, na, Constant<4>{}, pa_, qa_, false);
-        gram_out(mb, nb, Constant<8>{}, pb_, qb_, false);
-    }
+    auto gram_out_pair = [&](bool add) {
+        if (pair) gram_out(Constant<1>{}, add);
+        else gram_out(Constant<0>{}, add);
+    };
+    if (half == 0) gram_out_pair(false);
     __syncthreads();
-    if (half == 1) {
-        gram_out(ma, na, Constant<4>{}, pa_, qa_, true);
-        gram_out(mb, nb, Constant<8>{}, pb_, qb_, true);
-    }
+    if (half == 1) gram_out_pair(true);
     __syncthreads();
 
     // Column c of L and Mq with the running product r(c, t); thread 64 the prefix products G_t.
