@@ -6,7 +6,7 @@ import numpy
 import pytest
 from click.testing import CliRunner
 
-from cupy_comba import bfloat16, gpu_available, tiling
+from cupy_comba import bfloat16, gpu_available
 from cupy_comba.bench import OPS, registry
 from cupy_comba.cli import main
 
@@ -197,8 +197,8 @@ def test_bench_quick_on_the_gpu_gives_sane_numbers(runner, tmp_path):
         assert row["ok"]
         assert 0.0 < row["fraction_of_copy"] <= 1.05
         s = row["shape"]
-        prefill = "T" in s and tiling.choose(OPS[row["op"]].layout, s["K"], s["V"], "comba" in row["op"], True, s["T"],
-                                             s["B"] * s["H"]).endswith("c64")
-        assert row["errors"]["state"] < (registry.HALF_PRODUCTS_STATE_TOLERANCE if prefill else 1e-6)
+        half = "T" in s and registry.half_products(OPS[row["op"]].layout, "comba" in row["op"],
+                                                   tuple(s[d] for d in registry.FORWARD_DIMS), bfloat16)
+        assert row["errors"]["state"] < (registry.HALF_PRODUCTS_STATE_TOLERANCE if half else 1e-6)
         assert row["errors"]["o"] < 4e-3
         assert row["host_us"] > 0 and row["us_eager"] > 0

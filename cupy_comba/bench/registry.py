@@ -60,6 +60,14 @@ def register(op):
     return op
 
 
+def half_products(layout, comba, shape, dtype, variant=None):
+    """Whether a forward pass of ``shape`` (B, T, H, K, V) runs the prefill kernels' half-precision
+    default: 16-bit activations on the variant forced or the one the tiling chooses."""
+    B, T, H, K, V = shape
+    chosen = variant or tiling.choose(layout, K, V, comba, True, T, B * H, numpy.dtype(dtype) != bfloat16)
+    return numpy.dtype(dtype).itemsize == 2 and families.tiling(layout, K, chosen).family == "prefill_scan"
+
+
 def _tolerances(dtype, half_products=False):
     return {"state": HALF_PRODUCTS_STATE_TOLERANCE if half_products else STATE_TOLERANCE,
             "o": OUTPUT_TOLERANCE[numpy.dtype(dtype)]}
@@ -121,9 +129,7 @@ def _forward_prepare(comba, layout):
         isz = numpy.dtype(dtype).itemsize
         per_token = (3 if comba else 2) * K * isz + 2 * V * isz + isz + 4
         nbytes = B * H * (2 * K * V * 4 + T * per_token)
-        chosen = variant or tiling.choose(layout, K, V, comba, True, T, B * H, numpy.dtype(dtype) != bfloat16)
-        half = numpy.dtype(dtype).itemsize == 2 and families.tiling(layout, K, chosen).family == "prefill_scan"
-        return Case(run, check, nbytes, _tolerances(dtype, half))
+        return Case(run, check, nbytes, _tolerances(dtype, half_products(layout, comba, shape, dtype, variant)))
 
     return prepare
 
