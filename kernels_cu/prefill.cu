@@ -38,14 +38,14 @@
 //
 // Launch geometry.  prep: one 128-thread CTA a (chunk slot, value head), its keys staged in shared
 // memory (PrepLayout); the Gram tiles on or below the diagonal shared out evenly over the four warps,
-// then threads 0 .. 63 run the decay products and the solve, one column each.  scan: one 256-thread
+// then threads 0 .. 63 run the decay products and the diagonal blocks' substitution, one column each,
+// and the four warps the blocks below the diagonal on mma.sync.  scan: one 256-thread
 // CTA a (row, value head, slab of VT = 16 or 32 value columns); warp w holds token tile w % 4 of Y, U
 // and O and half (w / 4) of the slab's column tiles, and of the state (K x VT fp32) key tiles
 // K / 64 (w % 4) .. + K / 64 - 1 of those columns, in its accumulators; the state is also published
-// to shared memory for the read.  A chunk's inputs are staged into one of two stages (ScanLayout;
-// one where two do not fit) while the previous chunk is computed: key rows and the record by bulk
-// copies (a row a thread, counted by an mbarrier a stage), the v slab by cp.async.  Three CTA barriers
-// a chunk (four with one stage).
+// to shared memory for the read.  A chunk's inputs are staged by cp.async into one of two stages
+// (ScanLayout; one where two do not fit) while the previous chunk is computed.  Three CTA barriers a
+// chunk (four with one stage).
 #include "common.cuh"
 #include "params.cuh"
 #include "mma_ops.cuh"
@@ -185,63 +185,6 @@ __device__ __forceinline__ void copy_async16(void* dst, const void* src, bool va
                  : "memory");
 }
 
-// Bulk copies (the TMA's one-dimensional form: one instruction moves a whole row or record) into shared
-// memory, counted by an mbarrier.  Every thread of the CTA arrives once a phase with the bytes its own
-// copies bring (the tx-count may run ahead of the arrivals: a phase ends when all have arrived and all
-// announced bytes have landed), so no thread needs to know what the others copy.  Hopper on: builds for
-// earlier GPUs stage by cp.async (kBulkCopies false; these helpers are empty there).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define COMBA_BULK_COPIES 1
-#else
-#define COMBA_BULK_COPIES 0
-#endif
-constexpr bool kBulkCopies = COMBA_BULK_COPIES;
-
-__device__ __forceinline__ void bulk_barrier_init(unsigned long long* bar, unsigned arrivals) {
-#if COMBA_BULK_COPIES
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(bar)), "r"(arrivals) : "memory");
-#endif
-}
-
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
-#if COMBA_BULK_COPIES
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                     shared_address(dst)),
-                 "l"(src), "r"(bytes), "r"(shared_address(bar))
-                 : "memory");
-#endif
-}
-
-__device__ __forceinline__ void bulk_arrive(unsigned long long* bar, unsigned bytes) {
-#if COMBA_BULK_COPIES
-    asm volatile(
-        "{\n\t.reg .b64 state;\n\tmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(
-            shared_address(bar)),
-        "r"(bytes)
-        : "memory");
-#endif
-}
-
-// Waits for the phase of parity `parity` to end (its copies visible to this thread).
-__device__ __forceinline__ void bulk_wait(unsigned long long* bar, unsigned parity) {
-#if COMBA_BULK_COPIES
-    unsigned done = 0;
-    while (!done)
-        asm volatile(
-            "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(shared_address(bar)), "r"(parity)
-            : "memory");
-#endif
-}
-
-// Orders this CTA's earlier generic accesses to shared memory before the bulk copies it issues next.
-__device__ __forceinline__ void bulk_fence() {
-#if COMBA_BULK_COPIES
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
-
 // Whether the rows of a key array can be copied as 16-byte pieces into a stage of ES-byte elements
 // (bf16 into 16-bit stages, fp32 into fp32 ones).
 __device__ __forceinline__ bool rows_copyable(const void* base, long long sb, long long st, long long sh,
@@ -278,30 +221,6 @@ __device__ __forceinline__ void stage_keys(unsigned char* dst, const void* src, 
         if (ES == 2) reinterpret_cast<unsigned short*>(dst)[t * KP + e] = static_cast<unsigned short>(bits);
         else reinterpret_cast<float*>(dst)[t * KP + e] = t < n ? bits_to_float(bits, dtype) : 0.f;
     }
-}
-
-// The scan's form of stage_keys: row r of the chunk by a bulk copy from thread owner0 + r (zeros from row n
-// on), or every element by plain loads over all threads where the rows are not copyable.  Returns the
-// bytes this thread's copy brings, for bulk_arrive.
-template <int K, int ES, int NTHREADS>
-__device__ __forceinline__ unsigned stage_rows(unsigned char* dst, const void* src, long long row0, long long st,
-                                               long long sk, long long dtype, int n, bool copyable, int tid,
-                                               int owner0, unsigned long long* bar) {
-    constexpr int KP = K + 16, ROW_BYTES = K * ES;
-    if (!copyable || !kBulkCopies) {
-        stage_keys<K, ES, NTHREADS>(dst, src, row0, st, sk, dtype, n, copyable, tid);
-        return 0;
-    }
-    const int r = tid - owner0;
-    if (r < 0 || r >= kPrefillChunk) return 0;
-    unsigned char* to = dst + r * KP * ES;
-    if (r < n) {
-        bulk_copy(to, static_cast<const char*>(src) + (row0 + r * st) * ES, ROW_BYTES, bar);
-        return ROW_BYTES;
-    }
-#pragma unroll
-    for (int e = 0; e < ROW_BYTES / 16; ++e) reinterpret_cast<uint4*>(to)[e] = make_uint4(0u, 0u, 0u, 0u);
-    return 0;
 }
 
 // Four staged keys of one row as floats (16-bit stages hold bf16: one shift or mask each).
@@ -643,9 +562,8 @@ __global__ void __launch_bounds__(kPrefillThreads, ACC <= 1 && K <= 128 ? 4 : 1)
 //
 // A chunk's inputs -- its rows of q, k (and p) and the slab of v, as they are in memory, and its
 // record -- are staged in shared memory (ScanStage) where the rows are contiguous and aligned by copies
-// in flight (else by plain loads, the same layout): a bulk copy a key row and one for the record, whose
-// bytes each thread announces to the stage's mbarrier, and cp.async 16-byte copies of the v slab; the
-// next chunk's copies in flight while one is computed when two stages fit (STAGES).  Key rows are padded by 16 elements, which
+// in flight (else by plain loads, the same layout): cp.async 16-byte pieces, the next chunk's in flight
+// while one is computed when two stages fit (STAGES).  Key rows are padded by 16 elements, which
 // makes the read's 8-byte (16-bit keys) and 16-byte (fp32) fragment loads free of bank conflicts.
 template <int K, int VT, bool SEPARATE_P, bool K32>
 struct ScanStage {
@@ -716,22 +634,19 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
     const int v_bytes = prm.v_t == F32 ? 4 : 2;
     const bool v_copy = prm.v_sv == 1 && (prm.v_sb * v_bytes) % 16 == 0 && (prm.v_st * v_bytes) % 16 == 0 &&
                         (prm.v_sh * v_bytes) % 16 == 0 && reinterpret_cast<unsigned long long>(v) % 16 == 0;
-    // Chunk c's inputs into stage `at`: the key rows and the record by bulk copies counted by `bar`, every
-    // thread arriving with the bytes of its own (a row a thread: q rows from thread 0, k from 64, p from 128;
-    // the record from the last thread), the v slab by cp.async (one group, committed by the caller); where
-    // rows are not copyable, plain stores before the caller's next barrier.
-    auto stage_chunk = [&](int c, unsigned char* at, unsigned long long* bar) {
+    // Chunk c's inputs into stage `at`: cp.async pieces (one group, committed by the caller), or plain
+    // stores before the caller's next barrier where rows are not copyable.
+    auto stage_chunk = [&](int c, unsigned char* at) {
         const long long t0 = static_cast<long long>(c) * C;
         const int n = static_cast<int>(min(static_cast<long long>(C), T - t0));
-        bulk_fence();  // the stage's reads and stores of two chunks ago before the copies into it
-        unsigned bytes = stage_rows<K, ES, kScanThreads>(at, q, b * prm.q_sb + t0 * prm.q_st + hk * prm.q_sh,
-                                                         prm.q_st, prm.q_sk, prm.q_t, n, q_copy, tid, 0, bar);
-        bytes += stage_rows<K, ES, kScanThreads>(at + Stage::KEY_BYTES, k, b * prm.k_sb + t0 * prm.k_st +
-                                                 hk * prm.k_sh, prm.k_st, prm.k_sk, prm.k_t, n, k_copy, tid, C, bar);
+        stage_keys<K, ES, kScanThreads>(at, q, b * prm.q_sb + t0 * prm.q_st + hk * prm.q_sh, prm.q_st, prm.q_sk,
+                                        prm.q_t, n, q_copy, tid);
+        stage_keys<K, ES, kScanThreads>(at + Stage::KEY_BYTES, k, b * prm.k_sb + t0 * prm.k_st + hk * prm.k_sh,
+                                        prm.k_st, prm.k_sk, prm.k_t, n, k_copy, tid);
         if (SEPARATE_P)
-            bytes += stage_rows<K, ES, kScanThreads>(at + 2 * Stage::KEY_BYTES, p, b * prm.p_sb + t0 * prm.p_st +
-                                                     hk * prm.p_sh, prm.p_st, prm.p_sk, prm.p_t, n, p_copy, tid,
-                                                     2 * C, bar);
+            stage_keys<K, ES, kScanThreads>(at + 2 * Stage::KEY_BYTES, p,
+                                            b * prm.p_sb + t0 * prm.p_st + hk * prm.p_sh, prm.p_st, prm.p_sk, prm.p_t,
+                                            n, p_copy, tid);
         const long long v0 = b * prm.v_sb + t0 * prm.v_st + h * prm.v_sh + col0 * prm.v_sv;
         if (v_copy) {
             auto copy_v = [&](auto vb) {  // VB bytes an element: PER, a power of two, pieces a row
@@ -758,30 +673,15 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
             }
         }
         const float* rec = work + ((first + c) * H + h) * kRecord;
-        if (!kBulkCopies) {
-            for (int i = tid; i < kRecord / 4; i += kScanThreads)
-                copy_async16(at + Stage::REC_AT + 16 * i, rec + 4 * i, true);
-        } else if (tid == kScanThreads - 1) {
-            bulk_copy(at + Stage::REC_AT, rec, 4 * kRecord, bar);
-            bytes += 4 * kRecord;
-        }
-        bulk_arrive(bar, bytes);
+        for (int i = tid; i < kRecord / 4; i += kScanThreads)
+            copy_async16(at + Stage::REC_AT + 16 * i, rec + 4 * i, true);
     };
-    __shared__ __align__(8) unsigned long long stage_bar[2];  // a stage's copies, phase by phase
-    if (tid == 0) {
-        bulk_barrier_init(&stage_bar[0], kScanThreads);
-        bulk_barrier_init(&stage_bar[1], kScanThreads);
-#if COMBA_BULK_COPIES
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#endif
-    }
-    __syncthreads();
 
     // This lane's state: key tile m = MT mrow + i holds keys 16 m + 2 lg (accumulator row lg) and
     // 16 m + 2 lg + 1 (row lg + 8) -- a permutation of the key index that makes a lane's two write-key
     // values one pair load -- and columns 8 nt + 2 lj, + 1.
     if (chunks > 0) {
-        stage_chunk(0, prefill_smem + Layout::STAGE_AT, &stage_bar[0]);
+        stage_chunk(0, prefill_smem + Layout::STAGE_AT);
         copy_async_commit();
     }
     float hacc[MT][NTW][4];
@@ -840,11 +740,9 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
     for (int c = 0; c < chunks; ++c) {
         // stage c & 1 (of two) holds its (c >> 1)-th chunk, the one stage its c-th
         copy_async_wait<0>();
-        bulk_wait(&stage_bar[STAGES == 2 ? c & 1 : 0], STAGES == 2 ? (c >> 1) & 1 : c & 1);
         __syncthreads();  // chunk c staged; the state of chunk c - 1 published; the other stage free
         if (STAGES == 2 && c + 1 < chunks) {
-            stage_chunk(c + 1, prefill_smem + Layout::STAGE_AT + ((c + 1) & 1) * Stage::BYTES,
-                        &stage_bar[(c + 1) & 1]);
+            stage_chunk(c + 1, prefill_smem + Layout::STAGE_AT + ((c + 1) & 1) * Stage::BYTES);
             copy_async_commit();
         }
         const unsigned char* st = prefill_smem + Layout::STAGE_AT + (STAGES == 2 ? (c & 1) * Stage::BYTES : 0);
@@ -1014,7 +912,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
         publish_state();  // every warp's reads of the old state ended before the first barrier
         if (STAGES == 1 && c + 1 < chunks) {
             __syncthreads();  // every warp done with the stage
-            stage_chunk(c + 1, prefill_smem + Layout::STAGE_AT, &stage_bar[0]);
+            stage_chunk(c + 1, prefill_smem + Layout::STAGE_AT);
             copy_async_commit();
         }
     }
