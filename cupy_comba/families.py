@@ -177,15 +177,15 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
     with the serving options (a state pool, in-kernel gating; kernels_cu/params.cuh), every
     family's last template flag, so that calls without them run code that holds none of them;
     ``precision``: the prefill family's products, "tf32", "bf16" or "fp32", or None (16-bit activations:
-    "bf16" on 16-column slabs, "tf32" on 32-column ones); the other families are fp32-accurate whatever
+    "bf16"); the other families are fp32-accurate whatever
     it says; ``bf16_keys``: q, k, p all bf16, which the prefill family stages as they are
     (others as fp32; default ``not f32_keys``).
     """
     t = tiling(layout, K, variant)
     if t.family == "prefill_scan":
         wide = f32_keys if bf16_keys is None else not bf16_keys
-        if precision is None:  # 16-bit activations: the faster read at this slab, both ~2e-4 (docs/design.md)
-            precision = "bf16" if t.slab == 16 else "tf32"
+        if precision is None:  # 16-bit activations: the faster read, as accurate as "tf32" (docs/design.md)
+            precision = "bf16"
         acc = (3 if wide else 4 if precision == "bf16" else 0) if precision != "fp32" else 2 if wide else 1
         return Kernel(t.source, f"comba::prefill_scan<{K}, {t.slab}, {_flag(separate_p)}, {_flag(layout == 'vk')}, "
                                 f"{acc}, {_flag(serving)}>", t.slab, t.threads,

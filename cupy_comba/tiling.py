@@ -73,23 +73,30 @@ def _mma(c):
     return f"{c.layout}{32 if narrow else 64}tc{16 if c.sixteen else ''}"
 
 
-#: The prefill kernels take T-token passes of at least PREFILL_MIN_T tokens over at most 16 heads and at least
-#: PREFILL_LONG_T over at most PREFILL_HEADS, at K = 64 and 128; at K = 256 from 17 tokens over any number of
-#: heads, from 16 over more than PREFILL_HEADS (the token loops they replace there walk 256 keys a token).
-PREFILL_MIN_T, PREFILL_LONG_T, PREFILL_HEADS = 96, 192, 64
+#: The prefill kernels take T-token passes of at least PREFILL_MIN_T tokens over at most 32 heads and at least
+#: PREFILL_LONG_T over at most PREFILL_HEADS at K = 64 and 128, and at K = 128 of at least PREFILL_MANY_T over any
+#: number (at K = 64 the 16-token kernel stays ahead over more heads); at K = 256 of at least PREFILL_WIDE_T
+#: over any number (the token loops they replace there walk 256 keys a token).
+PREFILL_MIN_T, PREFILL_LONG_T, PREFILL_MANY_T, PREFILL_WIDE_T, PREFILL_HEADS = 96, 128, 256, 16, 64
+
+
+def _prefill_min_t(c):
+    """The shortest pass the prefill kernels take at this head size and head count, or None."""
+    if c.K == 256:
+        return PREFILL_WIDE_T
+    if c.heads is not None and c.heads <= 32:
+        return PREFILL_MIN_T
+    if c.heads is not None and c.heads <= PREFILL_HEADS:
+        return PREFILL_LONG_T
+    return PREFILL_MANY_T if c.K == 128 else None
 
 
 def _prefill(c):
     if not c.multi or c.V % 32:
         return False
-    if c.K == 256:
-        many = c.heads is None or c.heads > PREFILL_HEADS
-        shortest = 16 if many else 17
-    elif c.heads is None or c.heads > PREFILL_HEADS:
-        return False
-    else:
-        shortest = PREFILL_MIN_T if c.heads <= 16 else PREFILL_LONG_T
-    return c.T >= shortest and prefill_fits(c.K, _prefill_slab(c), c.separate_p, c.wide_keys)
+    shortest = _prefill_min_t(c)
+    return shortest is not None and c.T >= shortest and prefill_fits(c.K, _prefill_slab(c), c.separate_p,
+                                                                     c.wide_keys)
 
 
 def _prefill_slab(c):
@@ -105,15 +112,15 @@ RULES = (
          _prefill,
          lambda c: f"{c.layout}{_prefill_slab(c)}c64",
          "h200-prefill-tiling.json (kv and vk, K = 64 / 128 / 256, 1-128 heads, T = 256-4096) and "
-         "h200-prefill-lengths.json (kv, T = 16-65536): at K = 64 and 128 over 1-16 heads 16-column slabs from "
-         "T = 96, where two chunks (22.6 us at K = 128, 16 heads, T = 128) cost what the 16-token kernel's "
-         "passes do (T = 64: 16.7, T = 128: 28.3 us; 53.6 against 28.3 us at T = 256, 12896 against 3385 us at "
-         "T = 65536); over 17-64 heads 32-column ones from T = 192 (64 heads: 42.9 against 45.3 us for kv64tc16; "
-         "34.3 against 31.5 us at T = 128); over 128 heads kv64tc16, ahead up to T = 1024 and within 4.4% of "
-         "kv32c64 beyond (T = 65536: 21747 against 20825 us, Comba); at K = 256 over every head count from "
-         "T = 17 (T = 16: the token loop 19.7-27.7 against 20.6-31.7 us over 1-64 heads; T = 32: 35.4-51.5 "
-         "against 20.9-32.1 us), from T = 16 over 128 heads (54.1 against 53.2 us, Comba 55.0 against 57.8), "
-         "3.3-19x the token loops from T = 256 (128 heads, T = 4096: 2037.7 against 13137.7 us for kv32x16)."),
+         "h200-prefill-lengths.json (kv, T = 16-65536), Gated DeltaNet at K = 128 unless said: over 1-16 heads "
+         "16-column slabs from T = 96, where two chunks cost what the 16-token kernel's passes do (16 heads, "
+         "T = 64: 17.4 against 16.2 us for kv32tc16, T = 128: 19.8 against 28.2, T = 65536: 2939 against "
+         "12770); over 17-32 heads 32-column ones from T = 96 (32 heads, T = 128: 21.9 against 28.6), over "
+         "33-64 from T = 128 (64 heads: 30.6 against 31.4 for kv64tc16; T = 64: 23.6 against 17.8), over more "
+         "from T = 256 (128 heads: 87.4 against 87.3, T = 65536: 17594 against 20632); at K = 64 over more than "
+         "64 heads kv64tc16 stays ahead (128 heads, T = 65536: 13774 against 14943); at K = 256 over every head "
+         "count from T = 16 (1 head: 18.3 against 19.6 us for kv32x16, 128 heads: 44.0 against 53.6; 64 heads "
+         "27.2 against 26.2), 3.3-19x the token loops from T = 256."),
     Rule("K = 256: the kv token loop",
          lambda c: c.K == 256 and c.layout == "kv",
          lambda c: "kv64x16" if c.wide and (c.heads is None or c.heads > 1024) else "kv32x16",

@@ -50,14 +50,14 @@ def test_the_registry_lists_every_build_once():
     assert reached == {e for s, exprs in SPECIALISATIONS.items() if s != "copy.cu" for e in exprs}
 
 
-def test_the_default_half_precision_follows_the_slab():
-    """precision=None (16-bit activations): bf16 reads on 16-column slabs, TF32 on 32-column ones, the
-    prep the same either way; fp16 keys (staged wide) take the TF32 build."""
+def test_the_default_half_precision_is_the_bf16_read():
+    """precision=None (16-bit activations): bf16 reads on both slabs, the prep the TF32 build's; fp16
+    keys (staged wide) take the TF32 build."""
     def scan(variant, precision, bf16_keys=True):
         return families.kernel("kv", variant, K=128, separate_p=True, multi=True, precision=precision,
                                bf16_keys=bf16_keys)
     assert scan("kv16c64", None).expression == scan("kv16c64", "bf16").expression
-    assert scan("kv32c64", None).expression == scan("kv32c64", "tf32").expression
+    assert scan("kv32c64", None).expression == scan("kv32c64", "bf16").expression
     assert scan("kv16c64", None).prep == scan("kv16c64", "tf32").prep
     assert scan("kv16c64", None, bf16_keys=False).expression == scan("kv16c64", "tf32", False).expression
     assert len({scan("kv16c64", p).expression for p in families.PRECISIONS}) == 3

@@ -65,7 +65,7 @@ def test_matches_reference(K, V, layout, comba, gate, l2norm, T, precision):
 @pytest.mark.parametrize("precision", [None, "fp32"], ids=["default", "fp32"])
 def test_a_thousand_tokens(layout, comba, precision):
     """T = 1000 (15 full chunks and one of 40 tokens) from a warmed state, on both slabs: the error stays
-    at its bound over a long prompt, the default being each slab's half-precision read."""
+    at its bound over a long prompt, the default being the bf16 read."""
     args = forward_inputs(1, 1000, 2, 128, 128, state_layout=layout, seed=1000, warm_steps=8, dtype=bfloat16,
                           xp=cupy)
     for slab in families.PREFILL_SLABS:
