@@ -74,10 +74,13 @@ def _mma(c):
 
 
 #: The prefill kernels take T-token passes of at least PREFILL_MIN_T tokens over at most 32 heads and at least
-#: PREFILL_LONG_T over at most PREFILL_HEADS at K = 64 and 128, and at K = 128 of at least PREFILL_MANY_T over any
-#: number (at K = 64 the 16-token kernel stays ahead over more heads); at K = 256 of at least PREFILL_WIDE_T
-#: over any number (the token loops they replace there walk 256 keys a token).
-PREFILL_MIN_T, PREFILL_LONG_T, PREFILL_MANY_T, PREFILL_WIDE_T, PREFILL_HEADS = 96, 128, 256, 16, 64
+#: PREFILL_LONG_T over at most PREFILL_HEADS at K = 64 and 128, and at K = 128 of at least PREFILL_MANY_T over at
+#: most PREFILL_MANY_HEADS, the most the sweeps measured (at K = 64 the 16-token kernel stays ahead over more
+#: than PREFILL_HEADS; beyond PREFILL_MANY_HEADS it keeps them, with no workspace of 21.5 KB a chunk and head);
+#: at K = 256 of at least PREFILL_WIDE_T over any number (the token loops they replace there walk 256 keys a
+#: token).
+PREFILL_MIN_T, PREFILL_LONG_T, PREFILL_MANY_T, PREFILL_WIDE_T = 96, 128, 256, 16
+PREFILL_HEADS, PREFILL_MANY_HEADS = 64, 128
 
 
 def _prefill_min_t(c):
@@ -88,7 +91,9 @@ def _prefill_min_t(c):
         return PREFILL_MIN_T
     if c.heads is not None and c.heads <= PREFILL_HEADS:
         return PREFILL_LONG_T
-    return PREFILL_MANY_T if c.K == 128 else None
+    if c.heads is not None and c.heads <= PREFILL_MANY_HEADS and c.K == 128:
+        return PREFILL_MANY_T
+    return None
 
 
 def _prefill(c):
@@ -117,8 +122,8 @@ RULES = (
          "T = 64: 17.4 against 16.2 us for kv32tc16, T = 128: 19.8 against 28.2, T = 65536: 2939 against "
          "12770); over 17-32 heads 32-column ones from T = 96 (32 heads, T = 128: 21.9 against 28.6), over "
          "33-64 from T = 128 (64 heads: 30.6 against 31.4 for kv64tc16; T = 64: 23.6 against 17.8), over more "
-         "from T = 256 (128 heads: 87.4 against 87.3, T = 65536: 17594 against 20632); at K = 64 over more than "
-         "64 heads kv64tc16 stays ahead (128 heads, T = 65536: 13774 against 14943); at K = 256 over every head "
+         "from T = 256 up to 128 heads, the most measured (128 heads: 87.4 against 87.3, T = 65536: 17594 against "
+         "20632); at K = 64 over more than 64 heads kv64tc16 stays ahead (128 heads, T = 65536: 13774 against 14943); at K = 256 over every head "
          "count from T = 16 (1 head: 18.3 against 19.6 us for kv32x16, 128 heads: 44.0 against 53.6; 64 heads "
          "27.2 against 26.2), 3.3-19x the token loops from T = 256."),
     Rule("K = 256: the kv token loop",
