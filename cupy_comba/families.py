@@ -177,9 +177,8 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
     with the serving options (a state pool, in-kernel gating; kernels_cu/params.cuh), every
     family's last template flag, so that calls without them run code that holds none of them;
     ``precision``: the prefill family's products, "tf32", "bf16" or "fp32", or None (16-bit activations:
-    "bf16"); the other families are fp32-accurate whatever
-    it says; ``bf16_keys``: q, k, p all bf16, which the prefill family stages as they are
-    (others as fp32; default ``not f32_keys``).
+    "bf16"); the other families are fp32-accurate whatever it says; ``bf16_keys``: q, k, p all bf16,
+    which the prefill family stages as they are (others as fp32; default ``not f32_keys``).
     """
     t = tiling(layout, K, variant)
     if t.family == "prefill_scan":
@@ -190,7 +189,8 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
         return Kernel(t.source, f"comba::prefill_scan<{K}, {t.slab}, {_flag(separate_p)}, {_flag(layout == 'vk')}, "
                                 f"{acc}, {_flag(serving)}>", t.slab, t.threads,
                       prefill_scan_bytes(K, t.slab, separate_p, wide),
-                      f"comba::prefill_prep<{K}, {0 if acc == 4 else acc}, {_flag(serving)}>", prefill_prep_bytes(K, wide), 128)
+                      f"comba::prefill_prep<{K}, {0 if acc == 4 else acc}, {_flag(serving)}>",
+                      prefill_prep_bytes(K, wide), 128)
     if t.family == "delta_rule_mma":
         slab, tokens = t.slab, t.tokens
         if f32_keys and tokens == 16:

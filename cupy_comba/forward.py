@@ -64,8 +64,7 @@ def comba_forward(q, k, v, p, beta, g, scale=None, *, initial_state=None, output
         (bf16 q, k, p; else "tf32") also reads the state as bf16 on bf16 products -- both a state
         error of ~3e-4 relative against float64 over long prompts -- and "fp32" splits them for
         fp32 accuracy (~2e-7) at about 1.3x the time.  None: "bf16" for 16-bit q, k, p and v (the faster),
-        else "fp32".  Every other kernel is fp32-accurate whatever it
-        says (docs/design.md).
+        else "fp32".  Every other kernel is fp32-accurate whatever it says (docs/design.md).
 
     Returns
     -------
