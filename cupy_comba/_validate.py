@@ -447,7 +447,7 @@ def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, ga
     sig.o_dtype = sigs["v"].dtype if o_dtype is None else o_dtype
     sig.o_shape, sig.state_shape, sig.arrays, sig.variant, sig.multi = o_shape, state_shape, sigs, variant, multi
     if precision is None and (step or any(sigs[n].dtype.itemsize != 2 for n in keys + ["v"])):
-        precision = "fp32"  # else None: the half-precision default of forward passes, chosen with the slab (families)
+        precision = "fp32"  # else None: the half-precision default of forward passes (families.kernel: "bf16")
     sig.precision, sig.bf16_keys = precision, bf16_keys
     sig.pairs = _overlap_pairs(tuple(None if a is None else a.span() for a in sigs.values()), pool)
     return sig
