@@ -56,13 +56,18 @@ class Plan:
         # token's state (speculative verify) is formed by the token loop only
         T = max(1, sig.T // max(sig.B, 1)) if sig.ragged else 1 if sig.per_token else sig.T
         f32_keys = any(a[n] is not None and a[n].dtype == float32 for n in ("q", "k", "p"))
+        limit = shared_limit(self.device)
         self.variant = sig.variant or tiling.choose(sig.layout, sig.K, sig.V, sig.comba, sig.multi, T, sig.B * sig.H,
-                                                    not sig.bf16_keys)
+                                                    not sig.bf16_keys, limit)
         self.kernel = kernel = families.kernel(sig.layout, self.variant, K=sig.K, separate_p=sig.comba,
                                                multi=sig.multi, f32_keys=f32_keys, precision=sig.precision,
                                                bf16_keys=sig.bf16_keys,
                                                serving=sig.pool or sig.gating or sig.beta_sigmoid or sig.ragged
                                                or bool(sig.per_token))
+        needs = max(kernel.shared_bytes, kernel.prep_shared_bytes)
+        if needs > limit:  # only a variant the caller names gets here: tiling.choose leaves out what does not fit
+            raise ValueError(f"variant {self.variant!r} needs {needs} bytes of shared memory a CTA; GPU {self.device} "
+                             f"allows {limit}: leave variant=None to have one chosen that fits")
         if not sig.B * sig.H:
             return
         grid = kernel.grid(sig.B * sig.H, sig.V)
@@ -87,6 +92,20 @@ class Plan:
             self.launcher = Launcher(compiled(kernel.expression, kernel.shared_bytes), grid, kernel.block,
                                      pack_params(sig), numpy.float32(sig.scale), kernel.shared_bytes, before=before,
                                      workspace=workspace)
+
+
+#: The opt-in shared memory a CTA may hold, by device (cudaDevAttrMaxSharedMemoryPerBlockOptin).
+_SHARED_LIMITS = {}
+
+
+def shared_limit(device):
+    """Bytes of dynamic shared memory a CTA may use on ``device`` (227 KB on an H100 / H200, 163 KB on
+    an A100, 99 KB on sm_86 / sm_89 GPUs), read once a device."""
+    limit = _SHARED_LIMITS.get(device)
+    if limit is None:
+        limit = _SHARED_LIMITS[device] = cupy.cuda.runtime.deviceGetAttribute(
+            cupy.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device)
+    return limit
 
 
 # -- the one path of every op ------------------------------------------------------------------------

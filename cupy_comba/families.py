@@ -226,7 +226,8 @@ def specialisations():
     return {source: tuple(e) for source, e in out.items()}
 
 
-#: Shared memory a CTA may hold on the H200 (227 KB).
+#: Shared memory a CTA may hold on the H200 (227 KB), the most any GPU allows; the prefill scan's stages are
+#: counted against it when it is built.  A100s allow 163 KB, sm_86 / sm_89 GPUs 99 KB (``max_shared`` below).
 MAX_SHARED = 232448
 
 
@@ -246,11 +247,11 @@ def prefill_prep_bytes(K, wide_keys):
     return max(keys, 4 * (3 * PREFILL_CHUNK * (PREFILL_CHUNK + 1) + 3 * 256))
 
 
-def prefill_fits(K, slab, separate_p, wide_keys):
-    """Whether one stage of a chunk's inputs fits beside the rest; ``wide_keys``: not all of q, k, p bf16,
-    staged as fp32 (at K = 256 that fits only Gated DeltaNet on 16-column slabs)."""
-    stage, fixed = _prefill_layout(K, slab, separate_p, wide_keys)
-    return fixed + stage <= MAX_SHARED
+def prefill_fits(K, slab, separate_p, wide_keys, max_shared=MAX_SHARED):
+    """Whether the prefill kernels of a slab are built (one stage of a chunk's inputs fits beside the rest in
+    MAX_SHARED) and run on a GPU that allows ``max_shared`` bytes a CTA; ``wide_keys``: not all of q, k, p
+    bf16, staged as fp32 (at K = 256 that fits only Gated DeltaNet on 16-column slabs)."""
+    return max(prefill_scan_bytes(K, slab, separate_p, wide_keys), prefill_prep_bytes(K, wide_keys)) <= max_shared
 
 
 def prefill_scan_bytes(K, slab, separate_p, wide_keys):

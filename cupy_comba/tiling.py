@@ -17,7 +17,7 @@ tensor cores, 128-column slabs at K = 64
 
 from typing import Callable, NamedTuple
 
-from .families import prefill_fits
+from .families import MAX_SHARED, prefill_fits
 
 #: At most this many heads (B * H) count as few.
 FEW_HEADS = 128
@@ -36,6 +36,7 @@ class Case(NamedTuple):
     T: int
     heads: int | None   #: B * H; None means many
     wide_keys: bool = False  #: not all of q, k, p bf16 (the prefill kernels stage those as fp32)
+    max_shared: int = MAX_SHARED  #: bytes of shared memory the GPU allows a CTA (the H200's 227 KB)
 
     @property
     def few(self):
@@ -101,7 +102,7 @@ def _prefill(c):
         return False
     shortest = _prefill_min_t(c)
     return shortest is not None and c.T >= shortest and prefill_fits(c.K, _prefill_slab(c), c.separate_p,
-                                                                     c.wide_keys)
+                                                                     c.wide_keys, c.max_shared)
 
 
 def _prefill_slab(c):
@@ -198,16 +199,18 @@ RULES = (
 )
 
 
-def explain(layout, K, V, separate_p, multi=False, T=1, heads=None, wide_keys=False):
+def explain(layout, K, V, separate_p, multi=False, T=1, heads=None, wide_keys=False, max_shared=MAX_SHARED):
     """The :class:`Rule` that decides a shape."""
-    case = Case(layout, K, V, bool(separate_p), bool(multi), T, heads, bool(wide_keys))
+    case = Case(layout, K, V, bool(separate_p), bool(multi), T, heads, bool(wide_keys), max_shared)
     return next(rule for rule in RULES if rule.applies(case))
 
 
-def choose(layout, K, V, separate_p, multi=False, T=1, heads=None, wide_keys=False):
+def choose(layout, K, V, separate_p, multi=False, T=1, heads=None, wide_keys=False, max_shared=MAX_SHARED):
     """The variant for a shape: ``multi`` for T-token passes (T of them), ``heads`` = B * H; ``wide_keys``
-    not all of q, k, p bf16."""
-    case = Case(layout, K, V, bool(separate_p), bool(multi), T, heads, bool(wide_keys))
+    not all of q, k, p bf16; ``max_shared`` the bytes of shared memory the GPU allows a CTA (a prefill
+    build that needs more leaves the shape to the rules after it: on an A100, 163 KB, Comba's and the
+    fp32 keys' scans at K = 128; on sm_86 / sm_89 GPUs, 99 KB, every prefill build)."""
+    case = Case(layout, K, V, bool(separate_p), bool(multi), T, heads, bool(wide_keys), max_shared)
     for rule in RULES:
         if rule.applies(case):
             return rule.variant(case)

@@ -187,6 +187,34 @@ def test_variants_that_do_not_fit_are_refused():
     assert reference.relative_error(S, S_ref) <= 1e-6
 
 
+@pytest.fixture
+def a100_limit():
+    """The current GPU told it allows an A100's 163 KB of shared memory a CTA; plans made under it are dropped."""
+    from cupy_comba import _plan
+    device = cupy.cuda.Device().id
+    saved = _plan.shared_limit(device)
+    _plan.PLANS.clear()
+    _plan._SHARED_LIMITS[device] = 166912
+    yield 166912
+    _plan._SHARED_LIMITS[device] = saved
+    _plan.PLANS.clear()
+
+
+def test_a_gpu_with_less_shared_memory(a100_limit):
+    """Where the GPU allows less than the H200's 227 KB a CTA, a long prompt runs on a kernel that fits (Comba's
+    scan at K = 128 needs 201728 bytes: the tensor-core kernel takes it; Gated DeltaNet's, 164864, still
+    runs), and a forced variant that does not fit is refused before any work."""
+    args = forward_inputs(1, 256, 16, 128, 128, seed=3, dtype=bfloat16, xp=cupy)
+    assert families.prefill_scan_bytes(128, 16, True, False) > a100_limit >= families.prefill_scan_bytes(
+        128, 16, False, False)
+    for comba in (True, False):
+        _check(comba, args, None)
+    with pytest.raises(ValueError, match="201728 bytes of shared memory a CTA; GPU .* allows 166912"):
+        comba_forward(*args[:6], initial_state=args[6], variant="kv16c64")
+    from cupy_comba import _plan
+    assert [plan.variant for plan in _plan.PLANS.values()] == ["kv32tc16", "kv16c64"]
+
+
 def test_precision_is_checked():
     args = forward_inputs(1, 4, 2, 64, 64, seed=1, xp=cupy)
     with pytest.raises(ValueError, match="precision"):

@@ -1,5 +1,6 @@
 """The rules of cupy_comba.tiling.choose, and the variant names of cupy_comba.families."""
 
+import itertools
 import json
 import re
 from pathlib import Path
@@ -120,6 +121,24 @@ def test_prefill_over_few_heads_and_long_prompts(layout, comba):
     assert not tiling.choose(layout, 128, 128, comba, False, 1, 16).endswith("c64")  # a decode step
     assert tiling.choose(layout, 128, 96, comba, True, 4096, 16) == f"{layout}16c64"  # V a multiple of 16
     assert choose(4096, 16, wide_keys=True) == f"{layout}16c64"
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_prefill_only_where_its_shared_memory_fits(layout):
+    """A GPU that allows less shared memory a CTA than the H200 gets the prefill builds that fit it and the
+    rules after the prefill one for the rest: an A100 (163 KB) keeps Gated DeltaNet's 16-column scan at
+    K = 128 (164864 bytes) and loses Comba's (201728); a 99 KB GPU (sm_86 / sm_89) runs none."""
+    a100, ada = 166912, 101376
+
+    def choose(comba, K=128, T=8192, heads=16, **kw):
+        return tiling.choose(layout, K, 128, comba, True, T, heads, **kw)
+
+    assert choose(False, max_shared=a100) == choose(False) == f"{layout}16c64"
+    assert choose(True) == f"{layout}16c64" and choose(True, max_shared=a100) == f"{layout}32tc16"
+    for comba, K in itertools.product((True, False), families.SUPPORTED_K):
+        assert not choose(comba, K, max_shared=ada).endswith("c64")
+        assert choose(comba, K, max_shared=ada) == choose(comba, K, T=15 if K == 256 else 95)
+    assert choose(True, 256, heads=64, max_shared=a100) == choose(True, 256, T=15, heads=64)
 
 
 @pytest.mark.parametrize("name", ["h200-prefill-tiling.json", "h200-prefill-lengths.json"])
