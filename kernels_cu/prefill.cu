@@ -753,15 +753,18 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
         const long long t0 = static_cast<long long>(c) * C;
         const int n = static_cast<int>(min(static_cast<long long>(C), T - t0));
 
-        // [Rp | Rq] = [P | Q] S0 over this warp's 16 tokens; keys permuted as in prefill_prep.
-        float rp[NTW][4], rq[NTW][4];
+        // [Rp | Rq] = [P | Q] S0 over this warp's 16 tokens; keys permuted as in prefill_prep.  Alternate key
+        // steps sum into two accumulators (ILP: each chain of dependent mma.sync half the K / 16 steps long).
+        float rp2[2][NTW][4], rq2[2][NTW][4];
 #pragma unroll
-        for (int nt = 0; nt < NTW; ++nt)
+        for (int s = 0; s < 2; ++s)
 #pragma unroll
-            for (int r = 0; r < 4; ++r) rp[nt][r] = rq[nt][r] = 0.f;
+            for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) rp2[s][nt][r] = rq2[s][nt][r] = 0.f;
 #pragma unroll
         for (int key = 0; key < K; key += 16) {
-            const int kq = key + 4 * lj;
+            const int kq = key + 4 * lj, ch = (key >> 4) & 1;
             if constexpr (B16) {
                 // a lane's 4 keys of a row are the A registers as they are staged: k-slots (2 lj, 2 lj + 1) and
                 // (2 lj + 8, 2 lj + 9) stand for keys 4 lj .. 4 lj + 3, which the state's bf16 quads follow
@@ -774,8 +777,8 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
                     const uint2 s2 = *reinterpret_cast<const uint2*>(reinterpret_cast<const unsigned char*>(sh_state) +
                                                                      ((key >> 2) + lj) * Layout::HB +
                                                                      8 * (8 * (nt0 + nt) + lg));
-                    mma_bf16(rp[nt], pa.x, pb.x, pa.y, pb.y, s2.x, s2.y);
-                    mma_bf16(rq[nt], qa.x, qb.x, qa.y, qb.y, s2.x, s2.y);
+                    mma_bf16(rp2[ch][nt], pa.x, pb.x, pa.y, pb.y, s2.x, s2.y);
+                    mma_bf16(rq2[ch][nt], qa.x, qb.x, qa.y, qb.y, s2.x, s2.y);
                 }
                 continue;
             }
@@ -788,10 +791,18 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
             for (int nt = 0; nt < NTW; ++nt) {
                 const float4 s4 =
                     *reinterpret_cast<const float4*>(sh_state + ((key >> 2) + lj) * HS + 4 * (8 * (nt0 + nt) + lg));
-                key_step_mma<SM, KL, SL>(rp[nt], P, s4);
-                key_step_mma<SM, KL, SL>(rq[nt], Q, s4);
+                key_step_mma<SM, KL, SL>(rp2[ch][nt], P, s4);
+                key_step_mma<SM, KL, SL>(rq2[ch][nt], Q, s4);
             }
         }
+        float rp[NTW][4], rq[NTW][4];
+#pragma unroll
+        for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                rp[nt][r] = rp2[0][nt][r] + rp2[1][nt][r];
+                rq[nt][r] = rq2[0][nt][r] + rq2[1][nt][r];
+            }
 
         // Y = V - diag(G fp) Rp, into shared memory (the B operand of U = A Y); one copy of the loop a v dtype
         auto form_y = [&](auto vt) {
@@ -819,7 +830,13 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
         // U = A Y: this warp's 16 rows, the tiles of A up to the diagonal (k-steps 0 .. 2 mrow + 1)
         const float4* afrag = reinterpret_cast<const float4*>(rec + kRecordA) + mrow * (mrow + 1) * 32 + lane;
         const float4* mfrag = reinterpret_cast<const float4*>(rec + kRecordMq) + mrow * (mrow + 1) * 32 + lane;
+        // acc += the product; odd k-steps into a second accumulator (two chains of at most four mma.sync)
         auto coefficient_product = [&](const float4* frag, const float* rhs, float (&acc)[NTW][4]) {
+            float odd[NTW][4];
+#pragma unroll
+            for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) odd[nt][r] = 0.f;
 #pragma unroll
             for (int ks = 0; ks < C / 8; ++ks) {
                 if (ks > 2 * mrow + 1) break;  // above the diagonal: zero
@@ -832,9 +849,13 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
                     unsigned b0h, b0l, b1h, b1l;
                     operand<SM>(r0[8 * (nt0 + nt)], b0h, b0l);
                     operand<SM>(r0[4 * YS + 8 * (nt0 + nt)], b1h, b1l);
-                    mma_acc<SL, SL>(acc[nt], ah, al, b0h, b1h, b0l, b1l);
+                    mma_acc<SL, SL>(ks & 1 ? odd[nt] : acc[nt], ah, al, b0h, b1h, b0l, b1l);
                 }
             }
+#pragma unroll
+            for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) acc[nt][r] += odd[nt][r];
         };
         {
             float u[NTW][4];
@@ -877,15 +898,20 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
             }
         }
 
-        // S = G_63 S0 + Kc^T (w U): A operand the write keys (rows: this lane's key pair), B w U
+        // S = G_63 S0 + Kc^T (w U): A operand the write keys (rows: this lane's key pair), B w U; the odd token
+        // steps sum into dacc, added last (two chains of four mma.sync a tile)
         {
             const float G = rec[kRecordG];
+            float dacc[MT][NTW][4];
 #pragma unroll
             for (int i = 0; i < MT; ++i)
 #pragma unroll
                 for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
-                    for (int r = 0; r < 4; ++r) hacc[i][nt][r] *= G;
+                    for (int r = 0; r < 4; ++r) {
+                        hacc[i][nt][r] *= G;
+                        dacc[i][nt][r] = 0.f;
+                    }
 #pragma unroll
             for (int ks = 0; ks < C / 8; ++ks) {
                 const int tj = 8 * ks + lj, tj4 = tj + 4;
@@ -905,9 +931,16 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
                     a_operand4<KM>(x.x, x.y, z.x, z.y, ah, al);
 #pragma unroll
                     for (int nt = 0; nt < NTW; ++nt)
-                        mma_acc<KL, SL>(hacc[i][nt], ah, al, bh[nt][0], bh[nt][1], bl[nt][0], bl[nt][1]);
+                        mma_acc<KL, SL>(ks & 1 ? dacc[i][nt] : hacc[i][nt], ah, al, bh[nt][0], bh[nt][1],
+                                        bl[nt][0], bl[nt][1]);
                 }
             }
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) hacc[i][nt][r] += dacc[i][nt][r];
         }
         publish_state();  // every warp's reads of the old state ended before the first barrier
         if (STAGES == 1 && c + 1 < chunks) {
