@@ -10,7 +10,8 @@ slots of a pool twice the batch; ``half padding`` the same with every other row 
 an in-place copy of the same slots' states (the state bytes of the pooled step, in the same order):
 the roofline of that access pattern; ``copy, dense slots`` the same kernel over the dense states.  Forward passes likewise
 (dense, pool, pool + gating), and ``ragged``: the same tokens packed as B sequences of T with
-``cu_seqlens``.  Speculative verify writing every token's state, in both conventions.  ``of
+``cu_seqlens``.  Speculative verify writing every token's state, in both conventions, beside a copy
+of one state read and T writes through the same slots.  ``of
 copy`` is the bytes each call must move (states read and written, activations, o) over its time,
 as a fraction of the device copy measured first.
 """
@@ -39,6 +40,35 @@ extern "C" __global__ void pool_copy(float* pool, const int* slots, long long ro
                      "f"(x[i].z), "f"(x[i].w));
 }
 """
+
+
+#: The verify pass's state traffic alone: each CTA reads 4096 floats of row b's slot once and writes them to
+#: the T slots ``outs[b]`` names (one state read, T state writes), the writes of one token after another.
+_FAN_COPY = r"""
+extern "C" __global__ void fan_copy(float* pool, const int* first, const int* outs, int T, long long row_floats) {
+    const long long at = blockIdx.x * 4096LL + 4 * threadIdx.x;
+    const float4* src = reinterpret_cast<const float4*>(pool + first[blockIdx.y] * row_floats + at);
+    float4 x[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[i] = src[i * 256];
+    for (int t = 0; t < T; ++t) {
+        float4* dst = reinterpret_cast<float4*>(pool + outs[blockIdx.y * T + t] * row_floats + at);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(dst + i * 256), "f"(x[i].x),
+                         "f"(x[i].y), "f"(x[i].z), "f"(x[i].w));
+    }
+}
+"""
+
+
+def _fan_copy(pool, first, outs):
+    """A call that copies slot ``first[b]`` of the pool into the slots ``outs[b, :]`` for every row b."""
+    kernel = cupy.RawKernel(_FAN_COPY, "fan_copy")
+    row = pool[0].size
+    assert row % 4096 == 0, "the fan-out copy takes a multiple of 4096 floats a slot"
+    B, T = outs.shape
+    return lambda: kernel((row // 4096, B), (256,), (pool, first, outs, numpy.int32(T), numpy.int64(row)))
 
 
 def _pool_copy(pool, slots):
@@ -122,7 +152,9 @@ def forward(shape, layout, copy_gbps):
 
 def verify(shape, layout, copy_gbps):
     """Speculative verify writing every token's state: SGLang's intermediate_states and vLLM's slot per
-    token; the bytes are one state read, T state writes, the activations and o."""
+    token; the bytes are one state read, T state writes, the activations and o.  ``copy, one read T
+    writes``: the same state traffic through the same slots with nothing computed, the roofline of
+    the pattern (its fraction counts its state bytes only)."""
     B, T, H, K, V = shape
     rng = cupy.random.default_rng(0)
     q, k, v, p, beta, g = _acts(rng, (B, T), H, K, V)
@@ -145,7 +177,9 @@ def verify(shape, layout, copy_gbps):
                                                         state_indices=per_token, num_accepted_tokens=accepted,
                                                         **opts)),
     ]
-    return [_row(kind, layout, shape, time_graph(fn), nbytes, copy_gbps) for kind, fn in cases]
+    rows = [_row(kind, layout, shape, time_graph(fn), nbytes, copy_gbps) for kind, fn in cases]
+    fan = _fan_copy(pool, first, per_token)
+    return rows + [_row("copy, one read T writes", layout, shape, time_graph(fan), (1 + T) * B * head, copy_gbps)]
 
 
 def main():
