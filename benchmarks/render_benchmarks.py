@@ -105,6 +105,8 @@ def prefill_tiling_table(report):
                 cell += f", *best {best} {r['us'][chosen] / r['us'][best]:.2f}*"
             cells.append(cell)
         lines.append(f"| {op} | {layout} | {K} | {heads} | " + " | ".join(cells) + " |")
+    if report.get("note"):
+        lines += ["", report["note"] + "."]
     return "\n".join(lines)
 
 
