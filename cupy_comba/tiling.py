@@ -120,11 +120,11 @@ RULES = (
          "h200-prefill-tiling.json (kv and vk, K = 64 / 128 / 256, 1-128 heads, T = 256-4096) and "
          "h200-prefill-lengths.json (kv, T = 16-65536), Gated DeltaNet at K = 128 unless said: over 1-16 heads "
          "16-column slabs from T = 96, where two chunks cost what the 16-token kernel's passes do (16 heads, "
-         "T = 64: 17.4 against 16.2 us for kv32tc16, T = 128: 19.8 against 28.2, T = 65536: 2939 against "
-         "12770); over 17-32 heads 32-column ones from T = 96 (32 heads, T = 128: 21.9 against 28.6), over "
-         "33-64 from T = 128 (64 heads: 30.6 against 31.4 for kv64tc16; T = 64: 23.6 against 17.8), over more "
-         "from T = 256 up to 128 heads, the most measured (128 heads: 87.4 against 87.3, T = 65536: 17594 against "
-         "20632); at K = 64 over more than 64 heads kv64tc16 stays ahead (128 heads, T = 65536: 13774 against "
+         "T = 64: 17.0 against 16.4 us for kv32tc16, T = 128: 19.3 against 28.2, T = 65536: 2899 against "
+         "12876); over 17-32 heads 32-column ones from T = 96 (32 heads, T = 128: 22.2 against 28.7), over "
+         "33-64 from T = 128 (64 heads: 30.4 against 31.4 for kv64tc16; T = 64: 23.6 against 17.8), over more "
+         "from T = 256 up to 128 heads, the most measured (128 heads: 87.0 against 87.8, T = 65536: 17615 against "
+         "20811); at K = 64 over more than 64 heads kv64tc16 stays ahead (128 heads, T = 65536: 13774 against "
          "14943); at K = 256 over every head count from T = 16 (1 head: 18.3 against 19.6 us for kv32x16, 128 "
          "heads: 44.0 against 53.6; 64 heads 27.2 against 26.2), 3.3-19x the token loops from T = 256."),
     Rule("K = 256: the kv token loop",
