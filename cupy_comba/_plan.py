@@ -76,7 +76,7 @@ class Plan:
         if kernel.prep:  # the prefill family: every chunk's coefficients first, into a workspace
             slots = families.prefill_slots(sig.B, sig.T, sig.ragged)
             _validate.check_grid(slots * sig.H, sig.B, sig.H)
-            workspace = slots * sig.H * families.PREFILL_RECORD * 4
+            workspace = slots * sig.H * kernel.record_words * 4
         with cupy.cuda.Device(self.device):
             from ._build import get_kernel
 

@@ -50,8 +50,9 @@ PREFILL_SLABS = (32, 16)
 #: 3xTF32), each with bf16 q, k, p or wider ones, or the read on bf16 products ("bf16", bf16 keys) (the
 #: template argument ACC of kernels_cu/prefill.cu).
 PRECISIONS = ("tf32", "fp32", "bf16")
-#: Tokens a chunk, and floats of a chunk's record in the prefill workspace (kRecord in prefill.cu).
-PREFILL_CHUNK, PREFILL_RECORD = 64, 2 * 20 * 32 * 4 + 256
+#: Tokens a chunk, and 32-bit words of a chunk's record in the prefill workspace (Record<ACC>::SIZE in
+#: prefill.cu): A's and Mq's fragments as TF32 tiles of 16 x 8, or as bf16 tiles of 16 x 16 ("bf16").
+PREFILL_CHUNK, PREFILL_RECORD, PREFILL_RECORD_BF16 = 64, 2 * 20 * 32 * 4 + 256, 2 * 10 * 32 * 4 + 256
 
 
 def _flag(x):
@@ -84,6 +85,7 @@ class Kernel(NamedTuple):
     prep: str = ""      #: a kernel launched first with the same arguments (the prefill family's)
     prep_shared_bytes: int = 0  #: its dynamic shared memory a CTA
     prep_block: int = 0         #: its threads a CTA (its grid: a CTA a chunk slot and value head)
+    record_words: int = 0       #: 32-bit words of its workspace a chunk slot and value head
 
     def grid(self, heads, V):
         """CTAs for ``heads`` = B * H heads of V value columns: one a slab of a head."""
@@ -183,14 +185,14 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
     t = tiling(layout, K, variant)
     if t.family == "prefill_scan":
         wide = f32_keys if bf16_keys is None else not bf16_keys
-        if precision is None:  # 16-bit activations: the faster read, as accurate as "tf32" (docs/design.md)
+        if precision is None:  # 16-bit activations: bf16 products, the fastest (docs/design.md)
             precision = "bf16"
         acc = (3 if wide else 4 if precision == "bf16" else 0) if precision != "fp32" else 2 if wide else 1
         return Kernel(t.source, f"comba::prefill_scan<{K}, {t.slab}, {_flag(separate_p)}, {_flag(layout == 'vk')}, "
                                 f"{acc}, {_flag(serving)}>", t.slab, t.threads,
                       prefill_scan_bytes(K, t.slab, separate_p, wide),
-                      f"comba::prefill_prep<{K}, {0 if acc == 4 else acc}, {_flag(serving)}>",
-                      prefill_prep_bytes(K, wide), 128)
+                      f"comba::prefill_prep<{K}, {acc}, {_flag(serving)}>",
+                      prefill_prep_bytes(K, wide), 128, PREFILL_RECORD_BF16 if acc == 4 else PREFILL_RECORD)
     if t.family == "delta_rule_mma":
         slab, tokens = t.slab, t.tokens
         if f32_keys and tokens == 16:

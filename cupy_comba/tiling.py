@@ -77,10 +77,10 @@ def _mma(c):
 #: The prefill kernels take T-token passes of at least PREFILL_MIN_T tokens over at most 32 heads and at least
 #: PREFILL_LONG_T over at most PREFILL_HEADS at K = 64 and 128, and at K = 128 of at least PREFILL_MANY_T over at
 #: most PREFILL_MANY_HEADS, the most the sweeps measured (at K = 64 the 16-token kernel stays ahead over more
-#: than PREFILL_HEADS; beyond PREFILL_MANY_HEADS it keeps them, with no workspace of 21.5 KB a chunk and head);
+#: than PREFILL_HEADS; beyond PREFILL_MANY_HEADS it keeps them, with no workspace of 11-21.5 KB a chunk and head);
 #: at K = 256 of at least PREFILL_WIDE_T over any number (the token loops they replace there walk 256 keys a
 #: token).
-PREFILL_MIN_T, PREFILL_LONG_T, PREFILL_MANY_T, PREFILL_WIDE_T = 96, 128, 256, 16
+PREFILL_MIN_T, PREFILL_LONG_T, PREFILL_MANY_T, PREFILL_WIDE_T = 96, 128, 192, 16
 PREFILL_HEADS, PREFILL_MANY_HEADS = 64, 128
 
 
@@ -120,11 +120,11 @@ RULES = (
          "h200-prefill-tiling.json (kv and vk, K = 64 / 128 / 256, 1-128 heads, T = 256-4096) and "
          "h200-prefill-lengths.json (kv, T = 16-65536), Gated DeltaNet at K = 128 unless said: over 1-16 heads "
          "16-column slabs from T = 96, where two chunks cost what the 16-token kernel's passes do (16 heads, "
-         "T = 64: 17.0 against 16.4 us for kv32tc16, T = 128: 19.3 against 28.2, T = 65536: 2899 against "
-         "12876); over 17-32 heads 32-column ones from T = 96 (32 heads, T = 128: 22.2 against 28.7), over "
-         "33-64 from T = 128 (64 heads: 30.4 against 31.4 for kv64tc16; T = 64: 23.6 against 17.8), over more "
-         "from T = 256 up to 128 heads, the most measured (128 heads: 87.0 against 87.8, T = 65536: 17615 against "
-         "20811); at K = 64 over more than 64 heads kv64tc16 stays ahead (128 heads, T = 65536: 13774 against "
+         "T = 64: 16.0 against 16.1 us for kv32tc16, T = 128: 18.1 against 28.2, T = 65536: 2555 against "
+         "12964); over 17-32 heads 32-column ones from T = 96 (32 heads, T = 128: 20.3 against 28.6), over "
+         "33-64 from T = 128 (64 heads: 27.9 against 31.3 for kv64tc16; T = 64: 22.1 against 17.8), over more "
+         "from T = 192 up to 128 heads, the most measured (128 heads: 62.8 against 67.4, T = 128: 47.9 against "
+         "45.7, T = 65536: 15604 against 20793); at K = 64 over more than 64 heads kv64tc16 stays ahead (128 heads, T = 65536: 13774 against "
          "14943); at K = 256 over every head count from T = 16 (1 head: 18.3 against 19.6 us for kv32x16, 128 "
          "heads: 44.0 against 53.6; 64 heads 27.2 against 26.2), 3.3-19x the token loops from T = 256."),
     Rule("K = 256: the kv token loop",

@@ -20,18 +20,22 @@
 // from the new state), unrolled over the chunk: exact algebra.  The decays are running products, as
 // the token loop applies them (no logarithms, no division: a gate of 0 is exact).
 //
-// Precision (ACC).  Every product runs on mma.sync m16n8k8 with TF32 operands and fp32 accumulation;
-// the state stays fp32 from chunk to chunk in the accumulators.  "tf32" (ACC 0: bf16 keys, 3: fp16 or
-// fp32 keys): each operand rounded to TF32 once -- bf16 keys are TF32 values already, the state, Y,
-// U and the coefficients are rounded by whoever produces them -- one mma.sync a product.  "fp32"
-// (ACC 1: bf16 keys, 2: wider): operands split as hi + lo (mma_ops.cuh's split), three products a
-// product (3xTF32, fp32-accurate), two where the keys are bf16 (their lo is 0).  The scan stages bf16
-// keys as they are and fp16 / fp32 ones as floats (ACC >= 2).
+// Precision (ACC).  The products accumulate in fp32 and the state stays fp32 from chunk to chunk in the
+// accumulators.  "tf32" (ACC 0: bf16 keys, 3: fp16 or fp32 keys): mma.sync m16n8k8, each operand rounded to
+// TF32 once -- bf16 keys are TF32 values already, the state, Y, U and the coefficients are rounded by whoever
+// produces them -- one mma.sync a product.  "fp32" (ACC 1: bf16 keys, 2: wider): operands split as hi + lo
+// (mma_ops.cuh's split), three products a product (3xTF32, fp32-accurate), two where the keys are bf16 (their
+// lo is 0).  "bf16" (ACC 4, bf16 keys only): every product on mma.sync m16n8k16 with bf16 operands -- the
+// keys as they are staged, the state published as bf16 for the read, Y, U and w U rounded to bf16 by the warp
+// that forms them, A and Mq stored as bf16 fragments by the prep -- half the mma.sync and half the record of
+// the TF32 forms, at bf16's rounding.  The scan stages bf16 keys as they are and fp16 / fp32 ones as floats
+// (ACC 2 and 3).
 //
 // Workspace (the `inter` pointer slot, which these kernels never hold as intermediate_states): one
-// record of kRecord floats a (chunk slot, value head): A and Mq as mma.sync A fragments, only the
-// 20 of the 32 16 x 8 tiles on or below the diagonal (tile (m, ks) at m (m + 1) + ks, 32 lanes x 4
-// floats), then G fp, scale G fq, w (64 each) and G_63.  Chunk slots: in a dense batch row b's chunk
+// record of Record<ACC>::SIZE words a (chunk slot, value head): A and Mq as mma.sync A fragments of the
+// tiles on or below the diagonal only -- TF32: 20 of the 32 16 x 8 tiles (tile (m, ks) at m (m + 1) + ks, 32
+// lanes x 4 floats); bf16: 10 of the 16 16 x 16 tiles (at m (m + 1) / 2 + ks, 32 lanes x 4 bf16 pairs) --
+// then G fp, scale G fq, w (64 each) and G_63.  Chunk slots: in a dense batch row b's chunk
 // c is slot b ceil(T / 64) + c; in a ragged batch sequence n's chunk c is slot floor(start_n / 64) +
 // n + c, which no two chunks share and which stays below floor(total / 64) + N (`first_slot`): the
 // grid is sized on the host from the packed length and the number of sequences, with no device sync.
@@ -54,11 +58,18 @@ namespace comba {
 
 constexpr int kPrefillChunk = 64;
 constexpr int kPrefillThreads = 128, kScanThreads = 256;
-constexpr int kFragTiles = 20;                      // 16 x 8 tiles on or below the diagonal of 64 x 64
-constexpr int kFragFloats = kFragTiles * 32 * 4;
-constexpr int kRecordA = 0, kRecordMq = kFragFloats, kRecordGp = 2 * kFragFloats;
-constexpr int kRecordGq = kRecordGp + 64, kRecordW = kRecordGq + 64, kRecordG = kRecordW + 64;
-constexpr int kRecord = kRecordGp + 256;
+// ACC 4 ("bf16"): every product of the scan on bf16 m16n8k16 (header, "Precision").
+__host__ __device__ constexpr bool bf16_products(int acc) { return acc == 4; }
+
+// A chunk's record (header, "Workspace"), in 32-bit words: A's and Mq's fragments (TF32: the 20 tiles of
+// 16 x 8 on or below the diagonal, 4 floats a lane; bf16: the 10 tiles of 16 x 16, 4 bf16 pairs a lane),
+// then G fp, scale G fq, w (64 each) and G_63.
+template <int ACC>
+struct Record {
+    static constexpr int TILES = bf16_products(ACC) ? 10 : 20, FRAG = TILES * 32 * 4;
+    static constexpr int A = 0, MQ = FRAG, GP = 2 * FRAG, GQ = GP + 64, W = GQ + 64, G = W + 64, SIZE = GP + 256;
+};
+constexpr int kRecord = Record<0>::SIZE;  // the largest: the workspace's stride bound (families.PREFILL_RECORD)
 
 // x rounded to TF32 (the hi of split).
 __device__ __forceinline__ unsigned tf32(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
@@ -270,12 +281,15 @@ struct PrepLayout {
     static constexpr int BYTES = 3 * KEY_BYTES > GRAM_BYTES ? 3 * KEY_BYTES : GRAM_BYTES;
 };
 
-// Four CTAs an SM where they fit: with bf16 keys (ACC 0 and 1) at K <= 128 a CTA needs at most 128 registers
-// and 57.6 KB of shared memory, four of which are within the SM's 228 KB; wider keys stage twice the bytes.
+// Four CTAs an SM where they fit: with bf16 keys (ACC 0, 1 and 4) at K <= 128 a CTA needs at most 128
+// registers and 57.6 KB of shared memory, four of which are within the SM's 228 KB; wider keys stage twice the
+// bytes.
 template <int K, int ACC, bool SERVING>
-__global__ void __launch_bounds__(kPrefillThreads, ACC <= 1 && K <= 128 ? 4 : 1) prefill_prep(COMBA_KERNEL_ARGS) {
+__global__ void __launch_bounds__(kPrefillThreads, (ACC <= 1 || ACC == 4) && K <= 128 ? 4 : 1)
+prefill_prep(COMBA_KERNEL_ARGS) {
     // keys as they are (bf16), split or rounded; A and Mq rounded for a scan that reads them as they are
-    constexpr bool K32 = ACC >= 2;
+    constexpr bool K32 = ACC == 2 || ACC == 3;
+    using R = Record<ACC>;
     constexpr int KM = ACC == 2 ? kSplit : ACC == 3 ? kRound : kExact, CM = ACC == 1 || ACC == 2 ? kSplit : kExact;
     constexpr bool KL = KM == kSplit;
     using Layout = PrepLayout<K, K32>;
@@ -305,7 +319,7 @@ __global__ void __launch_bounds__(kPrefillThreads, ACC <= 1 && K <= 128 ? 4 : 1)
     if (chunk < 0 || chunk * C >= T) return;  // a slot of no chunk (ragged batches)
     const long long t0 = chunk * C;
     const int n = static_cast<int>(min(static_cast<long long>(C), T - t0));
-    float* rec = work + (slot * H + h) * kRecord;
+    float* rec = work + (slot * H + h) * R::SIZE;
 
     stage_keys<K, ES, kPrefillThreads>(sq, q, b * prm.q_sb + t0 * prm.q_st + hk * prm.q_sh, prm.q_st, prm.q_sk,
                                        prm.q_t, n,
@@ -466,15 +480,15 @@ __global__ void __launch_bounds__(kPrefillThreads, ACC <= 1 && K <= 128 ? 4 : 1)
             const float mq = t >= c ? m * (scale * fq[t] * fkc * rho) : 0.f;
             if (t >= c || (c >> 3) <= 2 * (t >> 4) + 1) m = mq;
         }
-        rec[kRecordW + c] = rho * fkc;
+        rec[R::W + c] = rho * fkc;
     } else if (tid == C) {
         float G = 1.f;
         for (int t = 0; t < C; ++t) {
             G *= e[t];
-            rec[kRecordGp + t] = G * fp[t];
-            rec[kRecordGq + t] = scale * G * fq[t];
+            rec[R::GP + t] = G * fp[t];
+            rec[R::GQ + t] = scale * G * fq[t];
         }
-        rec[kRecordG] = G;
+        rec[R::G] = G;
     }
     __syncthreads();
 
@@ -541,17 +555,39 @@ __global__ void __launch_bounds__(kPrefillThreads, ACC <= 1 && K <= 128 ? 4 : 1)
         __syncthreads();
     }
 
-    // A and Mq as A fragments: tile (m, ks) at m (m + 1) + ks, lane (lg, lj) the float4 (rows 16 m + lg,
-    // + 8; columns 8 ks + lj, + 4).
-    for (int i = tid; i < kFragTiles * 32; i += kPrefillThreads) {
+    // A and Mq as A fragments.  TF32: tile (m, ks) at m (m + 1) + ks, lane (lg, lj) the float4 (rows 16 m + lg,
+    // + 8; columns 8 ks + lj, + 4).  bf16: tile (m, ks) at m (m + 1) / 2 + ks, lane (lg, lj) four bf16 pairs --
+    // rows 16 m + lg, + 8 by columns (16 ks + lj, + 4), then (+ 8, + 12): k-slots 2 lj, 2 lj + 1, 2 lj + 8,
+    // 2 lj + 9 stand for tokens lj, lj + 4, lj + 8, lj + 12 of the step, the order of the scan's token quads.
+    if constexpr (bf16_products(ACC)) {
+        unsigned* const words = reinterpret_cast<unsigned*>(rec);
+        for (int i = tid; i < R::TILES * 32; i += kPrefillThreads) {
+            const int f = i >> 5, l = i & 31;
+            const int m = f < 1 ? 0 : f < 3 ? 1 : f < 6 ? 2 : 3, ks = f - m * (m + 1) / 2;
+            const int r0 = 16 * m + (l >> 2), c0 = 16 * ks + (l & 3);
+            const float b0 = bt[c0], b1 = bt[c0 + 4], b2 = bt[c0 + 8], b3 = bt[c0 + 12];  // A = X diag(beta)
+            const float* x0 = xs + r0 * S + c0;
+            const float* x1 = x0 + 8 * S;
+            *reinterpret_cast<uint4*>(words + R::A + 4 * i) =
+                make_uint4(bf16_pair(x0[0] * b0, x0[4] * b1), bf16_pair(x1[0] * b0, x1[4] * b1),
+                           bf16_pair(x0[8] * b2, x0[12] * b3), bf16_pair(x1[8] * b2, x1[12] * b3));
+            const float* m0 = gram_q + r0 * S + c0;
+            const float* m1 = m0 + 8 * S;
+            *reinterpret_cast<uint4*>(words + R::MQ + 4 * i) =
+                make_uint4(bf16_pair(m0[0], m0[4]), bf16_pair(m1[0], m1[4]), bf16_pair(m0[8], m0[12]),
+                           bf16_pair(m1[8], m1[12]));
+        }
+        return;
+    }
+    for (int i = tid; i < R::TILES * 32; i += kPrefillThreads) {
         const int f = i >> 5, l = i & 31;
         const int m = f < 2 ? 0 : f < 6 ? 1 : f < 12 ? 2 : 3, ks = f - m * (m + 1);
         const int r0 = 16 * m + (l >> 2), c0 = 8 * ks + (l & 3);
         const float b0 = bt[c0], b1 = bt[c0 + 4];  // A = X diag(beta)
-        *reinterpret_cast<float4*>(rec + kRecordA + 4 * i) =
+        *reinterpret_cast<float4*>(rec + R::A + 4 * i) =
             make_float4(produced<CM>(xs[r0 * S + c0] * b0), produced<CM>(xs[(r0 + 8) * S + c0] * b0),
                         produced<CM>(xs[r0 * S + c0 + 4] * b1), produced<CM>(xs[(r0 + 8) * S + c0 + 4] * b1));
-        *reinterpret_cast<float4*>(rec + kRecordMq + 4 * i) =
+        *reinterpret_cast<float4*>(rec + R::MQ + 4 * i) =
             make_float4(produced<CM>(gram_q[r0 * S + c0]), produced<CM>(gram_q[(r0 + 8) * S + c0]),
                         produced<CM>(gram_q[r0 * S + c0 + 4]), produced<CM>(gram_q[(r0 + 8) * S + c0 + 4]));
     }
@@ -580,6 +616,9 @@ struct ScanLayout {
     static constexpr int HS = 4 * VT + 8;              // floats a row of 4 keys of the state (conflict-free reads)
     static constexpr int HB = 8 * VT + 32;             // bytes a row of 4 keys of the bf16 state (ACC 4; fits in HS)
     static constexpr int YS = VT == 16 ? 40 : VT + 8;  // floats a token row of Y, U, w U
+    // bytes a row of token quads of the bf16 Y, U, w U (ACC 4, in the same space): 32 bytes of padding make a
+    // half warp's 8-byte reads of four quad rows by four columns conflict-free
+    static constexpr int YB = 8 * VT + 32;
     // S[key][col] at state[key / 4][4 col + key % 4]: a lane's 4 keys of a column in one float4
     static constexpr int STATE_AT = 0, Y_AT = 4 * (K / 4) * HS, U_AT = Y_AT + 4 * kPrefillChunk * YS;
     static constexpr int UW_AT = U_AT + 4 * kPrefillChunk * YS, STAGE_AT = UW_AT + 4 * kPrefillChunk * YS;
@@ -592,14 +631,16 @@ template <int K, int VT, bool SEPARATE_P, bool VK, int ACC, bool SERVING>
 __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARGS) {
     constexpr bool K32 = ACC == 2 || ACC == 3;  // q, k, p staged as fp32 (else bf16)
     // ACC 4 ("bf16"): the read [P | Q] S on bf16 products, the state published as bf16 for it
-    constexpr bool B16 = ACC == 4;
+    constexpr bool B16 = bf16_products(ACC);
+    using R = Record<ACC>;
     // keys as they are (bf16), split or rounded; the state, Y, U, w U and the coefficients split, or rounded
     // once by their producers
     constexpr int KM = ACC == 2 ? kSplit : ACC == 3 ? kRound : kExact;
     constexpr int SM = ACC == 1 || ACC == 2 ? kSplit : kExact;
     using Layout = ScanLayout<K, VT, SEPARATE_P, K32>;
     using Stage = typename Layout::Stage;
-    constexpr int C = kPrefillChunk, HS = Layout::HS, YS = Layout::YS, KP = Stage::KP, ES = Stage::ES;
+    constexpr int C = kPrefillChunk, HS = Layout::HS, YS = Layout::YS, YB = Layout::YB, KP = Stage::KP;
+    constexpr int ES = Stage::ES;
     constexpr int STAGES = Layout::STAGES;
     // warp w: token tile (and key tiles) mrow = w % 4, column tiles nt0 .. nt0 + NTW - 1 (the half w / 4)
     constexpr int MT = K / 64, NTW = VT / 16;  // a warp's key tiles (16 keys) and column tiles (8 columns)
@@ -672,8 +713,8 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
                 else *reinterpret_cast<unsigned short*>(d) = static_cast<unsigned short>(bits);
             }
         }
-        const float* rec = work + ((first + c) * H + h) * kRecord;
-        for (int i = tid; i < kRecord / 4; i += kScanThreads)
+        const float* rec = work + ((first + c) * H + h) * R::SIZE;
+        for (int i = tid; i < R::SIZE / 4; i += kScanThreads)
             copy_async16(at + Stage::REC_AT + 16 * i, rec + 4 * i, true);
     };
 
@@ -735,6 +776,21 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
 
     const bool opair = pairs_aligned(o, prm.o_sb, prm.o_st, prm.o_sh, prm.o_sv, prm.o_t);
     const int ta = 16 * mrow + lg, tb = ta + 8;  // this lane's token rows of Y, U and O
+    // bf16 products (ACC 4): Y, U and w U as bf16 token quads -- tokens lj, lj + 4, lj + 8, lj + 12 of 16-token
+    // step ks in quad row 4 ks + lj, 8 bytes a column, the k-slot order of the record's fragments -- so that a
+    // B operand is one 8-byte read.  Rows ta and tb of a column share a quad (positions lg / 4 and 2 + lg / 4).
+    unsigned char* const sh_y16 = reinterpret_cast<unsigned char*>(sh_y);
+    unsigned char* const sh_u16 = reinterpret_cast<unsigned char*>(sh_u);
+    unsigned char* const sh_uw16 = reinterpret_cast<unsigned char*>(sh_uw);
+    const int quad_a = (4 * mrow + (lg & 3)) * YB + 2 * (lg >> 2);
+    auto store_rows16 = [&](unsigned char* buf, int cc, float a0, float a1, float b0, float b1) {
+        const unsigned c0 = bf16_pair(a0, b0), c1 = bf16_pair(a1, b1);  // (row ta, row tb) of columns cc, cc + 1
+        unsigned short* at = reinterpret_cast<unsigned short*>(buf + quad_a + 8 * cc);
+        at[0] = static_cast<unsigned short>(c0);
+        at[2] = static_cast<unsigned short>(c0 >> 16);
+        at[4] = static_cast<unsigned short>(c1);
+        at[6] = static_cast<unsigned short>(c1 >> 16);
+    };
     const long long v_t = prm.v_t;
 
     for (int c = 0; c < chunks; ++c) {
@@ -808,7 +864,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
         auto form_y = [&](auto vt) {
             constexpr long long VT_ = decltype(vt)::value;
             constexpr int VB = VT_ == F32 ? 4 : 2;
-            const float ga = rec[kRecordGp + ta], gb = rec[kRecordGp + tb];
+            const float ga = rec[R::GP + ta], gb = rec[R::GP + tb];
             const unsigned char* va = st + Stage::V_AT + ta * Stage::V_ROW;
             const unsigned char* vb = st + Stage::V_AT + tb * Stage::V_ROW;
 #pragma unroll
@@ -816,6 +872,11 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
                 const int cc = 8 * (nt0 + nt) + 2 * lj;
                 const float2 x = VT_ == F16 ? staged_f16x2(va + cc * VB) : staged2<VB>(va + cc * VB);
                 const float2 z = VT_ == F16 ? staged_f16x2(vb + cc * VB) : staged2<VB>(vb + cc * VB);
+                if constexpr (B16) {
+                    store_rows16(sh_y16, cc, fmaf(-ga, rp[nt][0], x.x), fmaf(-ga, rp[nt][1], x.y),
+                                 fmaf(-gb, rp[nt][2], z.x), fmaf(-gb, rp[nt][3], z.y));
+                    continue;
+                }
                 *reinterpret_cast<float2*>(sh_y + ta * YS + cc) =
                     make_float2(produced<SM>(fmaf(-ga, rp[nt][0], x.x)), produced<SM>(fmaf(-ga, rp[nt][1], x.y)));
                 *reinterpret_cast<float2*>(sh_y + tb * YS + cc) =
@@ -827,9 +888,11 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
         else form_y(Constant<F32>{});
         __syncthreads();
 
-        // U = A Y: this warp's 16 rows, the tiles of A up to the diagonal (k-steps 0 .. 2 mrow + 1)
-        const float4* afrag = reinterpret_cast<const float4*>(rec + kRecordA) + mrow * (mrow + 1) * 32 + lane;
-        const float4* mfrag = reinterpret_cast<const float4*>(rec + kRecordMq) + mrow * (mrow + 1) * 32 + lane;
+        // U = A Y: this warp's 16 rows, the tiles of A up to the diagonal (k-steps 0 .. 2 mrow + 1, or 0 .. mrow
+        // of 16 tokens with bf16 products)
+        const int first_tile = B16 ? mrow * (mrow + 1) / 2 : mrow * (mrow + 1);
+        const float4* afrag = reinterpret_cast<const float4*>(rec + R::A) + first_tile * 32 + lane;
+        const float4* mfrag = reinterpret_cast<const float4*>(rec + R::MQ) + first_tile * 32 + lane;
         // acc += the product; odd k-steps into a second accumulator (two chains of at most four mma.sync)
         auto coefficient_product = [&](const float4* frag, const float* rhs, float (&acc)[NTW][4]) {
             float odd[NTW][4];
@@ -837,8 +900,21 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
             for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
                 for (int r = 0; r < 4; ++r) odd[nt][r] = 0.f;
+            if constexpr (B16) {  // the fragments' four words as they are; rhs a token-quad buffer
 #pragma unroll
-            for (int ks = 0; ks < C / 8; ++ks) {
+                for (int ks = 0; ks < C / 16; ++ks) {
+                    if (ks > mrow) break;
+                    const uint4 a = reinterpret_cast<const uint4*>(frag)[32 * ks];
+                    const unsigned char* r0 = reinterpret_cast<const unsigned char*>(rhs) + (4 * ks + lj) * YB + 8 * lg;
+#pragma unroll
+                    for (int nt = 0; nt < NTW; ++nt) {
+                        const uint2 bq = *reinterpret_cast<const uint2*>(r0 + 64 * (nt0 + nt));
+                        mma_bf16(ks & 1 ? odd[nt] : acc[nt], a.x, a.y, a.z, a.w, bq.x, bq.y);
+                    }
+                }
+            }
+#pragma unroll
+            for (int ks = 0; ks < (B16 ? 0 : C / 8); ++ks) {
                 if (ks > 2 * mrow + 1) break;  // above the diagonal: zero
                 const float4 a = frag[32 * ks];
                 unsigned ah[4], al[4];
@@ -864,10 +940,15 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
 #pragma unroll
                 for (int r = 0; r < 4; ++r) u[nt][r] = 0.f;
             coefficient_product(afrag, sh_y, u);
-            const float wa = rec[kRecordW + ta], wb = rec[kRecordW + tb];
+            const float wa = rec[R::W + ta], wb = rec[R::W + tb];
 #pragma unroll
             for (int nt = 0; nt < NTW; ++nt) {
                 const int cc = 8 * (nt0 + nt) + 2 * lj;
+                if constexpr (B16) {
+                    store_rows16(sh_u16, cc, u[nt][0], u[nt][1], u[nt][2], u[nt][3]);
+                    store_rows16(sh_uw16, cc, wa * u[nt][0], wa * u[nt][1], wb * u[nt][2], wb * u[nt][3]);
+                    continue;
+                }
                 *reinterpret_cast<float2*>(sh_u + ta * YS + cc) =
                     make_float2(produced<SM>(u[nt][0]), produced<SM>(u[nt][1]));
                 *reinterpret_cast<float2*>(sh_u + tb * YS + cc) =
@@ -882,7 +963,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
 
         // O = diag(scale G fq) Rq + Mq U, stored
         {
-            const float ga = rec[kRecordGq + ta], gb = rec[kRecordGq + tb];
+            const float ga = rec[R::GQ + ta], gb = rec[R::GQ + tb];
 #pragma unroll
             for (int nt = 0; nt < NTW; ++nt) {
                 rq[nt][0] *= ga; rq[nt][1] *= ga; rq[nt][2] *= gb; rq[nt][3] *= gb;
@@ -901,7 +982,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
         // S = G_63 S0 + Kc^T (w U): A operand the write keys (rows: this lane's key pair), B w U; the odd token
         // steps sum into dacc, added last (two chains of four mma.sync a tile)
         {
-            const float G = rec[kRecordG];
+            const float G = rec[R::G];
             float dacc[MT][NTW][4];
 #pragma unroll
             for (int i = 0; i < MT; ++i)
@@ -912,8 +993,31 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
                         hacc[i][nt][r] *= G;
                         dacc[i][nt][r] = 0.f;
                     }
+            if constexpr (B16) {
+                // k-step ks of 16 tokens: A = Kc^T, rows this lane's key pair (kk, kk + 1), k-slots the tokens
+                // lj, lj + 4, lj + 8, lj + 12 of the step as the quads of w U hold them; a token's staged key
+                // pair is one word, and two tokens' words give the two rows' registers (one byte_perm each)
 #pragma unroll
-            for (int ks = 0; ks < C / 8; ++ks) {
+                for (int ks = 0; ks < C / 16; ++ks) {
+                    uint2 bq[NTW];
+#pragma unroll
+                    for (int nt = 0; nt < NTW; ++nt)
+                        bq[nt] = *reinterpret_cast<const uint2*>(sh_uw16 + (4 * ks + lj) * YB + 8 * (8 * (nt0 + nt) + lg));
+#pragma unroll
+                    for (int i = 0; i < MT; ++i) {
+                        const unsigned* x = reinterpret_cast<const unsigned*>(sk + ((16 * ks + lj) * KP + key_of(i)) * 2);
+                        constexpr int W4 = 4 * KP / 2;  // words of four token rows
+                        const unsigned x0 = x[0], x4 = x[W4], x8 = x[2 * W4], x12 = x[3 * W4];
+                        const unsigned a0 = __byte_perm(x0, x4, 0x5410), a1 = __byte_perm(x0, x4, 0x7632);
+                        const unsigned a2 = __byte_perm(x8, x12, 0x5410), a3 = __byte_perm(x8, x12, 0x7632);
+#pragma unroll
+                        for (int nt = 0; nt < NTW; ++nt)
+                            mma_bf16(ks & 1 ? dacc[i][nt] : hacc[i][nt], a0, a1, a2, a3, bq[nt].x, bq[nt].y);
+                    }
+                }
+            }
+#pragma unroll
+            for (int ks = 0; ks < (B16 ? 0 : C / 8); ++ks) {
                 const int tj = 8 * ks + lj, tj4 = tj + 4;
                 const float* r0 = sh_uw + tj * YS + lg;
                 unsigned bh[NTW][2], bl[NTW][2];

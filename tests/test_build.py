@@ -35,9 +35,9 @@ def test_the_registry_lists_every_build_once():
     # token loop: 2 K x (5 kv + 2 vk tilings) + K = 256 x (3 kv + 2 vk tilings), x p or not x decode or T tokens;
     # chunked: 2 K x 2 kv + 2 vk at K = 128, x p or not; tensor cores: 9 builds (K, slab, tokens) x p or not x
     # layout; prefill: 3 K x 2 slabs x 2 layouts x p or not scans x 5 numerics (tf32 or fp32, bf16 or wider keys;
-    # bf16 reads) less the 24 whose stage does not fit (K = 256, wider keys), and 3 K x 4 preps; each with and
+    # bf16 products) less the 24 whose stage does not fit (K = 256, wider keys), and 3 K x 5 preps; each with and
     # without the serving options
-    assert counts == {"token_loop.cu": 152, "chunked.cu": 24, "delta_rule_mma.cu": 72, "prefill.cu": 240,
+    assert counts == {"token_loop.cu": 152, "chunked.cu": 24, "delta_rule_mma.cu": 72, "prefill.cu": 246,
                       "copy.cu": 1}
     for source, expressions in SPECIALISATIONS.items():
         assert len(set(expressions)) == len(expressions), source
@@ -50,15 +50,15 @@ def test_the_registry_lists_every_build_once():
     assert reached == {e for s, exprs in SPECIALISATIONS.items() if s != "copy.cu" for e in exprs}
 
 
-def test_the_default_half_precision_is_the_bf16_read():
-    """precision=None (16-bit activations): bf16 reads on both slabs, the prep the TF32 build's; fp16
-    keys (staged wide) take the TF32 build."""
+def test_the_default_half_precision_is_bf16_products():
+    """precision=None (16-bit activations): bf16 products on both slabs, with a prep of their own (bf16
+    fragments); fp16 keys (staged wide) take the TF32 build."""
     def scan(variant, precision, bf16_keys=True):
         return families.kernel("kv", variant, K=128, separate_p=True, multi=True, precision=precision,
                                bf16_keys=bf16_keys)
     assert scan("kv16c64", None).expression == scan("kv16c64", "bf16").expression
     assert scan("kv32c64", None).expression == scan("kv32c64", "bf16").expression
-    assert scan("kv16c64", None).prep == scan("kv16c64", "tf32").prep
+    assert scan("kv16c64", None).prep == scan("kv16c64", "bf16").prep != scan("kv16c64", "tf32").prep
     assert scan("kv16c64", None, bf16_keys=False).expression == scan("kv16c64", "tf32", False).expression
     assert len({scan("kv16c64", p).expression for p in families.PRECISIONS}) == 3
 
@@ -113,9 +113,9 @@ def _pre_hopper_spread():
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89"])
 def test_every_family_also_builds_for_pre_hopper_gpus(arch):
     picks = _pre_hopper_spread()
-    # 8 + 8 token loop, 4 + 4 chunked, 16 tensor cores, 4 + 20 prefill (numerics, x p x layout) (each with and
+    # 8 + 8 token loop, 4 + 4 chunked, 16 tensor cores, 5 + 20 prefill (numerics, x p x layout) (each with and
     # without serving), the copy
-    assert len(picks) == 89
+    assert len(picks) == 91
     for source in SPECIALISATIONS:
         expressions = [e for s, e in picks if s == source]
         assert set(_build.compile_for_arch(source, expressions, arch)) == set(expressions)
@@ -164,8 +164,8 @@ def _compiles_with(source, lines):
 
 def test_prefill_shared_bytes_are_the_layouts():
     """families.prefill_scan_bytes and prefill_prep_bytes (the dynamic shared memory the launch passes) equal
-    ScanLayout::BYTES and PrepLayout::BYTES of kernels_cu/prefill.cu for every build, and prefill_fits names
-    exactly the builds whose stage fits."""
+    ScanLayout::BYTES and PrepLayout::BYTES of kernels_cu/prefill.cu for every build, the workspace's record
+    sizes Record::SIZE, and prefill_fits names exactly the builds whose stage fits."""
     checks = []
     for expression in SPECIALISATIONS["prefill.cu"]:
         args = _template_args(expression)
@@ -177,11 +177,13 @@ def test_prefill_shared_bytes_are_the_layouts():
         else:
             K, slab, sep, _, acc, _ = args
             wide = int(acc) in (2, 3)
+            words = families.PREFILL_RECORD_BF16 if int(acc) == 4 else families.PREFILL_RECORD
+            checks.append(f'static_assert(comba::Record<{acc}>::SIZE == {words}, "{expression}");')
             assert families.prefill_fits(int(K), int(slab), sep == "true", wide)
             n = families.prefill_scan_bytes(int(K), int(slab), sep == "true", wide)
             checks.append(f'static_assert(comba::ScanLayout<{K}, {slab}, {sep}, {"true" if wide else "false"}>::BYTES '
                           f'== {n}, "{expression}");')
-    assert len(checks) == 240
+    assert len(checks) == 246 + 216
     _compiles_with("prefill.cu", checks)
     # what does not fit is not built: K = 256 with fp32 keys, except Gated DeltaNet on 16-column slabs
     assert [(K, slab, sep) for K in families.SUPPORTED_K for slab in families.PREFILL_SLABS for sep in (True, False)

@@ -1,7 +1,8 @@
 """The 64-token prefill kernels (``{layout}{slab}c64``) against the float64 reference (``pytest -m gpu``).
 
 Every case runs a forced variant on fresh random inputs into NaN-poisoned outputs.  ``precision="fp32"``
-(3xTF32) is held to the fp32 kernels' accuracy, ``"tf32"`` to the accuracy docs/design.md states for it.
+(3xTF32) is held to the fp32 kernels' accuracy, ``"tf32"`` and ``"bf16"`` (bf16 products where q, k, p are bf16,
+else TF32 ones) to the accuracy docs/design.md states for them.
 """
 
 import numpy
@@ -17,7 +18,7 @@ F16, F32 = numpy.dtype(numpy.float16), numpy.dtype(numpy.float32)
 #: Relative error bounds (state, o) by precision and activation dtype; bf16 and fp16 o are rounded outputs.
 TOL = {("fp32", "bfloat16"): (1e-6, 4e-3), ("fp32", "float16"): (1e-6, 1e-3), ("fp32", "float32"): (1e-6, 5e-6),
        ("tf32", "bfloat16"): (1.5e-3, 5e-3), ("tf32", "float16"): (1.5e-3, 2e-3), ("tf32", "float32"): (1.5e-3, 2e-3),
-       ("bf16", "bfloat16"): (1.5e-3, 5e-3), ("bf16", "float16"): (1.5e-3, 2e-3), ("bf16", "float32"): (1.5e-3, 2e-3)}
+       ("bf16", "bfloat16"): (4e-3, 5e-3), ("bf16", "float16"): (1.5e-3, 2e-3), ("bf16", "float32"): (1.5e-3, 2e-3)}
 
 
 def _forward(comba, q, k, v, p, beta, g, S, **opts):
@@ -34,7 +35,7 @@ def _check(comba, args, precision, **opts):
     o, S = _forward(comba, *args, precision=precision, **opts)
     ref_opts = {n: x for n, x in opts.items() if n not in ("variant", "output_final_state")}
     S_ref, o_ref = reference.comba_loop(S0, q, k, v, p if comba else k, beta, g, **ref_opts)
-    tol_s, tol_o = TOL[precision or "tf32", numpy.dtype(q.dtype).name]  # None: bf16 or tf32 reads, one bound
+    tol_s, tol_o = TOL[precision or "bf16", numpy.dtype(q.dtype).name]  # None: "bf16"
     assert reference.relative_error(o, o_ref) <= tol_o
     if opts.get("output_final_state", True):
         assert reference.relative_error(S, S_ref) <= tol_s
@@ -175,7 +176,7 @@ def test_repeated_calls_with_new_buffers():
     for o, S in results[1:]:
         assert bool((o == results[0][0]).all()) and bool((S == results[0][1]).all())
     S_ref, o_ref = reference.comba_loop(args[6], *args[:3], args[1], *args[4:6])
-    assert reference.relative_error(results[-1][0], o_ref) <= TOL["tf32", "bfloat16"][1]
+    assert reference.relative_error(results[-1][0], o_ref) <= TOL["bf16", "bfloat16"][1]
 
 
 def test_variants_that_do_not_fit_are_refused():
@@ -244,5 +245,5 @@ def test_a_cuda_graph_of_a_ragged_prefill(layout):
             stream.synchronize()
             S_ref, o_ref = reference.comba_loop(cupy.asnumpy(S0), *map(cupy.asnumpy, (q, k, v, p, beta, g)),
                                                 state_layout=layout, cu_seqlens=cupy.asnumpy(cu))
-            assert reference.relative_error(o, o_ref) <= TOL["tf32", "bfloat16"][1]
-            assert reference.relative_error(S, S_ref) <= TOL["tf32", "bfloat16"][0]
+            assert reference.relative_error(o, o_ref) <= TOL["bf16", "bfloat16"][1]
+            assert reference.relative_error(S, S_ref) <= TOL["bf16", "bfloat16"][0]

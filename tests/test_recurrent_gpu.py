@@ -370,11 +370,11 @@ def test_decode_steps_with_options():
 
 
 def test_long_sequence_stays_accurate():
-    """512 tokens: fp32-accurate with precision="fp32", within TF32's bound by default for bf16 inputs (the
-    prefill kernels' products)."""
+    """512 tokens: fp32-accurate with precision="fp32", at bf16 rounding by default for bf16 inputs (the
+    prefill kernels' bf16 products)."""
     q, k, v, p, beta, g, S = forward_inputs(2, 512, 2, 128, 128, dtype=bfloat16, seed=9, xp=cupy)
     S_ref, o_ref = reference.comba_loop(S, q, k, v, p, beta, g)
-    for precision, tol in (("fp32", 1e-5), (None, 1.5e-3)):
+    for precision, tol in (("fp32", 1e-5), (None, 4e-3)):
         o, S_new = comba_forward(q, k, v, p, beta, g, initial_state=S, precision=precision)
         assert reference.relative_error(S_new, S_ref) <= tol, precision
         assert reference.relative_error(o, o_ref) <= O_TOL[numpy.dtype(bfloat16)], precision

@@ -99,17 +99,18 @@ def test_gated_deltanet_decode_over_very_few_heads(heads, variant):
 @pytest.mark.parametrize("comba", [True, False])
 def test_prefill_over_few_heads_and_long_prompts(layout, comba):
     """h200-prefill-tiling.json, h200-prefill-lengths.json: 64-token chunks at K = 64 and 128 from T = 96 over
-    at most 32 heads (16-column slabs over at most 16), from T = 128 over at most 64, at K = 128 from T = 256
+    at most 32 heads (16-column slabs over at most 16), from T = 128 over at most 64, at K = 128 from T = 192
     over at most 128 (the sweeps' most); at K = 256 from T = 16 over any number; the tensor-core kernel or the
     token loop otherwise."""
     def choose(T, heads, K=128, **kw):
         return tiling.choose(layout, K, 128, comba, True, T, heads, **kw)
 
     assert choose(95, 16) == choose(95, 32) == f"{layout}32tc16"
-    assert choose(127, 33) == choose(127, 64) == choose(255, 65) == choose(255, None) == f"{layout}64tc16"
+    assert choose(127, 33) == choose(127, 64) == choose(191, 65) == choose(255, None) == f"{layout}64tc16"
     assert choose(96, 1) == choose(8192, 16) == choose(96, 16, K=64) == f"{layout}16c64"
     assert choose(96, 17) == choose(96, 32, K=64) == choose(128, 64) == choose(128, 64, K=64) == f"{layout}32c64"
-    assert choose(256, 65) == choose(65536, 128) == f"{layout}32c64"
+    assert choose(192, 65) == choose(65536, 128) == f"{layout}32c64"
+    assert choose(255, 65, K=64) == f"{layout}64tc16"
     assert choose(256, 129) == choose(65536, 8192) == choose(65536, None) == f"{layout}64tc16"  # beyond the sweeps
     assert choose(65536, 65, K=64) == f"{layout}64tc16" and choose(65536, None, K=64) == f"{layout}128tc16"
     assert choose(16, 16, K=256) == f"{layout}16c64" and not choose(15, 16, K=256).endswith("c64")

@@ -20,8 +20,8 @@ from ..inputs import decode_inputs, forward_inputs
 STATE_TOLERANCE = 1e-5
 OUTPUT_TOLERANCE = {bfloat16: 8e-3, float16: 1e-3, float32: 1e-5}
 #: The state's gate where a forward pass of 16-bit activations runs the prefill kernels, whose default
-#: products are half precision (measured ~3e-4 against float64; docs/design.md).
-HALF_PRODUCTS_STATE_TOLERANCE = 1.5e-3
+#: products are bf16 (measured 1.6e-3 - 2.1e-3 against float64; docs/design.md).
+HALF_PRODUCTS_STATE_TOLERANCE = 4e-3
 
 DECODE_DIMS = ("B", "H", "K", "V")
 FORWARD_DIMS = ("B", "T", "H", "K", "V")
