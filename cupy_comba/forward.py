@@ -60,11 +60,11 @@ def comba_forward(q, k, v, p, beta, g, scale=None, *, initial_state=None, output
     o_dtype, state_layout, gate, use_qk_l2norm, variant
         As in :func:`cupy_comba.comba_decode_step`.
     precision : {None, "tf32", "bf16", "fp32"}
-        The products of the 64-token prefill kernels: "tf32" rounds their operands to TF32, "bf16"
-        (bf16 q, k, p; else "tf32") also reads the state as bf16 on bf16 products -- both a state
-        error of ~3e-4 relative against float64 over long prompts -- and "fp32" splits them for
-        fp32 accuracy (~2e-7) at about 1.3x the time.  None: "bf16" for 16-bit q, k, p and v (the faster),
-        else "fp32".  Every other kernel is fp32-accurate whatever it says (docs/design.md).
+        The products of the 64-token prefill kernels: "bf16" (bf16 q, k, p; else "tf32") runs them all
+        on bf16 operands, the fastest (a state error of ~2e-3 relative against float64 over long
+        prompts, at bf16's rounding); "tf32" rounds their operands to TF32 (~3e-4); "fp32" splits them
+        for fp32 accuracy (~2e-7).  None: "bf16" for 16-bit q, k, p and v, else "fp32".  Every other
+        kernel is fp32-accurate whatever it says (docs/design.md).
 
     Returns
     -------
