@@ -1,0 +1,47 @@
+"""Every build of the 64-token prefill kernels over several chunks (two full ones and one of 22 tokens), dense and
+with the serving options (a ragged batch from a pool), in "bf16" and "fp32": run under compute-sanitizer's
+racecheck and memcheck by test_sanitizer_gpu.py."""
+
+import cupy
+import numpy
+
+from cupy_comba import comba_forward, families, gated_delta_forward
+from cupy_comba.inputs import forward_inputs
+
+T = 150
+
+
+def main():
+    launches = 0
+    for precision in ("bf16", "fp32"):
+        for K, V in ((64, 64), (128, 64), (256, 32)):
+            for layout in ("kv", "vk"):
+                q, k, v, p, beta, g, S = forward_inputs(2, T, 2, K, V, xp=cupy, state_layout=layout, warm_steps=2,
+                                                        seed=K)
+                packed = [a.reshape((1, 2 * T) + a.shape[2:]) for a in (q, k, v, p, beta, g)]
+                cu = cupy.asarray(numpy.array([0, 70, 2 * T], numpy.int32))
+                slots = cupy.asarray(numpy.array([2, 0], numpy.int32))
+                for slab in families.PREFILL_SLABS:
+                    variant = f"{layout}{slab}c64"
+                    for comba in (False, True):
+                        if not families.prefill_fits(K, slab, comba, False):
+                            continue
+                        pool = cupy.concatenate([S, S[:1]])
+                        if comba:
+                            comba_forward(q, k, v, p, beta, g, initial_state=S, state_layout=layout, variant=variant,
+                                          precision=precision)
+                            comba_forward(*packed, initial_state=pool, state_indices=slots, cu_seqlens=cu,
+                                          state_layout=layout, variant=variant, precision=precision)
+                        else:
+                            gated_delta_forward(q, k, v, beta, g, initial_state=S, state_layout=layout,
+                                                variant=variant, precision=precision)
+                            gated_delta_forward(*packed[:3], *packed[4:], initial_state=pool, state_indices=slots,
+                                                cu_seqlens=cu, state_layout=layout, variant=variant,
+                                                precision=precision)
+                        launches += 2
+    cupy.cuda.Device().synchronize()
+    print(f"{launches} prefill launches over several chunks")
+
+
+if __name__ == "__main__":
+    main()
