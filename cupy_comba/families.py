@@ -47,8 +47,8 @@ FAMILY_K = (64, 128)
 #: Slabs (value columns a CTA) of the 64-token prefill kernels, built at every K.
 PREFILL_SLABS = (32, 16)
 #: The prefill kernels' numerics, by ``precision``: TF32 products ("tf32"), split operands ("fp32",
-#: 3xTF32), each with bf16 q, k, p or wider ones, or the read on bf16 products ("bf16", bf16 keys) (the
-#: template argument ACC of kernels_cu/prefill.cu).
+#: 3xTF32), each with bf16 q, k, p or wider ones, or every product on bf16 operands ("bf16", bf16 keys; else
+#: "tf32") (the template argument ACC of kernels_cu/prefill.cu).
 PRECISIONS = ("tf32", "fp32", "bf16")
 #: Tokens a chunk, and 32-bit words of a chunk's record in the prefill workspace (Record<ACC>::SIZE in
 #: prefill.cu): A's and Mq's fragments as TF32 tiles of 16 x 8, or as bf16 tiles of 16 x 16 ("bf16").

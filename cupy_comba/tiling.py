@@ -124,9 +124,10 @@ RULES = (
          "12964); over 17-32 heads 32-column ones from T = 96 (32 heads, T = 128: 20.3 against 28.6), over "
          "33-64 from T = 128 (64 heads: 27.9 against 31.3 for kv64tc16; T = 64: 22.1 against 17.8), over more "
          "from T = 192 up to 128 heads, the most measured (128 heads: 62.8 against 67.4, T = 128: 47.9 against "
-         "45.7, T = 65536: 15604 against 20793); at K = 64 over more than 64 heads kv64tc16 stays ahead (128 heads, T = 65536: 13774 against "
-         "14943); at K = 256 over every head count from T = 16 (1 head: 18.3 against 19.6 us for kv32x16, 128 "
-         "heads: 44.0 against 53.6; 64 heads 27.2 against 26.2), 3.3-19x the token loops from T = 256."),
+         "45.7, T = 65536: 15604 against 20793); at K = 64 over more than 64 heads kv64tc16 stays ahead (128 "
+         "heads, T = 65536: 13774 against 14943); at K = 256 over every head count from T = 16 (1 head: 18.3 "
+         "against 19.6 us for kv32x16, 128 heads: 44.0 against 53.6; 64 heads 27.2 against 26.2), 3.3-19x the "
+         "token loops from T = 256."),
     Rule("K = 256: the kv token loop",
          lambda c: c.K == 256 and c.layout == "kv",
          lambda c: "kv64x16" if c.wide and (c.heads is None or c.heads > 1024) else "kv32x16",

@@ -69,7 +69,7 @@ struct Record {
     static constexpr int TILES = bf16_products(ACC) ? 10 : 20, FRAG = TILES * 32 * 4;
     static constexpr int A = 0, MQ = FRAG, GP = 2 * FRAG, GQ = GP + 64, W = GQ + 64, G = W + 64, SIZE = GP + 256;
 };
-constexpr int kRecord = Record<0>::SIZE;  // the largest: the workspace's stride bound (families.PREFILL_RECORD)
+constexpr int kRecord = Record<0>::SIZE;  // the largest record: what a scan stage holds room for
 
 // x rounded to TF32 (the hi of split).
 __device__ __forceinline__ unsigned tf32(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
