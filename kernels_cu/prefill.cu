@@ -717,12 +717,68 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
         for (int i = tid; i < R::SIZE / 4; i += kScanThreads)
             copy_async16(at + Stage::REC_AT + 16 * i, rec + 4 * i, true);
     };
+    // Where every input is copyable (the rule for activations laid out as [B, T, H, *]), this thread's pieces are
+    // fixed for the whole pass: one source pointer per input, stepped a chunk at a time, and the row guards only
+    // in a sequence's last, short chunk -- a chunk's staging is then its cp.async and little else, where the
+    // general path above forms every address from the strides.
+    const bool fast = q_copy && k_copy && (p_copy || !SEPARATE_P) && v_copy;
+    constexpr int PER = 16 / ES, KROW = K / PER, KROWS = kScanThreads / KROW;  // pieces a key row; rows a pass
+    const int kt = tid / KROW, ke = (tid - kt * KROW) * PER;
+    const int v_per = VT * v_bytes / 16, vt = tid / v_per, vrows = kScanThreads / v_per;  // the same for v
+    const char* kfrom[3] = {
+        static_cast<const char*>(q) + (b * prm.q_sb + hk * prm.q_sh + kt * prm.q_st + ke) * ES,
+        static_cast<const char*>(k) + (b * prm.k_sb + hk * prm.k_sh + kt * prm.k_st + ke) * ES,
+        static_cast<const char*>(p) + (b * prm.p_sb + hk * prm.p_sh + kt * prm.p_st + ke) * ES};
+    const long long krow[3] = {prm.q_st * ES, prm.k_st * ES, prm.p_st * ES};  // bytes a token
+    const char* vfrom = static_cast<const char*>(v) +
+                        (b * prm.v_sb + h * prm.v_sh + col0 + vt * prm.v_st) * v_bytes + 16 * (tid - vt * v_per);
+    const float* rfrom = work + (first * H + h) * R::SIZE + 4 * tid;
+    auto stage_fast = [&](auto full, int n, unsigned char* at) {
+        constexpr bool FULL = decltype(full)::value;
+#pragma unroll
+        for (int a = 0; a < Stage::NK; ++a) {
+            const char* from = kfrom[a];
+            const long long step = KROWS * krow[a];
+#pragma unroll
+            for (int j = 0; j < kPrefillChunk / KROWS; ++j, from += step) {
+                const bool in = FULL || kt + KROWS * j < n;  // else zeros, from the chunk's first row (n >= 1)
+                copy_async16(at + a * Stage::KEY_BYTES + ((kt + KROWS * j) * KP + ke) * ES,
+                             in ? from : kfrom[a] - kt * krow[a], in);
+            }
+        }
+        const long long vstep = vrows * prm.v_st * v_bytes;
+        const char* from = vfrom;
+        for (int t = vt; t < kPrefillChunk; t += vrows, from += vstep) {
+            const bool in = FULL || t < n;
+            copy_async16(at + Stage::V_AT + t * Stage::V_ROW + 16 * (tid - vt * v_per),
+                         in ? from : vfrom - vt * prm.v_st * v_bytes, in);
+        }
+        constexpr int RP = R::SIZE / 4;  // the record's pieces
+#pragma unroll
+        for (int j = 0; j < (RP + kScanThreads - 1) / kScanThreads; ++j)
+            if (RP % kScanThreads == 0 || tid + j * kScanThreads < RP)
+                copy_async16(at + Stage::REC_AT + 16 * (tid + j * kScanThreads), rfrom + 4 * j * kScanThreads, true);
+    };
+    // Chunk c's inputs into stage `at`; chunks are staged in order.
+    auto stage_next = [&](int c, unsigned char* at) {
+        if (!fast) {
+            stage_chunk(c, at);
+            return;
+        }
+        const int n = static_cast<int>(min(static_cast<long long>(C), T - static_cast<long long>(c) * C));
+        if (n == C) stage_fast(Constant<true>{}, C, at);
+        else stage_fast(Constant<false>{}, n, at);
+#pragma unroll
+        for (int a = 0; a < 3; ++a) kfrom[a] += C * krow[a];
+        vfrom += C * prm.v_st * v_bytes;
+        rfrom += static_cast<long long>(H) * R::SIZE;
+    };
 
     // This lane's state: key tile m = MT mrow + i holds keys 16 m + 2 lg (accumulator row lg) and
     // 16 m + 2 lg + 1 (row lg + 8) -- a permutation of the key index that makes a lane's two write-key
     // values one pair load -- and columns 8 nt + 2 lj, + 1.
     if (chunks > 0) {
-        stage_chunk(0, prefill_smem + Layout::STAGE_AT);
+        stage_next(0, prefill_smem + Layout::STAGE_AT);
         copy_async_commit();
     }
     float hacc[MT][NTW][4];
@@ -776,6 +832,11 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
 
     const bool opair = pairs_aligned(o, prm.o_sb, prm.o_st, prm.o_sh, prm.o_sv, prm.o_t);
     const int ta = 16 * mrow + lg, tb = ta + 8;  // this lane's token rows of Y, U and O
+    // bf16 o in pairs (the usual output): this lane's first pair of row ta, stepped a chunk at a time
+    const bool o_pairs16 = opair && prm.o_t == BF16;
+    unsigned char* o_row = static_cast<unsigned char*>(o) +
+                           2 * (b * prm.o_sb + ta * prm.o_st + h * prm.o_sh + col0 + 8 * nt0 + 2 * lj);
+    const long long o_tb = 16 * prm.o_st, o_chunk = 2 * C * prm.o_st;  // bytes to row tb; a chunk's bytes
     // bf16 products (ACC 4): Y, U and w U as bf16 token quads -- tokens lj, lj + 4, lj + 8, lj + 12 of 16-token
     // step ks in quad row 4 ks + lj, 8 bytes a column, the k-slot order of the record's fragments -- so that a
     // B operand is one 8-byte read.  Rows ta and tb of a column share a quad (positions lg / 4 and 2 + lg / 4).
@@ -798,7 +859,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
         copy_async_wait<0>();
         __syncthreads();  // chunk c staged; the state of chunk c - 1 published; the other stage free
         if (STAGES == 2 && c + 1 < chunks) {
-            stage_chunk(c + 1, prefill_smem + Layout::STAGE_AT + ((c + 1) & 1) * Stage::BYTES);
+            stage_next(c + 1, prefill_smem + Layout::STAGE_AT + ((c + 1) & 1) * Stage::BYTES);
             copy_async_commit();
         }
         const unsigned char* st = prefill_smem + Layout::STAGE_AT + (STAGES == 2 ? (c & 1) * Stage::BYTES : 0);
@@ -969,13 +1030,22 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
                 rq[nt][0] *= ga; rq[nt][1] *= ga; rq[nt][2] *= gb; rq[nt][3] *= gb;
             }
             coefficient_product(mfrag, sh_u, rq);
-            const long long oa = b * prm.o_sb + (t0 + ta) * prm.o_st + h * prm.o_sh;
-            const long long ob = b * prm.o_sb + (t0 + tb) * prm.o_st + h * prm.o_sh;
+            if (o_pairs16) {  // bf16 pairs at a pointer stepped a chunk at a time
 #pragma unroll
-            for (int nt = 0; nt < NTW; ++nt) {
-                const long long cc = (col0 + 8 * (nt0 + nt) + 2 * lj) * prm.o_sv;
-                if (ta < n) store_act_pair(o, oa + cc, prm.o_sv, prm.o_t, rq[nt][0], rq[nt][1], opair);
-                if (tb < n) store_act_pair(o, ob + cc, prm.o_sv, prm.o_t, rq[nt][2], rq[nt][3], opair);
+                for (int nt = 0; nt < NTW; ++nt) {
+                    if (ta < n) *reinterpret_cast<unsigned*>(o_row + 16 * nt) = bf16_pair(rq[nt][0], rq[nt][1]);
+                    if (tb < n) *reinterpret_cast<unsigned*>(o_row + o_tb + 16 * nt) = bf16_pair(rq[nt][2], rq[nt][3]);
+                }
+                o_row += o_chunk;
+            } else {
+                const long long oa = b * prm.o_sb + (t0 + ta) * prm.o_st + h * prm.o_sh;
+                const long long ob = b * prm.o_sb + (t0 + tb) * prm.o_st + h * prm.o_sh;
+#pragma unroll
+                for (int nt = 0; nt < NTW; ++nt) {
+                    const long long cc = (col0 + 8 * (nt0 + nt) + 2 * lj) * prm.o_sv;
+                    if (ta < n) store_act_pair(o, oa + cc, prm.o_sv, prm.o_t, rq[nt][0], rq[nt][1], opair);
+                    if (tb < n) store_act_pair(o, ob + cc, prm.o_sv, prm.o_t, rq[nt][2], rq[nt][3], opair);
+                }
             }
         }
 
@@ -1049,7 +1119,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
         publish_state();  // every warp's reads of the old state ended before the first barrier
         if (STAGES == 1 && c + 1 < chunks) {
             __syncthreads();  // every warp done with the stage
-            stage_chunk(c + 1, prefill_smem + Layout::STAGE_AT);
+            stage_next(c + 1, prefill_smem + Layout::STAGE_AT);
             copy_async_commit();
         }
     }
