@@ -108,7 +108,7 @@ KV256_TILINGS = ((64, 16), (32, 16), (16, 32))
 KV_CHUNKED_TILINGS = ((64, 8), (32, 8))
 #: ``delta_rule_vk`` (R, NW) by K: NW warps, R state rows a lane (at K = 256 two float4 of a row each, so
 #: that a lane holds 16 float4 of state at every K).
-VK_TILINGS = {64: ((8, 2), (16, 2)), 128: ((16, 2), (16, 4)), 256: ((8, 2), (8, 4))}
+VK_TILINGS = {64: ((8, 2), (16, 2)), 128: ((16, 2), (16, 4), (4, 2)), 256: ((8, 2), (8, 4))}
 #: ``delta_rule_vk_chunked`` slabs (rows of V) and the one K it is built for (8 lanes of 16 keys a row).
 VK_CHUNKED_ROWS, VK_CHUNKED_K = (64, 32), 128
 #: ``delta_rule_mma`` builds: (K, SLAB, tokens a pass).  The 128-column slab exists at K = 64 with

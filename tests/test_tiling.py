@@ -95,6 +95,15 @@ def test_gated_deltanet_decode_over_very_few_heads(heads, variant):
     assert tiling.choose("kv", 128, 128, False, multi=True, T=1, heads=heads) == "kv64x4"  # T-token build
 
 
+@pytest.mark.parametrize("heads,variant", [(1, "vk4x2"), (128, "vk4x2"), (129, "vk16x2"), (None, "vk16x2")])
+def test_vk_decode_over_few_heads_on_eight_row_slabs(heads, variant):
+    """h200-decode-tiny.json: 16 CTAs a head of V = 128 where the step is a chain of latencies."""
+    for comba in (False, True):
+        assert tiling.choose("vk", 128, 128, comba, heads=heads) == variant
+    assert tiling.choose("vk", 128, 128, False, multi=True, T=1, heads=heads) == "vk16x2"  # T-token build
+    assert tiling.choose("vk", 64, 128, False, heads=heads) == "vk16x2"  # measured at K = 128 only
+
+
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("comba", [True, False])
 def test_prefill_over_few_heads_and_long_prompts(layout, comba):
