@@ -973,20 +973,21 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
                         mma_bf16(ks & 1 ? odd[nt] : acc[nt], a.x, a.y, a.z, a.w, bq.x, bq.y);
                     }
                 }
-            }
+            } else {
 #pragma unroll
-            for (int ks = 0; ks < (B16 ? 0 : C / 8); ++ks) {
-                if (ks > 2 * mrow + 1) break;  // above the diagonal: zero
-                const float4 a = frag[32 * ks];
-                unsigned ah[4], al[4];
-                a_operand4<SM>(a.x, a.y, a.z, a.w, ah, al);
-                const float* r0 = rhs + (8 * ks + lj) * YS + lg;
+                for (int ks = 0; ks < C / 8; ++ks) {
+                    if (ks > 2 * mrow + 1) break;  // above the diagonal: zero
+                    const float4 a = frag[32 * ks];
+                    unsigned ah[4], al[4];
+                    a_operand4<SM>(a.x, a.y, a.z, a.w, ah, al);
+                    const float* r0 = rhs + (8 * ks + lj) * YS + lg;
 #pragma unroll
-                for (int nt = 0; nt < NTW; ++nt) {
-                    unsigned b0h, b0l, b1h, b1l;
-                    operand<SM>(r0[8 * (nt0 + nt)], b0h, b0l);
-                    operand<SM>(r0[4 * YS + 8 * (nt0 + nt)], b1h, b1l);
-                    mma_acc<SL, SL>(ks & 1 ? odd[nt] : acc[nt], ah, al, b0h, b1h, b0l, b1l);
+                    for (int nt = 0; nt < NTW; ++nt) {
+                        unsigned b0h, b0l, b1h, b1l;
+                        operand<SM>(r0[8 * (nt0 + nt)], b0h, b0l);
+                        operand<SM>(r0[4 * YS + 8 * (nt0 + nt)], b1h, b1l);
+                        mma_acc<SL, SL>(ks & 1 ? odd[nt] : acc[nt], ah, al, b0h, b1h, b0l, b1l);
+                    }
                 }
             }
 #pragma unroll
@@ -1072,10 +1073,12 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
                     uint2 bq[NTW];
 #pragma unroll
                     for (int nt = 0; nt < NTW; ++nt)
-                        bq[nt] = *reinterpret_cast<const uint2*>(sh_uw16 + (4 * ks + lj) * YB + 8 * (8 * (nt0 + nt) + lg));
+                        bq[nt] = *reinterpret_cast<const uint2*>(sh_uw16 + (4 * ks + lj) * YB +
+                                                                 8 * (8 * (nt0 + nt) + lg));
 #pragma unroll
                     for (int i = 0; i < MT; ++i) {
-                        const unsigned* x = reinterpret_cast<const unsigned*>(sk + ((16 * ks + lj) * KP + key_of(i)) * 2);
+                        const unsigned* x =
+                            reinterpret_cast<const unsigned*>(sk + ((16 * ks + lj) * KP + key_of(i)) * 2);
                         constexpr int W4 = 4 * KP / 2;  // words of four token rows
                         const unsigned x0 = x[0], x4 = x[W4], x8 = x[2 * W4], x12 = x[3 * W4];
                         const unsigned a0 = __byte_perm(x0, x4, 0x5410), a1 = __byte_perm(x0, x4, 0x7632);
@@ -1085,28 +1088,29 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
                             mma_bf16(ks & 1 ? dacc[i][nt] : hacc[i][nt], a0, a1, a2, a3, bq[nt].x, bq[nt].y);
                     }
                 }
-            }
+            } else {
 #pragma unroll
-            for (int ks = 0; ks < (B16 ? 0 : C / 8); ++ks) {
-                const int tj = 8 * ks + lj, tj4 = tj + 4;
-                const float* r0 = sh_uw + tj * YS + lg;
-                unsigned bh[NTW][2], bl[NTW][2];
+                for (int ks = 0; ks < C / 8; ++ks) {
+                    const int tj = 8 * ks + lj, tj4 = tj + 4;
+                    const float* r0 = sh_uw + tj * YS + lg;
+                    unsigned bh[NTW][2], bl[NTW][2];
 #pragma unroll
-                for (int nt = 0; nt < NTW; ++nt) {
-                    operand<SM>(r0[8 * (nt0 + nt)], bh[nt][0], bl[nt][0]);
-                    operand<SM>(r0[4 * YS + 8 * (nt0 + nt)], bh[nt][1], bl[nt][1]);
-                }
+                    for (int nt = 0; nt < NTW; ++nt) {
+                        operand<SM>(r0[8 * (nt0 + nt)], bh[nt][0], bl[nt][0]);
+                        operand<SM>(r0[4 * YS + 8 * (nt0 + nt)], bh[nt][1], bl[nt][1]);
+                    }
 #pragma unroll
-                for (int i = 0; i < MT; ++i) {
-                    const int kk = key_of(i);
-                    const float2 x = staged2<ES>(sk + (tj * KP + kk) * ES);
-                    const float2 z = staged2<ES>(sk + (tj4 * KP + kk) * ES);
-                    unsigned ah[4], al[4];
-                    a_operand4<KM>(x.x, x.y, z.x, z.y, ah, al);
+                    for (int i = 0; i < MT; ++i) {
+                        const int kk = key_of(i);
+                        const float2 x = staged2<ES>(sk + (tj * KP + kk) * ES);
+                        const float2 z = staged2<ES>(sk + (tj4 * KP + kk) * ES);
+                        unsigned ah[4], al[4];
+                        a_operand4<KM>(x.x, x.y, z.x, z.y, ah, al);
 #pragma unroll
-                    for (int nt = 0; nt < NTW; ++nt)
-                        mma_acc<KL, SL>(ks & 1 ? dacc[i][nt] : hacc[i][nt], ah, al, bh[nt][0], bh[nt][1],
-                                        bl[nt][0], bl[nt][1]);
+                        for (int nt = 0; nt < NTW; ++nt)
+                            mma_acc<KL, SL>(ks & 1 ? dacc[i][nt] : hacc[i][nt], ah, al, bh[nt][0], bh[nt][1],
+                                            bl[nt][0], bl[nt][1]);
+                    }
                 }
             }
 #pragma unroll
