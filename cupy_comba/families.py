@@ -11,7 +11,8 @@ variant                   kernel (``comba::``)        a CTA holds
 ``kv{COLS}x{RG}``         ``delta_rule_kv``           COLS value columns of a "kv" state, RG row
                           (``token_loop.cu``)         groups; one token at a time
 ``vk{R}x{NW}``            ``delta_rule_vk``           R x NW x max(1, 128 / K) rows of V of a "vk"
-                          (``token_loop.cu``)         state, NW warps; one token at a time
+                          (``token_loop.cu``)         state, NW warps; one token at a time (``vk4x2``:
+                                                      the decode step only)
 ``kv{COLS}x{RG}c4``       ``delta_rule_kv_chunked``   as ``kv{COLS}x{RG}``, 4 tokens a pass over the
                           (``chunked.cu``)            state (T-token passes only)
 ``vk{ROWS}c4``            ``delta_rule_vk_chunked``   ROWS rows of V, 4 tokens a pass (K = 128,
@@ -72,6 +73,7 @@ class Tiling(NamedTuple):
     threads: int        #: threads a CTA
     tokens: int         #: tokens a pass over the state: 1 (token loop), 4 (chunked), 8 or 16, 64 (prefill)
     passes_only: bool   #: built for T-token passes only (no decode build)
+    decode_only: bool = False  #: built for the decode step only (no T-token build)
 
 
 class Kernel(NamedTuple):
@@ -108,7 +110,10 @@ KV256_TILINGS = ((64, 16), (32, 16), (16, 32))
 KV_CHUNKED_TILINGS = ((64, 8), (32, 8))
 #: ``delta_rule_vk`` (R, NW) by K: NW warps, R state rows a lane (at K = 256 two float4 of a row each, so
 #: that a lane holds 16 float4 of state at every K).
-VK_TILINGS = {64: ((8, 2), (16, 2)), 128: ((16, 2), (16, 4), (4, 2)), 256: ((8, 2), (8, 4))}
+VK_TILINGS = {64: ((8, 2), (16, 2)), 128: ((16, 2), (16, 4)), 256: ((8, 2), (8, 4))}
+#: ``delta_rule_vk`` tilings built for the decode step only, by K: 8 rows of V a CTA over few heads (the T-token
+#: passes take other kernels there, and ptxas spills 4 bytes in this one's T-token build).
+VK_DECODE_TILINGS = {128: ((4, 2),)}
 #: ``delta_rule_vk_chunked`` slabs (rows of V) and the one K it is built for (8 lanes of 16 keys a row).
 VK_CHUNKED_ROWS, VK_CHUNKED_K = (64, 32), 128
 #: ``delta_rule_mma`` builds: (K, SLAB, tokens a pass).  The 128-column slab exists at K = 64 with
@@ -127,7 +132,8 @@ def _all_tilings():
         out += [Tiling(f"kv{c}x{r}", "kv", K, "delta_rule_kv", "token_loop.cu", (c, r), c, c // 4 * r, 1, False)
                 for c, r in (KV256_TILINGS if K == 256 else KV_TILINGS)]
         out += [Tiling(f"vk{r}x{w}", "vk", K, "delta_rule_vk", "token_loop.cu", (r, w), r * w * max(1, 128 // K),
-                       32 * w, 1, False) for r, w in VK_TILINGS[K]]
+                       32 * w, 1, False, decode) for decode in (False, True)
+                for r, w in (VK_DECODE_TILINGS.get(K, ()) if decode else VK_TILINGS[K])]
         if K not in FAMILY_K:
             continue
         out += [Tiling(f"kv{c}x{r}c4", "kv", K, "delta_rule_kv_chunked", "chunked.cu", (c, r), c, c // 4 * r, 4, True)
@@ -155,7 +161,8 @@ def variants(layout, K, V, multi=False, token_loop=False):
     which also have the chunked and tensor-core families; ``token_loop``: only the token-loop
     family, the one that forms the state after every token (speculative verify keeps them all)."""
     return tuple(t.variant for t in TILINGS
-                 if t.layout == layout and t.K == K and V % t.slab == 0 and (multi or not t.passes_only)
+                 if t.layout == layout and t.K == K and V % t.slab == 0
+                 and (not t.passes_only if not multi else not t.decode_only)
                  and (not token_loop or t.tokens == 1))
 
 
@@ -212,7 +219,7 @@ def specialisations():
     for serving in (False, True):
         for t in TILINGS:
             for separate_p in (True, False):
-                for multi in ((True,) if t.passes_only else (False, True)):
+                for multi in (True,) if t.passes_only else (False,) if t.decode_only else (False, True):
                     prefill = t.family == "prefill_scan"  # its builds differ by numerics too
                     for precision, f32_keys in itertools.product(PRECISIONS, (False, True)) if prefill else \
                             (("fp32", False), ("fp32", True)):

@@ -105,6 +105,16 @@ def test_option_errors(option, value, match):
         comba_decode_step(*_step_args(), **{option: value})
 
 
+def test_a_decode_only_variant_refuses_t_token_passes():
+    """vk4x2 is built for the decode step only (families.VK_DECODE_TILINGS)."""
+    q, k, v, p, beta, g, S = forward_inputs(1, 3, 2, 128, 32, warm_steps=1, state_layout="vk")
+    with pytest.raises(ValueError, match="variant 'vk4x2' cannot run a 'vk' state with K=128, V=32 over T tokens"):
+        gated_delta_forward(q, k, v, beta, g, initial_state=S, state_layout="vk", variant="vk4x2")
+    step = [a[:, 0] for a in (q, k, v, beta, g)]
+    S_new, o = gated_delta_decode_step(S, *step, state_layout="vk", variant="vk4x2")
+    assert S_new.shape == S.shape and o.shape == (1, 2, 32)
+
+
 # -- dtypes, shapes, layouts -----------------------------------------------------------------------
 
 def test_big_endian_input_says_so():
