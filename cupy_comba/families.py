@@ -162,7 +162,7 @@ def variants(layout, K, V, multi=False, token_loop=False):
     family, the one that forms the state after every token (speculative verify keeps them all)."""
     return tuple(t.variant for t in TILINGS
                  if t.layout == layout and t.K == K and V % t.slab == 0
-                 and (not t.passes_only if not multi else not t.decode_only)
+                 and not (t.decode_only if multi else t.passes_only)
                  and (not token_loop or t.tokens == 1))
 
 
