@@ -251,9 +251,9 @@ def _prefill_layout(K, slab, separate_p, wide_keys):
 
 def prefill_prep_bytes(K, wide_keys):
     """Bytes of ``PrepLayout<K, K32>`` (kernels_cu/prefill.cu): a chunk's q, k, p rows, then in their
-    place its Gram matrices, X = (I + L)^-1 and the solve's partial products."""
+    place its Gram matrices and X = (I + L)^-1, rows of 68 floats."""
     keys = 3 * PREFILL_CHUNK * (K + 16) * (4 if wide_keys else 2)
-    return max(keys, 4 * (3 * PREFILL_CHUNK * (PREFILL_CHUNK + 1) + 3 * 256))
+    return max(keys, 4 * 3 * PREFILL_CHUNK * (PREFILL_CHUNK + 4))
 
 
 def prefill_fits(K, slab, separate_p, wide_keys, max_shared=MAX_SHARED):

@@ -269,16 +269,30 @@ __device__ __forceinline__ float2 staged_f16x2(const unsigned char* at) {
 // ---------------------------------------------------------------------------------------------------
 // prefill_prep: the coefficients of one chunk of one value head (header).  The chunk's rows of q, k
 // and p are staged first (bf16 by cp.async, or as floats); the Gram products then run from shared
-// memory, the 20 tiles on or below the diagonal of each shared out evenly: warp w takes row tiles
-// {0, 3} (w even) or {1, 2} (w odd), 10 tiles, over half the keys (w / 2), and the halves meet in
-// shared memory.
+// memory, the 20 tiles on or below the diagonal of each shared out evenly, five a warp over all the
+// keys (GramTiles), each written once.
+//
+// Gram rows are 68 floats: S = 4 (mod 32) makes the accesses of the solve and of the fragments' output
+// (rows lg, columns lj of a tile) and the column walks of the decay products free of bank conflicts, and
+// the Gram products' 8-byte stores two-way at most; three 64 x 68 matrices are the staged bf16 keys' 55.3
+// KB at K = 128, four CTAs an SM.
 template <int K, bool K32>
 struct PrepLayout {
-    static constexpr int KP = K + 16, ES = K32 ? 4 : 2, S = kPrefillChunk + 1;  // Gram rows padded by one float
+    static constexpr int KP = K + 16, ES = K32 ? 4 : 2, S = kPrefillChunk + 4;
     static constexpr int KEY_BYTES = kPrefillChunk * KP * ES;
-    static constexpr int GRAM_BYTES = 4 * (3 * kPrefillChunk * S + 3 * 256);  // L, Mq, X and the solve's Z
+    static constexpr int GRAM_BYTES = 4 * 3 * kPrefillChunk * S;  // L, Mq and X
     // the staged keys are dead once the Gram products are in registers: the matrices reuse them
     static constexpr int BYTES = 3 * KEY_BYTES > GRAM_BYTES ? 3 * KEY_BYTES : GRAM_BYTES;
+};
+
+// Warp w's Gram tiles (16 x 8, on or below the diagonal): row tile M0's column tiles 0 .. N0 - 1, then
+// row tile M1's C1 .. C1 + 4 - N0 -- five a warp: {0: 0-1, 3: 0-2}, {3: 3-7}, {1: 0-3, 2: 0}, {2: 1-5}.
+template <int W>
+struct GramTiles {
+    static constexpr int M0 = W == 0 ? 0 : W == 1 ? 3 : W == 2 ? 1 : 2;
+    static constexpr int N0 = W == 0 ? 2 : W == 1 ? 5 : W == 2 ? 4 : 5;
+    static constexpr int C0 = W == 1 ? 3 : W == 3 ? 1 : 0;
+    static constexpr int M1 = W == 0 ? 3 : 2, C1 = 0, N1 = 5 - N0;
 };
 
 // Four CTAs an SM where they fit: with bf16 keys (ACC 0, 1 and 4) at K <= 128 a CTA needs at most 128
@@ -294,7 +308,7 @@ prefill_prep(COMBA_KERNEL_ARGS) {
     constexpr bool KL = KM == kSplit;
     using Layout = PrepLayout<K, K32>;
     constexpr int C = kPrefillChunk, S = Layout::S, KP = Layout::KP, ES = Layout::ES;
-    static_assert(K % 32 == 0, "keys in two halves of steps of 16");
+    static_assert(K % 16 == 0 && kPrefillThreads == 2 * C, "keys in steps of 16; two threads a column");
     extern __shared__ __align__(16) unsigned char prefill_smem[];
     unsigned char* const sq = prefill_smem;
     unsigned char* const sk = prefill_smem + Layout::KEY_BYTES;
@@ -305,7 +319,6 @@ prefill_prep(COMBA_KERNEL_ARGS) {
     float* const gram_p = reinterpret_cast<float*>(prefill_smem);  // p_t . k_j, then L
     float* const gram_q = gram_p + C * S;                          // q_t . k_j, then Mq
     float* const xs = gram_q + C * S;                              // X = (I + L)^-1
-    float* const zs = xs + C * S;                                  // the solve's partial products
     __shared__ float e[C], bt[C], fq[C], fk[C], fp[C];
     float* work = inter;
 
@@ -375,18 +388,17 @@ prefill_prep(COMBA_KERNEL_ARGS) {
         fq[tid] = fk[tid] = fp[tid] = tid < n ? 1.f : 0.f;
     }
 
-    // Gram products: this warp's row tiles MA (NA column tiles) and MB (NB) -- ten tiles in all, NA + NB = 10,
-    // the warp pair a template constant, so that the accumulators are exactly those ten -- over its half of
-    // the keys; keys in steps of 16, lane lj holding keys 4 lj .. 4 lj + 3 (the two k-steps' columns (lj, lj + 4)
-    // the pairs (4 lj, 4 lj + 1) and (4 lj + 2, 4 lj + 3): a permutation of the key index that A and B share).
-    const int pair = warp & 1, half = warp >> 1;
-    float gp[10][4], gq[10][4];  // row tile MA's column tiles, then MB's
+    // Gram products: this warp's five tiles (GramTiles), the warp a template constant so that the accumulators
+    // are exactly those five; keys in steps of 16, lane lj holding keys 4 lj .. 4 lj + 3 (the two k-steps'
+    // columns (lj, lj + 4) the pairs (4 lj, 4 lj + 1) and (4 lj + 2, 4 lj + 3): a permutation of the key index
+    // that A and B share).
+    float gp[5][4], gq[5][4];
 #pragma unroll
-    for (int i = 0; i < 10; ++i)
+    for (int i = 0; i < 5; ++i)
 #pragma unroll
         for (int r = 0; r < 4; ++r) gp[i][r] = gq[i][r] = 0.f;
-    // row tile m's column tiles 0 .. N - 1 into accumulators F .. F + N - 1
-    auto tiles = [&](int m, auto first, auto width, int kq) {
+    // row tile m's column tiles c0 .. c0 + N - 1 into accumulators F .. F + N - 1
+    auto tiles = [&](int m, auto first, auto width, int c0, int kq) {
         constexpr int F = decltype(first)::value;
         const int r0 = 16 * m + lg;
         if constexpr (!K32) {
@@ -399,7 +411,7 @@ prefill_prep(COMBA_KERNEL_ARGS) {
             const uint2 qb = *reinterpret_cast<const uint2*>(sq + ((r0 + 8) * KP + kq) * 2);
 #pragma unroll
             for (int i = 0; i < decltype(width)::value; ++i) {
-                const uint2 kr = *reinterpret_cast<const uint2*>(sk + ((8 * i + lg) * KP + kq) * 2);
+                const uint2 kr = *reinterpret_cast<const uint2*>(sk + ((8 * (c0 + i) + lg) * KP + kq) * 2);
                 mma_bf16(gp[F + i], pa.x, pb.x, pa.y, pb.y, kr.x, kr.y);
                 mma_bf16(gq[F + i], qa.x, qb.x, qa.y, qb.y, kr.x, kr.y);
             }
@@ -415,7 +427,7 @@ prefill_prep(COMBA_KERNEL_ARGS) {
 #pragma unroll
         for (int i = 0; i < decltype(width)::value; ++i) {
             // the key row as a B operand, formed once for both products
-            const float4 kr = staged4<ES>(sk + ((8 * i + lg) * KP + kq) * ES);
+            const float4 kr = staged4<ES>(sk + ((8 * (c0 + i) + lg) * KP + kq) * ES);
             unsigned bh[4], bl[4];
             operand<KM>(kr.x, bh[0], bl[0]);
             operand<KM>(kr.y, bh[1], bl[1]);
@@ -427,50 +439,45 @@ prefill_prep(COMBA_KERNEL_ARGS) {
             mma_acc<KL, KL>(gq[F + i], qh1, ql1, bh[2], bh[3], bl[2], bl[3]);
         }
     };
-    auto pass = [&](auto pair_c, int kq) {  // pair P: row tiles P (2 P + 2 column tiles) and 3 - P (8 - 2 P)
-        constexpr int P = decltype(pair_c)::value;
-        tiles(P, Constant<0>{}, Constant<2 * P + 2>{}, kq);
-        tiles(3 - P, Constant<2 * P + 2>{}, Constant<8 - 2 * P>{}, kq);
-    };
+    // this warp's tiles over every key, then into the Gram matrices: (row, column) pairs of a tile as 8-byte stores
+    auto gram = [&](auto warp_c) {
+        using G = GramTiles<decltype(warp_c)::value>;
 #pragma unroll 1
-    for (int key = half * (K / 2); key < (half + 1) * (K / 2); key += 16) {
-        if (pair) pass(Constant<1>{}, key + 4 * lj);
-        else pass(Constant<0>{}, key + 4 * lj);
-    }
-    __syncthreads();  // the staged keys are read: the Gram matrices take their place
-    auto gram_out = [&](auto pair_c, bool add) {
-        constexpr int P = decltype(pair_c)::value;
+        for (int key = 0; key < K; key += 16) {
+            tiles(G::M0, Constant<0>{}, Constant<G::N0>{}, G::C0, key + 4 * lj);
+            if constexpr (G::N1 > 0) tiles(G::M1, Constant<G::N0>{}, Constant<G::N1>{}, G::C1, key + 4 * lj);
+        }
+        __syncthreads();  // the staged keys are read: the Gram matrices take their place
 #pragma unroll
-        for (int f = 0; f < 10; ++f) {
-            const int m = f < 2 * P + 2 ? P : 3 - P, i = f < 2 * P + 2 ? f : f - 2 * P - 2;
-            const int r0 = 16 * m + lg, j = 8 * i + 2 * lj;
-            float* p0 = gram_p + r0 * S + j;
-            float* q0 = gram_q + r0 * S + j;
-            if (add) {
-                p0[0] += gp[f][0]; p0[1] += gp[f][1]; p0[8 * S] += gp[f][2]; p0[8 * S + 1] += gp[f][3];
-                q0[0] += gq[f][0]; q0[1] += gq[f][1]; q0[8 * S] += gq[f][2]; q0[8 * S + 1] += gq[f][3];
-            } else {
-                p0[0] = gp[f][0]; p0[1] = gp[f][1]; p0[8 * S] = gp[f][2]; p0[8 * S + 1] = gp[f][3];
-                q0[0] = gq[f][0]; q0[1] = gq[f][1]; q0[8 * S] = gq[f][2]; q0[8 * S + 1] = gq[f][3];
-            }
+        for (int f = 0; f < 5; ++f) {
+            const int m = f < G::N0 ? G::M0 : G::M1, j = 8 * (f < G::N0 ? G::C0 + f : G::C1 + f - G::N0) + 2 * lj;
+            const int at = (16 * m + lg) * S + j;
+            *reinterpret_cast<float2*>(gram_p + at) = make_float2(gp[f][0], gp[f][1]);
+            *reinterpret_cast<float2*>(gram_p + at + 8 * S) = make_float2(gp[f][2], gp[f][3]);
+            *reinterpret_cast<float2*>(gram_q + at) = make_float2(gq[f][0], gq[f][1]);
+            *reinterpret_cast<float2*>(gram_q + at + 8 * S) = make_float2(gq[f][2], gq[f][3]);
         }
     };
-    auto gram_out_pair = [&](bool add) {
-        if (pair) gram_out(Constant<1>{}, add);
-        else gram_out(Constant<0>{}, add);
-    };
-    if (half == 0) gram_out_pair(false);
-    __syncthreads();
-    if (half == 1) gram_out_pair(true);
+    if (warp == 0) gram(Constant<0>{});
+    else if (warp == 1) gram(Constant<1>{});
+    else if (warp == 2) gram(Constant<2>{});
+    else gram(Constant<3>{});
     __syncthreads();
 
-    // Column c of L and Mq with the running product r(c, t); thread 64 the prefix products G_t.
-    if (tid < C) {
-        const int c = tid;
+    // Column c of L and Mq with the running product r(c, t), two threads a column: rows 0 .. 31 (tid < 64) and
+    // 32 .. 63, the second starting from the product over rows c + 1 .. 31.  The first then forms the prefix
+    // product G_c.  Every product multiplies in token order, as one walk down the column would.
+    {
+        const int c = tid & (C - 1), half = tid / C;
         const float fkc = fk[c];
         float rho = 1.f;
+        if (half) {
 #pragma unroll
-        for (int t = 0; t < C; ++t) {
+            for (int t = 0; t < C / 2; ++t) rho = t > c ? rho * e[t] : rho;
+        }
+#pragma unroll
+        for (int i = 0; i < C / 2; ++i) {
+            const int t = C / 2 * half + i;
             const bool below = t > c;
             rho = below ? rho * e[t] : rho;
             float& l = gram_p[t * S + c];
@@ -480,15 +487,16 @@ prefill_prep(COMBA_KERNEL_ARGS) {
             const float mq = t >= c ? m * (scale * fq[t] * fkc * rho) : 0.f;
             if (t >= c || (c >> 3) <= 2 * (t >> 4) + 1) m = mq;
         }
-        rec[R::W + c] = rho * fkc;
-    } else if (tid == C) {
-        float G = 1.f;
-        for (int t = 0; t < C; ++t) {
-            G *= e[t];
-            rec[R::GP + t] = G * fp[t];
-            rec[R::GQ + t] = scale * G * fq[t];
+        if (half) {
+            rec[R::W + c] = rho * fkc;
+        } else {
+            float G = 1.f;
+#pragma unroll
+            for (int t = 0; t < C; ++t) G = t <= c ? G * e[t] : G;
+            rec[R::GP + c] = G * fp[c];
+            rec[R::GQ + c] = scale * G * fq[c];
+            if (c == C - 1) rec[R::G] = G;
         }
-        rec[R::G] = G;
     }
     __syncthreads();
 
@@ -513,9 +521,10 @@ prefill_prep(COMBA_KERNEL_ARGS) {
     __syncthreads();
     // The blocks of one distance on the tensor cores, a 16 x 8 half of a block (columns c0 .. c0 + 7) a warp
     // at a time: Z = sum_k L_ik X_kj, then X_ij = -X_ii Z, both on split operands (3xTF32, fp32-accurate as
-    // the substitution); Z passes through the warp's 128 floats of zs, [row][column], to become a B operand.
-    // Only L's blocks strictly below the diagonal are read (above it gram_p still holds raw products).
-    float* const zw = zs + 128 * warp;
+    // the substitution); Z passes through 16 x 8 floats of the warp, [row][column], to become a B operand: rows
+    // 0 .. 15, columns 16 + 8 w .. of gram_p, above the diagonal, where it holds raw products no one reads (only
+    // L's blocks strictly below the diagonal are).
+    float* const zw = gram_p + 16 + 8 * warp;
 #pragma unroll
     for (int d = 1; d < 4; ++d) {
 #pragma unroll
@@ -531,18 +540,18 @@ prefill_prep(COMBA_KERNEL_ARGS) {
                 operand<kSplit>(xs[(kk + lj + 4) * S + c0 + lg], bh1, bl1);
                 mma_acc<true, true>(z, ah, al, bh0, bh1, bl0, bl1);
             }
-            zw[lg * 8 + 2 * lj] = z[0];
-            zw[lg * 8 + 2 * lj + 1] = z[1];
-            zw[(lg + 8) * 8 + 2 * lj] = z[2];
-            zw[(lg + 8) * 8 + 2 * lj + 1] = z[3];
+            zw[lg * S + 2 * lj] = z[0];
+            zw[lg * S + 2 * lj + 1] = z[1];
+            zw[(lg + 8) * S + 2 * lj] = z[2];
+            zw[(lg + 8) * S + 2 * lj + 1] = z[3];
             __syncwarp();
 #pragma unroll
             for (int ks = 0; ks < 16; ks += 8) {
                 const float* xi = xs + (16 * i + lg) * S + 16 * i + ks + lj;
                 unsigned ah[4], al[4], bh0, bl0, bh1, bl1;
                 a_operand4<kSplit>(xi[0], xi[8 * S], xi[4], xi[8 * S + 4], ah, al);
-                operand<kSplit>(zw[(ks + lj) * 8 + lg], bh0, bl0);
-                operand<kSplit>(zw[(ks + lj + 4) * 8 + lg], bh1, bl1);
+                operand<kSplit>(zw[(ks + lj) * S + lg], bh0, bl0);
+                operand<kSplit>(zw[(ks + lj + 4) * S + lg], bh1, bl1);
                 mma_acc<true, true>(x, ah, al, bh0, bh1, bl0, bl1);
             }
             float* out = xs + (16 * i + lg) * S + c0 + 2 * lj;
