@@ -1,7 +1,7 @@
 """The serving options against the dense calls and the copy, measured in one run (CUDA-graph replay).
 
     PYTHONPATH=. python benchmarks/serving.py [--json FILE] [--decode B,H,K,V ...] [--forward B,T,H,K,V ...]
-        [--verify B,T,H,K,V ...]
+        [--verify B,T,H,K,V ...] [--verify-tilings]
 
 Per shape and layout, Comba decode steps (in place: the state read once and written once):
 ``dense`` the batch's own states; ``pool`` through ``state_indices`` -- a random permutation of
@@ -11,7 +11,8 @@ an in-place copy of the same slots' states (the state bytes of the pooled step, 
 the roofline of that access pattern; ``copy, dense slots`` the same kernel over the dense states.  Forward passes likewise
 (dense, pool, pool + gating), and ``ragged``: the same tokens packed as B sequences of T with
 ``cu_seqlens``.  Speculative verify writing every token's state, in both conventions, beside a copy
-of one state read and T writes through the same slots.  ``of
+of one state read and T writes through the same slots (with ``--verify-tilings`` also the
+intermediate_states call on every token-loop tiling, ``verify tiling <variant>``).  ``of
 copy`` is the bytes each call must move (states read and written, activations, o) over its time,
 as a fraction of the device copy measured first.
 """
@@ -22,7 +23,7 @@ import json
 import cupy
 import numpy
 
-from cupy_comba import bfloat16, comba_decode_step, comba_forward
+from cupy_comba import bfloat16, comba_decode_step, comba_forward, families
 from cupy_comba.bench import environment, measure_copy, parse_shapes, time_graph
 
 
@@ -150,7 +151,7 @@ def forward(shape, layout, copy_gbps):
     return [_row(kind, layout, shape, time_graph(fn), nbytes, copy_gbps) for kind, fn in cases]
 
 
-def verify(shape, layout, copy_gbps):
+def verify(shape, layout, copy_gbps, tilings=False):
     """Speculative verify writing every token's state: SGLang's intermediate_states and vLLM's slot per
     token; the bytes are one state read, T state writes, the activations and o.  ``copy, one read T
     writes``: the same state traffic through the same slots with nothing computed, the roofline of
@@ -178,6 +179,10 @@ def verify(shape, layout, copy_gbps):
                                                         **opts)),
     ]
     rows = [_row(kind, layout, shape, time_graph(fn), nbytes, copy_gbps) for kind, fn in cases]
+    for variant in families.variants(layout, K, V, multi=True, token_loop=True) if tilings else ():
+        fn = lambda: comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=first, intermediate_states=inter,
+                                   output_final_state=False, variant=variant, **opts)
+        rows.append(_row(f"verify tiling {variant}", layout, shape, time_graph(fn), nbytes, copy_gbps))
     fan = _fan_copy(pool, first, per_token)
     return rows + [_row("copy, one read T writes", layout, shape, time_graph(fan), (1 + T) * B * head, copy_gbps)]
 
@@ -187,6 +192,7 @@ def main():
     ap.add_argument("--decode", nargs="*", default=["measure", "64,16,128,128"])
     ap.add_argument("--forward", nargs="*", default=["512,4,16,128,128", "512,16,16,128,128", "1,4096,16,128,128"])
     ap.add_argument("--verify", nargs="*", default=["512,4,16,128,128", "128,16,16,128,128"])
+    ap.add_argument("--verify-tilings", action="store_true", help="the verify call on every token-loop tiling too")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     roof = measure_copy()
@@ -198,7 +204,7 @@ def main():
         for shape in parse_shapes(args.forward, dims=("B", "T", "H", "K", "V")):
             rows += forward(shape, layout, roof.copy_gbps)
         for shape in parse_shapes(args.verify, dims=("B", "T", "H", "K", "V")):
-            rows += verify(shape, layout, roof.copy_gbps)
+            rows += verify(shape, layout, roof.copy_gbps, args.verify_tilings)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(environment=environment(), copy_gbps=roof.copy_gbps, rows=rows), f, indent=1)

@@ -12,7 +12,8 @@ variant                   kernel (``comba::``)        a CTA holds
                           (``token_loop.cu``)         groups; one token at a time
 ``vk{R}x{NW}``            ``delta_rule_vk``           R x NW x max(1, 128 / K) rows of V of a "vk"
                           (``token_loop.cu``)         state, NW warps; one token at a time (``vk4x2``:
-                                                      the decode step only)
+                                                      the decode step only; ``vk8x8``: T-token passes
+                                                      only)
 ``kv{COLS}x{RG}c4``       ``delta_rule_kv_chunked``   as ``kv{COLS}x{RG}``, 4 tokens a pass over the
                           (``chunked.cu``)            state (T-token passes only)
 ``vk{ROWS}c4``            ``delta_rule_vk_chunked``   ROWS rows of V, 4 tokens a pass (K = 128,
@@ -114,6 +115,9 @@ VK_TILINGS = {64: ((8, 2), (16, 2)), 128: ((16, 2), (16, 4)), 256: ((8, 2), (8, 
 #: ``delta_rule_vk`` tilings built for the decode step only, by K: 8 rows of V a CTA over few heads (the T-token
 #: passes take other kernels there, and ptxas spills 4 bytes in this one's T-token build).
 VK_DECODE_TILINGS = {128: ((4, 2),)}
+#: ``delta_rule_vk`` tilings built for T-token passes only, by K: eight warps of 8 rows a lane, for speculative
+#: verify, which stores the state after every token.
+VK_PASS_TILINGS = {128: ((8, 8),)}
 #: ``delta_rule_vk_chunked`` slabs (rows of V) and the one K it is built for (8 lanes of 16 keys a row).
 VK_CHUNKED_ROWS, VK_CHUNKED_K = (64, 32), 128
 #: ``delta_rule_mma`` builds: (K, SLAB, tokens a pass).  The 128-column slab exists at K = 64 with
@@ -132,8 +136,10 @@ def _all_tilings():
         out += [Tiling(f"kv{c}x{r}", "kv", K, "delta_rule_kv", "token_loop.cu", (c, r), c, c // 4 * r, 1, False)
                 for c, r in (KV256_TILINGS if K == 256 else KV_TILINGS)]
         out += [Tiling(f"vk{r}x{w}", "vk", K, "delta_rule_vk", "token_loop.cu", (r, w), r * w * max(1, 128 // K),
-                       32 * w, 1, False, decode) for decode in (False, True)
-                for r, w in (VK_DECODE_TILINGS.get(K, ()) if decode else VK_TILINGS[K])]
+                       32 * w, 1, passes, decode)
+                for tilings, passes, decode in ((VK_TILINGS, False, False), (VK_DECODE_TILINGS, False, True),
+                                                (VK_PASS_TILINGS, True, False))
+                for r, w in tilings.get(K, ())]
         if K not in FAMILY_K:
             continue
         out += [Tiling(f"kv{c}x{r}c4", "kv", K, "delta_rule_kv_chunked", "chunked.cu", (c, r), c, c // 4 * r, 4, True)
@@ -207,7 +213,7 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
         expression = (f"comba::delta_rule_mma<{K}, {slab}, {_flag(separate_p)}, {_flag(layout == 'vk')}, "
                       f"{tokens // 8}, {_flag(serving)}>")
         return Kernel(t.source, expression, slab, 2 * slab * K // 64, mma_stage_bytes(K, slab, separate_p, tokens))
-    flags = _flag(separate_p) if t.passes_only else f"{_flag(separate_p)}, {_flag(multi)}"
+    flags = _flag(separate_p) if t.tokens > 1 else f"{_flag(separate_p)}, {_flag(multi or t.passes_only)}"
     flags += f", {_flag(serving)}"
     args = ", ".join(str(a) for a in (K, *t.args))
     return Kernel(t.source, f"comba::{t.family}<{args}, {flags}>", t.slab, t.threads, 0)

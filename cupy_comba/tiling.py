@@ -37,6 +37,7 @@ class Case(NamedTuple):
     heads: int | None   #: B * H; None means many
     wide_keys: bool = False  #: not all of q, k, p bf16 (the prefill kernels stage those as fp32)
     max_shared: int = MAX_SHARED  #: bytes of shared memory the GPU allows a CTA (the H200's 227 KB)
+    verify: bool = False  #: speculative verify: the state after every token stored (the token loop only)
 
     @property
     def few(self):
@@ -193,6 +194,13 @@ RULES = (
          "h200-tilings.json: 64-column slabs (256 contiguous bytes a row a warp-load) with 8 row groups for "
          "the decode step at K = 128 (16 float4 of state a thread), 4 otherwise; the same tilings led at B*H = "
          "128 and 1024 within a few percent, so the batch does not enter."),
+    Rule("vk speculative verify, K = 128",
+         lambda c: c.verify and c.layout == "vk" and c.K == 128 and c.V % 64 == 0 and not c.few,
+         lambda c: "vk8x8",
+         "h200-verify-tilings.json (Comba, intermediate_states from a pool): eight warps of 8 rows a lane over more "
+         "than 128 heads, B = 32 / 512, T = 4, H = 16: 58.6 / 748.0 against 60.2 / 817.2 us for vk16x2 (0.870 of "
+         "the copy at 8192 heads against 0.796), B = 128, T = 16: 657.9 against 722.2; over 16 and 128 heads vk16x2 "
+         "leads (8.0 against 9.0 us, 14.4 against 15.1, T = 16: 52.0 against 55.7)."),
     Rule("vk decode step over few heads",
          lambda c: c.layout == "vk" and c.K == 128 and not c.multi and c.few and c.V % 8 == 0,
          lambda c: "vk4x2",
@@ -206,18 +214,21 @@ RULES = (
 )
 
 
-def explain(layout, K, V, separate_p, multi=False, T=1, heads=None, wide_keys=False, max_shared=MAX_SHARED):
+def explain(layout, K, V, separate_p, multi=False, T=1, heads=None, wide_keys=False, max_shared=MAX_SHARED,
+            verify=False):
     """The :class:`Rule` that decides a shape."""
-    case = Case(layout, K, V, bool(separate_p), bool(multi), T, heads, bool(wide_keys), max_shared)
+    case = Case(layout, K, V, bool(separate_p), bool(multi), T, heads, bool(wide_keys), max_shared, bool(verify))
     return next(rule for rule in RULES if rule.applies(case))
 
 
-def choose(layout, K, V, separate_p, multi=False, T=1, heads=None, wide_keys=False, max_shared=MAX_SHARED):
+def choose(layout, K, V, separate_p, multi=False, T=1, heads=None, wide_keys=False, max_shared=MAX_SHARED,
+           verify=False):
     """The variant for a shape: ``multi`` for T-token passes (T of them), ``heads`` = B * H; ``wide_keys``
     not all of q, k, p bf16; ``max_shared`` the bytes of shared memory the GPU allows a CTA (a prefill
     build that needs more leaves the shape to the rules after it: on an A100, 163 KB, Comba's and the
-    fp32 keys' scans at K = 128; on sm_86 / sm_89 GPUs, 99 KB, every prefill build)."""
-    case = Case(layout, K, V, bool(separate_p), bool(multi), T, heads, bool(wide_keys), max_shared)
+    fp32 keys' scans at K = 128; on sm_86 / sm_89 GPUs, 99 KB, every prefill build); ``verify``: the state after
+    every token stored (speculative verify), which only the token loop does (T is then 1)."""
+    case = Case(layout, K, V, bool(separate_p), bool(multi), T, heads, bool(wide_keys), max_shared, bool(verify))
     for rule in RULES:
         if rule.applies(case):
             return rule.variant(case)

@@ -104,6 +104,19 @@ def test_vk_decode_over_few_heads_on_eight_row_slabs(heads, variant):
     assert tiling.choose("vk", 64, 128, False, heads=heads) == "vk16x2"  # measured at K = 128 only
 
 
+@pytest.mark.parametrize("heads,variant", [(16, "vk16x2"), (128, "vk16x2"), (129, "vk8x8"), (None, "vk8x8")])
+def test_vk_verify_over_many_heads_on_eight_warps(heads, variant):
+    """h200-verify-tilings.json: speculative verify (every token's state stored) on 64-row slabs of eight warps
+    over more than 128 heads at K = 128; the plain T-token pass keeps vk16x2, and so do other K and V."""
+    for comba in (False, True):
+        assert tiling.choose("vk", 128, 128, comba, multi=True, T=1, heads=heads, verify=True) == variant
+        assert tiling.choose("vk", 128, 128, comba, multi=True, T=1, heads=heads) == "vk16x2"
+    for layout, K, V in (("vk", 128, 96), ("vk", 64, 128), ("vk", 256, 128), ("kv", 128, 128)):
+        assert tiling.choose(layout, K, V, False, multi=True, T=1, heads=heads, verify=True) == \
+            tiling.choose(layout, K, V, False, multi=True, T=1, heads=heads), (layout, K, V)
+    assert "vk8x8" not in families.variants("vk", 128, 128) and "vk8x8" in families.variants("vk", 128, 128, True)
+
+
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("comba", [True, False])
 def test_prefill_over_few_heads_and_long_prompts(layout, comba):
