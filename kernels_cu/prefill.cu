@@ -42,8 +42,8 @@
 //
 // Launch geometry.  prep: one 128-thread CTA a (chunk slot, value head), its keys staged in shared
 // memory (PrepLayout); the Gram tiles on or below the diagonal shared out evenly over the four warps,
-// then threads 0 .. 63 run the decay products and the diagonal blocks' substitution, one column each,
-// and the four warps the blocks below the diagonal on mma.sync.  scan: one 256-thread
+// then every thread the decay products (two a column), threads 0 .. 63 the diagonal blocks' substitution,
+// one column each, and the four warps the blocks below the diagonal on mma.sync.  scan: one 256-thread
 // CTA a (row, value head, slab of VT = 16 or 32 value columns); warp w holds token tile w % 4 of Y, U
 // and O and half (w / 4) of the slab's column tiles, and of the state (K x VT fp32) key tiles
 // K / 64 (w % 4) .. + K / 64 - 1 of those columns, in its accumulators; the state is also published
