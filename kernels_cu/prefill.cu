@@ -272,10 +272,10 @@ __device__ __forceinline__ float2 staged_f16x2(const unsigned char* at) {
 // memory, the 20 tiles on or below the diagonal of each shared out evenly, five a warp over all the
 // keys (GramTiles), each written once.
 //
-// Gram rows are 68 floats: S = 4 (mod 32) makes the accesses of the solve and of the fragments' output
-// (rows lg, columns lj of a tile) and the column walks of the decay products free of bank conflicts, and
-// the Gram products' 8-byte stores two-way at most; three 64 x 68 matrices are the staged bf16 keys' 55.3
-// KB at K = 128, four CTAs an SM.
+// Gram rows are 68 floats: S = 4 (mod 32) makes the solve's A-operand reads and the fragments' output (rows
+// lg, columns lj of a tile) and the column walks of the decay products free of bank conflicts, and the
+// transposed reads (rows lj, columns lg) and the Gram products' 8-byte stores two-way at most; three 64 x 68
+// matrices are the staged bf16 keys' 55.3 KB at K = 128, four CTAs an SM.
 template <int K, bool K32>
 struct PrepLayout {
     static constexpr int KP = K + 16, ES = K32 ? 4 : 2, S = kPrefillChunk + 4;
