@@ -170,19 +170,20 @@ def verify(shape, layout, copy_gbps, tilings=False):
     head = 4 * H * K * V
     nbytes = sum(a.nbytes for a in (q, k, v, p, beta, g)) + out.nbytes + (1 + T) * B * head
     opts = dict(out=out, state_layout=layout)
+
+    def intermediate(variant=None):  # SGLang's convention, on the chosen tiling or a named one
+        return lambda: comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=first,
+                                     intermediate_states=inter, output_final_state=False, variant=variant, **opts)
     cases = [
-        ("verify intermediate_states", lambda: comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=first,
-                                                             intermediate_states=inter, output_final_state=False,
-                                                             **opts)),
+        ("verify intermediate_states", intermediate()),
         ("verify slot per token", lambda: comba_forward(q, k, v, p, beta, g, initial_state=pool,
                                                         state_indices=per_token, num_accepted_tokens=accepted,
                                                         **opts)),
     ]
     rows = [_row(kind, layout, shape, time_graph(fn), nbytes, copy_gbps) for kind, fn in cases]
     for variant in families.variants(layout, K, V, multi=True, token_loop=True) if tilings else ():
-        fn = lambda: comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=first, intermediate_states=inter,
-                                   output_final_state=False, variant=variant, **opts)
-        rows.append(_row(f"verify tiling {variant}", layout, shape, time_graph(fn), nbytes, copy_gbps))
+        rows.append(_row(f"verify tiling {variant}", layout, shape, time_graph(intermediate(variant)), nbytes,
+                         copy_gbps))
     fan = _fan_copy(pool, first, per_token)
     return rows + [_row("copy, one read T writes", layout, shape, time_graph(fan), (1 + T) * B * head, copy_gbps)]
 

@@ -217,8 +217,16 @@ RULES = (
 def explain(layout, K, V, separate_p, multi=False, T=1, heads=None, wide_keys=False, max_shared=MAX_SHARED,
             verify=False):
     """The :class:`Rule` that decides a shape."""
-    case = Case(layout, K, V, bool(separate_p), bool(multi), T, heads, bool(wide_keys), max_shared, bool(verify))
-    return next(rule for rule in RULES if rule.applies(case))
+    return _decide(Case(layout, K, V, bool(separate_p), bool(multi), T, heads, bool(wide_keys), max_shared,
+                        bool(verify)))[0]
+
+
+def _decide(case):
+    """The first rule that applies to ``case``, and the variant it names."""
+    for rule in RULES:
+        if rule.applies(case):
+            return rule, rule.variant(case)
+    raise AssertionError("the last rule applies to every case")
 
 
 def choose(layout, K, V, separate_p, multi=False, T=1, heads=None, wide_keys=False, max_shared=MAX_SHARED,
@@ -228,8 +236,5 @@ def choose(layout, K, V, separate_p, multi=False, T=1, heads=None, wide_keys=Fal
     build that needs more leaves the shape to the rules after it: on an A100, 163 KB, Comba's and the
     fp32 keys' scans at K = 128; on sm_86 / sm_89 GPUs, 99 KB, every prefill build); ``verify``: the state after
     every token stored (speculative verify), which only the token loop does (T is then 1)."""
-    case = Case(layout, K, V, bool(separate_p), bool(multi), T, heads, bool(wide_keys), max_shared, bool(verify))
-    for rule in RULES:
-        if rule.applies(case):
-            return rule.variant(case)
-    raise AssertionError("the last rule applies to every case")
+    return _decide(Case(layout, K, V, bool(separate_p), bool(multi), T, heads, bool(wide_keys), max_shared,
+                        bool(verify)))[1]
