@@ -74,7 +74,7 @@ def sweep_tiling(layouts, head_sizes):
 def sweep_lengths(head_sizes):
     """The tiling's choice against the 64-token slabs and the kernel they replace, T = 16 - 65536."""
     return [_point("kv", K, comba, heads, T) for K in head_sizes for comba in (False, True)
-            for heads in (1, 16, 32, 64, 128) for T in (16, 32, 64, 128, 192, 256, 1024, 8192, 65536)]
+            for heads in (1, 16, 32, 64, 128) for T in (16, 32, 48, 49, 64, 96, 112, 113, 128, 176, 177, 192, 256, 1024, 8192, 65536)]
 
 
 def sweep_fla():

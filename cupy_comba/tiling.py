@@ -75,26 +75,24 @@ def _mma(c):
     return f"{c.layout}{32 if narrow else 64}tc{16 if c.sixteen else ''}"
 
 
-#: The prefill kernels take T-token passes of at least PREFILL_MIN_T tokens over at most 32 heads and at least
-#: PREFILL_LONG_T over at most PREFILL_HEADS at K = 64 and 128, and at K = 128 of at least PREFILL_MANY_T over at
-#: most PREFILL_MANY_HEADS, the most the sweeps measured (at K = 64 the 16-token kernel stays ahead over more
-#: than PREFILL_HEADS; beyond PREFILL_MANY_HEADS it keeps them, with no workspace of 11-21.5 KB a chunk and head);
-#: at K = 256 of at least PREFILL_WIDE_T over any number (the token loops they replace there walk 256 keys a
-#: token).
-PREFILL_MIN_T, PREFILL_LONG_T, PREFILL_MANY_T, PREFILL_WIDE_T = 96, 128, 192, 16
-PREFILL_HEADS, PREFILL_MANY_HEADS = 64, 128
+#: The shortest pass the prefill kernels take at each K, over at most so many heads: (heads, T) in order
+#: (h200-prefill-lengths.json).  Their cost rises in steps of 64 tokens and the 16-token kernel's in steps of 16,
+#: so each threshold is the first token of the 16-token kernel's step that costs more than the prefill chunks
+#: it stands against.  Beyond 128 heads, the most the sweeps measured, the token kernels keep every length (and
+#: no workspace of 11-21.5 KB a chunk and head is made); at K = 256 the token loops the prefill kernels replace
+#: walk 256 keys a token, and lose from T = 16 over any number of heads.
+PREFILL_MIN_T = {
+    64: ((32, 49), (64, 96), (128, 177)),
+    128: ((32, 49), (64, 96), (128, 113)),
+    256: ((None, 16),),
+}
 
 
 def _prefill_min_t(c):
     """The shortest pass the prefill kernels take at this head size and head count, or None."""
-    if c.K == 256:
-        return PREFILL_WIDE_T
-    if c.heads is not None and c.heads <= 32:
-        return PREFILL_MIN_T
-    if c.heads is not None and c.heads <= PREFILL_HEADS:
-        return PREFILL_LONG_T
-    if c.heads is not None and c.heads <= PREFILL_MANY_HEADS and c.K == 128:
-        return PREFILL_MANY_T
+    for most, T in PREFILL_MIN_T.get(c.K, ()):
+        if most is None or (c.heads is not None and c.heads <= most):
+            return T
     return None
 
 
@@ -119,16 +117,16 @@ RULES = (
          _prefill,
          lambda c: f"{c.layout}{_prefill_slab(c)}c64",
          "h200-prefill-tiling.json (kv and vk, K = 64 / 128 / 256, 1-128 heads, T = 256-4096) and "
-         "h200-prefill-lengths.json (kv, T = 16-65536), Gated DeltaNet at K = 128 unless said: over 1-16 heads "
-         "16-column slabs from T = 96, where two chunks cost what the 16-token kernel's passes do (16 heads, "
-         "T = 64: 16.0 against 16.1 us for kv32tc16, T = 128: 18.1 against 28.2, T = 65536: 2555 against "
-         "12964); over 17-32 heads 32-column ones from T = 96 (32 heads, T = 128: 20.3 against 28.6), over "
-         "33-64 from T = 128 (64 heads: 27.9 against 31.3 for kv64tc16; T = 64: 22.1 against 17.8), over more "
-         "from T = 192 up to 128 heads, the most measured (128 heads: 62.8 against 67.4, T = 128: 47.9 against "
-         "45.7, T = 65536: 15604 against 20793); at K = 64 over more than 64 heads kv64tc16 stays ahead (128 "
-         "heads, T = 65536: 13774 against 14943); at K = 256 over every head count from T = 16 (1 head: 18.3 "
-         "against 19.6 us for kv32x16, 128 heads: 44.0 against 53.6; 64 heads 27.2 against 26.2), 3.3-19x the "
-         "token loops from T = 256."),
+         "h200-prefill-lengths.json (kv, T = 16-65536 and either side of each threshold), Gated DeltaNet at "
+         "K = 128 unless said.  The prefill kernels cost a step every 64 tokens, the 16-token kernel every 16, so "
+         "each threshold opens one of the latter's steps: over 1-32 heads from T = 49 (16 heads: T = 48 13.7 "
+         "against 12.3 us for kv32tc16, T = 49 13.8 against 15.3, T = 65536 2033 against 12854; K = 64: 12.4 "
+         "against 14.2), 16-column slabs over 1-16 heads and 32-column ones over more (32 heads, T = 49: 15.2 "
+         "against 17.4); over 33-64 heads from T = 96 (64 heads: 24.4 against 24.5 for kv64tc16, T = 64 19.9 "
+         "against 17.5); over 65-128 heads from T = 113 (128 heads: 40.8 against 45.7, T = 112 40.8 against "
+         "40.9; T = 65536 11801 against 20767), at K = 64 from T = 177 (40.5 against 44.0, T = 176 40.6 against "
+         "41.1); at K = 256 over every head count from T = 16 (1 head: 15.1 against 18.9 us for kv32x16, 128 "
+         "heads: 37.4 against 53.2), 6.6-26x the token loops from T = 256."),
     Rule("K = 256: the kv token loop",
          lambda c: c.K == 256 and c.layout == "kv",
          lambda c: "kv64x16" if c.wide and (c.heads is None or c.heads > 1024) else "kv32x16",

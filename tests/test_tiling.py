@@ -44,7 +44,7 @@ def test_vk_chunked_kernel_to_seven_tokens_over_many_heads(heads):
 
 @pytest.mark.parametrize("heads,K,slab", [(16, 128, 32), (32, 128, 32), (64, 128, 64), (16, 64, 64)])
 def test_slab_width_over_few_heads(heads, K, slab):
-    T = (tiling.PREFILL_MIN_T if heads <= 32 else tiling.PREFILL_LONG_T) - 1  # the longest tensor-core pass
+    T = dict(tiling.PREFILL_MIN_T[K])[32 if heads <= 32 else 64] - 1  # the longest tensor-core pass
     assert tiling.choose("kv", K, 128, False, True, T, heads) == f"kv{slab}tc16"
     assert tiling.choose("kv", K, 96, False, True, T, heads) == "kv32tc16"  # V not a multiple of 64
 
@@ -59,7 +59,8 @@ def test_wide_slab_at_k64_over_many_heads(layout):
             assert tiling.choose(layout, 64, 256, True, True, T, heads) == f"{layout}128tc16", (T, heads)
             assert tiling.choose(layout, 64, 192, False, True, T, heads) == f"{layout}64tc16", (T, heads)
             assert tiling.choose("kv", 128, 128, False, True, T, heads) == "kv64tc16", (T, heads)
-        assert tiling.choose(layout, 64, 128, False, True, T, 128) == f"{layout}64tc16", T
+        # over 65-128 heads the prefill kernels take K = 64 passes from T = 177
+        assert tiling.choose(layout, 64, 128, False, True, T, 128) == f"{layout}{'32c64' if T >= 177 else '64tc16'}"
     assert tiling.choose(layout, 64, 128, False, True, 24, 8192) == f"{layout}64tc"
 
 
@@ -120,21 +121,21 @@ def test_vk_verify_over_many_heads_on_eight_warps(heads, variant):
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("comba", [True, False])
 def test_prefill_over_few_heads_and_long_prompts(layout, comba):
-    """h200-prefill-tiling.json, h200-prefill-lengths.json: 64-token chunks at K = 64 and 128 from T = 96 over
-    at most 32 heads (16-column slabs over at most 16), from T = 128 over at most 64, at K = 128 from T = 192
-    over at most 128 (the sweeps' most); at K = 256 from T = 16 over any number; the tensor-core kernel or the
-    token loop otherwise."""
+    """h200-prefill-tiling.json, h200-prefill-lengths.json: 64-token chunks at K = 64 and 128 from T = 49 over
+    at most 32 heads (16-column slabs over at most 16), from T = 96 over at most 64, from T = 113 (K = 128) or
+    177 (K = 64) over at most 128 (the sweeps' most); at K = 256 from T = 16 over any number; the tensor-core
+    kernel or the token loop otherwise."""
     def choose(T, heads, K=128, **kw):
         return tiling.choose(layout, K, 128, comba, True, T, heads, **kw)
 
-    assert choose(95, 16) == choose(95, 32) == f"{layout}32tc16"
-    assert choose(127, 33) == choose(127, 64) == choose(191, 65) == choose(255, None) == f"{layout}64tc16"
-    assert choose(96, 1) == choose(8192, 16) == choose(96, 16, K=64) == f"{layout}16c64"
-    assert choose(96, 17) == choose(96, 32, K=64) == choose(128, 64) == choose(128, 64, K=64) == f"{layout}32c64"
-    assert choose(192, 65) == choose(65536, 128) == f"{layout}32c64"
-    assert choose(255, 65, K=64) == f"{layout}64tc16"
-    assert choose(256, 129) == choose(65536, 8192) == choose(65536, None) == f"{layout}64tc16"  # beyond the sweeps
-    assert choose(65536, 65, K=64) == f"{layout}64tc16" and choose(65536, None, K=64) == f"{layout}128tc16"
+    assert choose(48, 16) == choose(48, 32) == f"{layout}32tc16"
+    assert choose(95, 33) == choose(95, 64) == choose(112, 65) == choose(255, None) == f"{layout}64tc16"
+    assert choose(49, 1) == choose(8192, 16) == choose(49, 16, K=64) == f"{layout}16c64"
+    assert choose(49, 17) == choose(49, 32, K=64) == choose(96, 64) == choose(96, 64, K=64) == f"{layout}32c64"
+    assert choose(113, 65) == choose(65536, 128) == choose(177, 128, K=64) == f"{layout}32c64"
+    assert choose(176, 65, K=64) == choose(48, 1, K=64) == f"{layout}64tc16"
+    assert choose(177, 129) == choose(65536, 8192) == choose(65536, None) == f"{layout}64tc16"  # beyond the sweeps
+    assert choose(65536, 129, K=64) == choose(65536, None, K=64) == f"{layout}128tc16"
     assert choose(16, 16, K=256) == f"{layout}16c64" and not choose(15, 16, K=256).endswith("c64")
     assert choose(16, 17, K=256) == choose(16, 65, K=256) == choose(16, None, K=256) == f"{layout}32c64"
     assert not choose(15, 128, K=256).endswith("c64")
@@ -160,7 +161,7 @@ def test_prefill_only_where_its_shared_memory_fits(layout):
     assert choose(True) == f"{layout}16c64" and choose(True, max_shared=a100) == f"{layout}32tc16"
     for comba, K in itertools.product((True, False), families.SUPPORTED_K):
         assert not choose(comba, K, max_shared=ada).endswith("c64")
-        assert choose(comba, K, max_shared=ada) == choose(comba, K, T=15 if K == 256 else 95)
+        assert choose(comba, K, max_shared=ada) == choose(comba, K, T=15 if K == 256 else 48)
     assert choose(True, 256, heads=64, max_shared=a100) == choose(True, 256, T=15, heads=64)
 
 
