@@ -77,8 +77,8 @@ def _mma(c):
 
 #: The shortest pass the prefill kernels take at each K, over at most so many heads: (heads, T) in order
 #: (h200-prefill-lengths.json).  Their cost rises in steps of 64 tokens and the 16-token kernel's in steps of 16,
-#: so each threshold is the first token of the 16-token kernel's step that costs more than the prefill chunks
-#: it stands against.  Beyond 128 heads, the most the sweeps measured, the token kernels keep every length (and
+#: so the thresholds fall on that kernel's step boundaries: T = 49, 113 and 177 open a step of it that costs more
+#: than the prefill chunks, and at T = 96 over 33-64 heads the two tie.  Beyond 128 heads, the most the sweeps measured, the token kernels keep every length (and
 #: no workspace of 11-21.5 KB a chunk and head is made); at K = 256 the token loops the prefill kernels replace
 #: walk 256 keys a token, and lose from T = 16 over any number of heads.
 PREFILL_MIN_T = {
@@ -119,7 +119,7 @@ RULES = (
          "h200-prefill-tiling.json (kv and vk, K = 64 / 128 / 256, 1-128 heads, T = 256-4096) and "
          "h200-prefill-lengths.json (kv, T = 16-65536 and either side of each threshold), Gated DeltaNet at "
          "K = 128 unless said.  The prefill kernels cost a step every 64 tokens, the 16-token kernel every 16, so "
-         "each threshold opens one of the latter's steps: over 1-32 heads from T = 49 (16 heads: T = 48 13.7 "
+         "the thresholds fall on the latter's step boundaries: over 1-32 heads from T = 49 (16 heads: T = 48 13.7 "
          "against 12.3 us for kv32tc16, T = 49 13.8 against 15.3, T = 65536 2033 against 12854; K = 64: 12.4 "
          "against 14.2), 16-column slabs over 1-16 heads and 32-column ones over more (32 heads, T = 49: 15.2 "
          "against 17.4); over 33-64 heads from T = 96 (64 heads: 24.4 against 24.5 for kv64tc16, T = 64 19.9 "
