@@ -71,10 +71,14 @@ def sweep_tiling(layouts, head_sizes):
             for comba in (False, True) for heads in (1, 16, 32, 64, 128) for T in (256, 512, 1024, 4096)]
 
 
+#: ``--lengths``: T = 16-65536, with both sides of each of the tiling's prefill thresholds (tiling.PREFILL_MIN_T)
+LENGTHS = (16, 32, 48, 49, 64, 96, 112, 113, 128, 176, 177, 192, 256, 1024, 8192, 65536)
+
+
 def sweep_lengths(head_sizes):
-    """The tiling's choice against the 64-token slabs and the kernel they replace, T = 16 - 65536."""
+    """The tiling's choice against the 64-token slabs and the kernel they replace, at every T of LENGTHS."""
     return [_point("kv", K, comba, heads, T) for K in head_sizes for comba in (False, True)
-            for heads in (1, 16, 32, 64, 128) for T in (16, 32, 48, 49, 64, 96, 112, 113, 128, 176, 177, 192, 256, 1024, 8192, 65536)]
+            for heads in (1, 16, 32, 64, 128) for T in LENGTHS]
 
 
 def sweep_fla():

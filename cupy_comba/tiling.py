@@ -78,9 +78,10 @@ def _mma(c):
 #: The shortest pass the prefill kernels take at each K, over at most so many heads: (heads, T) in order
 #: (h200-prefill-lengths.json).  Their cost rises in steps of 64 tokens and the 16-token kernel's in steps of 16,
 #: so the thresholds fall on that kernel's step boundaries: T = 49, 113 and 177 open a step of it that costs more
-#: than the prefill chunks, and at T = 96 over 33-64 heads the two tie.  Beyond 128 heads, the most the sweeps measured, the token kernels keep every length (and
-#: no workspace of 11-21.5 KB a chunk and head is made); at K = 256 the token loops the prefill kernels replace
-#: walk 256 keys a token, and lose from T = 16 over any number of heads.
+#: than the prefill chunks, and at T = 96 over 33-64 heads the two tie.  Beyond 128 heads, the most the sweeps
+#: measured, the token kernels keep every length (and no workspace of 11-21.5 KB a chunk and head is made); at
+#: K = 256 the token loops the prefill kernels replace walk 256 keys a token, and lose from T = 16 over any
+#: number of heads.
 PREFILL_MIN_T = {
     64: ((32, 49), (64, 96), (128, 177)),
     128: ((32, 49), (64, 96), (128, 113)),
