@@ -201,11 +201,11 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
         if precision is None:  # 16-bit activations: bf16 products, the fastest (docs/design.md)
             precision = "bf16"
         acc = (3 if wide else 4 if precision == "bf16" else 0) if precision != "fp32" else 2 if wide else 1
+        record = PREFILL_RECORD_BF16 if acc == 4 else PREFILL_RECORD
         return Kernel(t.source, f"comba::prefill_scan<{K}, {t.slab}, {_flag(separate_p)}, {_flag(layout == 'vk')}, "
                                 f"{acc}, {_flag(serving)}>", t.slab, t.threads,
-                      prefill_scan_bytes(K, t.slab, separate_p, wide),
-                      f"comba::prefill_prep<{K}, {acc}, {_flag(serving)}>",
-                      prefill_prep_bytes(K, wide), 128, PREFILL_RECORD_BF16 if acc == 4 else PREFILL_RECORD)
+                      prefill_scan_bytes(K, t.slab, separate_p, wide, record),
+                      f"comba::prefill_prep<{K}, {acc}, {_flag(serving)}>", prefill_prep_bytes(K, wide), 128, record)
     if t.family == "delta_rule_mma":
         slab, tokens = t.slab, t.tokens
         if f32_keys and tokens == 16:
@@ -246,12 +246,13 @@ def specialisations():
 MAX_SHARED = 232448
 
 
-def _prefill_layout(K, slab, separate_p, wide_keys):
-    """``(bytes of one stage, bytes of the rest)`` of ``ScanLayout`` (kernels_cu/prefill.cu)."""
+def _prefill_layout(K, slab, separate_p, wide_keys, record=PREFILL_RECORD):
+    """``(bytes of one stage, bytes of the rest)`` of ``ScanLayout`` (kernels_cu/prefill.cu) for a record of
+    ``record`` words."""
     rows = 40 if slab == 16 else slab + 8
     fixed = 4 * (K // 4) * (4 * slab + 8) + 3 * 4 * PREFILL_CHUNK * rows
     stage = (3 if separate_p else 2) * PREFILL_CHUNK * (K + 16) * (4 if wide_keys else 2) + \
-        PREFILL_CHUNK * 4 * slab + 4 * PREFILL_RECORD
+        PREFILL_CHUNK * 4 * slab + 4 * record
     return stage, fixed
 
 
@@ -264,15 +265,18 @@ def prefill_prep_bytes(K, wide_keys):
 
 def prefill_fits(K, slab, separate_p, wide_keys, max_shared=MAX_SHARED):
     """Whether the prefill kernels of a slab are built (one stage of a chunk's inputs fits beside the rest in
-    MAX_SHARED) and run on a GPU that allows ``max_shared`` bytes a CTA; ``wide_keys``: not all of q, k, p
-    bf16, staged as fp32 (at K = 256 that fits only Gated DeltaNet on 16-column slabs)."""
-    return max(prefill_scan_bytes(K, slab, separate_p, wide_keys), prefill_prep_bytes(K, wide_keys)) <= max_shared
+    MAX_SHARED) and run on a GPU that allows ``max_shared`` bytes a CTA, in every precision (each stage holds
+    room for its precision's record); ``wide_keys``: not all of q, k, p bf16, staged as fp32 (at K = 256 that
+    fits only Gated DeltaNet on 16-column slabs)."""
+    records = (PREFILL_RECORD,) if wide_keys else (PREFILL_RECORD, PREFILL_RECORD_BF16)
+    return max(prefill_prep_bytes(K, wide_keys),
+               *(prefill_scan_bytes(K, slab, separate_p, wide_keys, r) for r in records)) <= max_shared
 
 
-def prefill_scan_bytes(K, slab, separate_p, wide_keys):
-    """Bytes of ``ScanLayout<K, SLAB, SEPARATE_P, K32>`` (kernels_cu/prefill.cu): the state slab as the
+def prefill_scan_bytes(K, slab, separate_p, wide_keys, record=PREFILL_RECORD):
+    """Bytes of ``ScanLayout<K, SLAB, SEPARATE_P, K32, RECORD>`` (kernels_cu/prefill.cu): the state slab as the
     read's operand, Y, U and w U of a chunk, and one or two stages of a chunk's inputs."""
-    stage, fixed = _prefill_layout(K, slab, separate_p, wide_keys)
+    stage, fixed = _prefill_layout(K, slab, separate_p, wide_keys, record)
     return fixed + (2 if fixed + 2 * stage <= MAX_SHARED else 1) * stage
 
 

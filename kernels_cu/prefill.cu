@@ -69,7 +69,6 @@ struct Record {
     static constexpr int TILES = bf16_products(ACC) ? 10 : 20, FRAG = TILES * 32 * 4;
     static constexpr int A = 0, MQ = FRAG, GP = 2 * FRAG, GQ = GP + 64, W = GQ + 64, G = W + 64, SIZE = GP + 256;
 };
-constexpr int kRecord = Record<0>::SIZE;  // the largest record: what a scan stage holds room for
 
 // x rounded to TF32 (the hi of split).
 __device__ __forceinline__ unsigned tf32(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
@@ -610,18 +609,18 @@ prefill_prep(COMBA_KERNEL_ARGS) {
 // in flight (else by plain loads, the same layout): cp.async 16-byte pieces, the next chunk's in flight
 // while one is computed when two stages fit (STAGES).  Key rows are padded by 16 elements, which
 // makes the read's 8-byte (16-bit keys) and 16-byte (fp32) fragment loads free of bank conflicts.
-template <int K, int VT, bool SEPARATE_P, bool K32>
+template <int K, int VT, bool SEPARATE_P, bool K32, int RECORD>
 struct ScanStage {
     static constexpr int KP = K + 16, ES = K32 ? 4 : 2, NK = SEPARATE_P ? 3 : 2;
     static constexpr int KEY_BYTES = kPrefillChunk * KP * ES;  // one of q, k, p
     static constexpr int V_ROW = 4 * VT;                       // bytes a row of the v slab (any dtype)
     static constexpr int V_AT = NK * KEY_BYTES, REC_AT = V_AT + kPrefillChunk * V_ROW;
-    static constexpr int BYTES = REC_AT + 4 * kRecord;
+    static constexpr int BYTES = REC_AT + 4 * RECORD;  // RECORD: Record<ACC>::SIZE
 };
 
-template <int K, int VT, bool SEPARATE_P, bool K32>
+template <int K, int VT, bool SEPARATE_P, bool K32, int RECORD>
 struct ScanLayout {
-    using Stage = ScanStage<K, VT, SEPARATE_P, K32>;
+    using Stage = ScanStage<K, VT, SEPARATE_P, K32, RECORD>;
     static constexpr int HS = 4 * VT + 8;              // floats a row of 4 keys of the state (conflict-free reads)
     static constexpr int HB = 8 * VT + 32;             // bytes a row of 4 keys of the bf16 state (ACC 4; fits in HS)
     static constexpr int YS = VT == 16 ? 40 : VT + 8;  // floats a token row of Y, U, w U
@@ -646,7 +645,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
     // once by their producers
     constexpr int KM = ACC == 2 ? kSplit : ACC == 3 ? kRound : kExact;
     constexpr int SM = ACC == 1 || ACC == 2 ? kSplit : kExact;
-    using Layout = ScanLayout<K, VT, SEPARATE_P, K32>;
+    using Layout = ScanLayout<K, VT, SEPARATE_P, K32, R::SIZE>;
     using Stage = typename Layout::Stage;
     constexpr int C = kPrefillChunk, HS = Layout::HS, YS = Layout::YS, YB = Layout::YB, KP = Stage::KP;
     constexpr int ES = Stage::ES;

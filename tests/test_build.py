@@ -166,7 +166,8 @@ def _compiles_with(source, lines):
 def test_prefill_shared_bytes_are_the_layouts():
     """families.prefill_scan_bytes and prefill_prep_bytes (the dynamic shared memory the launch passes) equal
     ScanLayout::BYTES and PrepLayout::BYTES of kernels_cu/prefill.cu for every build, the workspace's record
-    sizes Record::SIZE, and prefill_fits names exactly the builds whose stage fits."""
+    sizes Record::SIZE (a stage holds its own precision's record), and prefill_fits names exactly the builds
+    whose stage fits."""
     checks = []
     for expression in SPECIALISATIONS["prefill.cu"]:
         args = _template_args(expression)
@@ -181,9 +182,9 @@ def test_prefill_shared_bytes_are_the_layouts():
             words = families.PREFILL_RECORD_BF16 if int(acc) == 4 else families.PREFILL_RECORD
             checks.append(f'static_assert(comba::Record<{acc}>::SIZE == {words}, "{expression}");')
             assert families.prefill_fits(int(K), int(slab), sep == "true", wide)
-            n = families.prefill_scan_bytes(int(K), int(slab), sep == "true", wide)
-            checks.append(f'static_assert(comba::ScanLayout<{K}, {slab}, {sep}, {"true" if wide else "false"}>::BYTES '
-                          f'== {n}, "{expression}");')
+            n = families.prefill_scan_bytes(int(K), int(slab), sep == "true", wide, words)
+            checks.append(f'static_assert(comba::ScanLayout<{K}, {slab}, {sep}, {"true" if wide else "false"}, '
+                          f'{words}>::BYTES == {n}, "{expression}");')
     assert len(checks) == 246 + 216
     _compiles_with("prefill.cu", checks)
     # what does not fit is not built: K = 256 with fp32 keys, except Gated DeltaNet on 16-column slabs
