@@ -1,5 +1,6 @@
-"""compute-sanitizer over every kernel variant (``pytest -m gpu``): memcheck with hostile pool indices, and racecheck
-and memcheck over the prefill kernels' chunk loop."""
+"""compute-sanitizer over every kernel variant (``pytest -m gpu``): memcheck with hostile pool indices, racecheck
+and memcheck over the prefill kernels' chunk loop, and racecheck over the other families that stage tokens through
+shared memory."""
 
 import os
 import shutil
@@ -40,3 +41,10 @@ def test_prefill_chunks_are_sanitizer_clean(tool):
     clean = "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)" if tool == "racecheck" else \
         "ERROR SUMMARY: 0 errors"
     assert clean in out and "prefill launches over several chunks" in out
+
+
+@needs_sanitizer
+def test_shared_memory_families_are_racecheck_clean():
+    out = _sanitize("racecheck", "forward_variants.py")
+    assert "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)" in out
+    assert "launches over the shared-memory families" in out
