@@ -1,14 +1,13 @@
 """Every variant of the token-loop, chunked and 16-token tensor-core families -- the kernels that stage tokens
 through shared memory -- over passes that end mid-step (T = 21), Comba and Gated DeltaNet, bf16 (and fp32 keys
 in the tensor-core kernels, their 8-token path), with the decode steps and the verify build that keeps every
-token's state: run under compute-sanitizer's
-racecheck by test_sanitizer_gpu.py (the prefill kernels have prefill_chunks.py)."""
+token's state: run under compute-sanitizer's racecheck by test_sanitizer_gpu.py (the prefill kernels have
+prefill_chunks.py)."""
 
 import cupy
 import numpy
-from ml_dtypes import bfloat16
 
-from cupy_comba import comba_decode_step, comba_forward, families, gated_delta_forward
+from cupy_comba import bfloat16, comba_decode_step, comba_forward, families, gated_delta_forward
 from cupy_comba.inputs import forward_inputs
 
 T = 21
