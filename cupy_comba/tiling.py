@@ -127,7 +127,7 @@ RULES = (
          "against 17.5); over 65-128 heads from T = 113 (128 heads: 40.8 against 45.7, T = 112 40.8 against "
          "40.9; T = 65536 11801 against 20767), at K = 64 from T = 177 (40.5 against 44.0, T = 176 40.6 against "
          "41.1); at K = 256 over every head count from T = 16 (1 head: 15.1 against 18.9 us for kv32x16, 128 "
-         "heads: 37.4 against 53.2), 6.6-26x the token loops from T = 256."),
+         "heads: 36.5 against 53.4), 6.6-32x the token loops from T = 256."),
     Rule("K = 256: the kv token loop",
          lambda c: c.K == 256 and c.layout == "kv",
          lambda c: "kv64x16" if c.wide and (c.heads is None or c.heads > 1024) else "kv32x16",
