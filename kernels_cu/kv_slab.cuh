@@ -55,7 +55,7 @@ struct KvSlab {
     __device__ __forceinline__ void store_head(const float4 (&s)[R], float* head_state) const {
         float* dst = head_state + col;
 #pragma unroll
-        for (int i = 0; i < R; ++i) store_state(dst + (rg + i * RG) * V, s[i]);
+        for (int i = 0; i < R; ++i) store_token_state(dst + (rg + i * RG) * V, s[i]);
     }
 };
 

@@ -382,7 +382,7 @@ delta_rule_vk(COMBA_KERNEL_ARGS) {
 #pragma unroll
                     for (int i = 0; i < R; ++i)
 #pragma unroll
-                        for (int c = 0; c < C; ++c) store_state(at(dst, i, c), s[i][c]);
+                        for (int c = 0; c < C; ++c) store_token_state(at(dst, i, c), s[i][c]);
                 }
             }
         }
