@@ -5,14 +5,17 @@
 
 Per shape and layout, Comba decode steps (in place: the state read once and written once):
 ``dense`` the batch's own states; ``pool`` through ``state_indices`` -- a random permutation of
-slots of a pool twice the batch; ``half padding`` the same with every other row a padding row;
+slots of a pool twice the batch; ``pool, slots in order`` the first B slots of that pool in order
+(the indirection alone); ``half padding`` the random pool with every other row a padding row;
 ``gating`` the pool with ``A_log``/``dt_bias``/``use_beta_sigmoid``; and ``copy through the pool``,
 an in-place copy of the same slots' states (the state bytes of the pooled step, in the same order):
-the roofline of that access pattern; ``copy, dense slots`` the same kernel over the dense states.  Forward passes likewise
+the roofline of that access pattern; ``copy, slots in order`` and ``copy, dense slots`` the same
+kernel over the in-order slots and over the dense states.  Forward passes likewise
 (dense, pool, pool + gating), and ``ragged``: the same tokens packed as B sequences of T with
 ``cu_seqlens``.  Speculative verify writing every token's state, in both conventions, beside a copy
-of one state read and T writes through the same slots (with ``--verify-tilings`` also the
-intermediate_states call on every token-loop tiling, ``verify tiling <variant>``).  ``of
+of one state read and T writes through the same slots and ``writes alone``, a fill of the
+intermediate_states buffer (the T states' bytes written, nothing read) (with ``--verify-tilings``
+also the intermediate_states call on every token-loop tiling, ``verify tiling <variant>``).  ``of
 copy`` is the bytes each call must move (states read and written, activations, o) over its time,
 as a fraction of the device copy measured first.
 """
@@ -104,6 +107,7 @@ def decode(shape, layout, copy_gbps):
     state = (rng.standard_normal((B,) + sshape, dtype=cupy.float32) / 8)
     pool = (rng.standard_normal((2 * B,) + sshape, dtype=cupy.float32) / 8)
     slots = cupy.asarray(numpy.random.default_rng(1).permutation(2 * B)[:B].astype(numpy.int32))
+    in_order = cupy.arange(B, dtype=cupy.int32)  # slots 0 .. B - 1 of the same pool: the indirection alone
     half = slots.copy()
     half[1::2] = -1
     gates = dict(A_log=cupy.zeros(H, cupy.float32), dt_bias=cupy.ones(H, cupy.float32), use_beta_sigmoid=True)
@@ -114,16 +118,18 @@ def decode(shape, layout, copy_gbps):
     cases = [
         ("decode dense", lambda: comba_decode_step(state, q, k, v, p, beta, g, state_out=state, **opts), B),
         ("decode pool", lambda: comba_decode_step(pool, q, k, v, p, beta, g, state_indices=slots, **opts), B),
+        ("decode pool, slots in order",
+         lambda: comba_decode_step(pool, q, k, v, p, beta, g, state_indices=in_order, **opts), B),
         ("decode pool, half padding",
          lambda: comba_decode_step(pool, q, k, v, p, beta, g, state_indices=half, **opts), (B + 1) // 2),
         ("decode pool + gating",
          lambda: comba_decode_step(pool, q, k, v, p, beta, g, state_indices=slots, **opts, **gates), B),
     ]
     rows = [_row(kind, layout, shape, time_graph(fn), rows * per_row + act, copy_gbps) for kind, fn, rows in cases]
-    identity = cupy.arange(B, dtype=cupy.int32)  # the same copy over the batch's own states, in order
     return rows + [_row(kind, layout, shape, time_graph(_pool_copy(where, idx)), B * per_row, copy_gbps)
                    for kind, where, idx in (("copy through the pool", pool, slots),
-                                            ("copy, dense slots", state, identity))]
+                                            ("copy, slots in order", pool, in_order),
+                                            ("copy, dense slots", state, in_order))]
 
 
 def forward(shape, layout, copy_gbps):
@@ -154,8 +160,9 @@ def forward(shape, layout, copy_gbps):
 def verify(shape, layout, copy_gbps, tilings=False):
     """Speculative verify writing every token's state: SGLang's intermediate_states and vLLM's slot per
     token; the bytes are one state read, T state writes, the activations and o.  ``copy, one read T
-    writes``: the same state traffic through the same slots with nothing computed, the roofline of
-    the pattern (its fraction counts its state bytes only)."""
+    writes``: the same state traffic through the same slots with nothing computed (its fraction
+    counts its state bytes only); ``writes alone``: the T states' bytes written in one contiguous
+    fill, nothing read."""
     B, T, H, K, V = shape
     rng = cupy.random.default_rng(0)
     q, k, v, p, beta, g = _acts(rng, (B, T), H, K, V)
@@ -185,7 +192,8 @@ def verify(shape, layout, copy_gbps, tilings=False):
         rows.append(_row(f"verify tiling {variant}", layout, shape, time_graph(intermediate(variant)), nbytes,
                          copy_gbps))
     fan = _fan_copy(pool, first, per_token)
-    return rows + [_row("copy, one read T writes", layout, shape, time_graph(fan), (1 + T) * B * head, copy_gbps)]
+    return rows + [_row("copy, one read T writes", layout, shape, time_graph(fan), (1 + T) * B * head, copy_gbps),
+                   _row("writes alone", layout, shape, time_graph(lambda: inter.fill(0)), T * B * head, copy_gbps)]
 
 
 def main():
