@@ -9,7 +9,7 @@ slots of a pool twice the batch; ``pool, slots in order`` the first B slots of t
 (the indirection alone); ``half padding`` the random pool with every other row a padding row;
 ``gating`` the pool with ``A_log``/``dt_bias``/``use_beta_sigmoid``; and ``copy through the pool``,
 an in-place copy of the same slots' states (the state bytes of the pooled step, in the same order):
-the roofline of that access pattern; ``copy, slots in order`` and ``copy, dense slots`` the same
+what a plain kernel reaches through that access pattern; ``copy, slots in order`` and ``copy, dense slots`` the same
 kernel over the in-order slots and over the dense states.  Forward passes likewise
 (dense, pool, pool + gating), and ``ragged``: the same tokens packed as B sequences of T with
 ``cu_seqlens``.  Speculative verify writing every token's state, in both conventions, beside a copy
