@@ -57,6 +57,11 @@ PRECISIONS = ("tf32", "fp32", "bf16")
 PREFILL_CHUNK, PREFILL_RECORD, PREFILL_RECORD_BF16 = 64, 2 * 20 * 32 * 4 + 256, 2 * 10 * 32 * 4 + 256
 
 
+def prefill_record(acc):
+    """32-bit words of a chunk's record for the prefill kernels' ACC (Record<ACC>::SIZE): bf16 tiles at ACC 4."""
+    return PREFILL_RECORD_BF16 if acc == 4 else PREFILL_RECORD
+
+
 def _flag(x):
     return "true" if x else "false"
 
@@ -201,7 +206,7 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
         if precision is None:  # 16-bit activations: bf16 products, the fastest (docs/design.md)
             precision = "bf16"
         acc = (3 if wide else 4 if precision == "bf16" else 0) if precision != "fp32" else 2 if wide else 1
-        record = PREFILL_RECORD_BF16 if acc == 4 else PREFILL_RECORD
+        record = prefill_record(acc)
         return Kernel(t.source, f"comba::prefill_scan<{K}, {t.slab}, {_flag(separate_p)}, {_flag(layout == 'vk')}, "
                                 f"{acc}, {_flag(serving)}>", t.slab, t.threads,
                       prefill_scan_bytes(K, t.slab, separate_p, wide, record),
@@ -246,7 +251,7 @@ def specialisations():
 MAX_SHARED = 232448
 
 
-def _prefill_layout(K, slab, separate_p, wide_keys, record=PREFILL_RECORD):
+def _prefill_layout(K, slab, separate_p, wide_keys, record):
     """``(bytes of one stage, bytes of the rest)`` of ``ScanLayout`` (kernels_cu/prefill.cu) for a record of
     ``record`` words."""
     rows = 40 if slab == 16 else slab + 8

@@ -179,7 +179,7 @@ def test_prefill_shared_bytes_are_the_layouts():
         else:
             K, slab, sep, _, acc, _ = args
             wide = int(acc) in (2, 3)
-            words = families.PREFILL_RECORD_BF16 if int(acc) == 4 else families.PREFILL_RECORD
+            words = families.prefill_record(int(acc))
             checks.append(f'static_assert(comba::Record<{acc}>::SIZE == {words}, "{expression}");')
             assert families.prefill_fits(int(K), int(slab), sep == "true", wide)
             n = families.prefill_scan_bytes(int(K), int(slab), sep == "true", wide, words)
