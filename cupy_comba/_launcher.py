@@ -161,12 +161,14 @@ class Launcher:
         Bytes of scratch memory the kernels take in the ``intermediate_states`` pointer slot: one
         buffer per stream, kept by the Launcher (and for good once a stream that is capturing has
         used it, since the captured graph holds its address).
+    maps : cupy_comba._tma.StageMaps, optional
+        The prefill kernels' last argument, pointed at each launch's q, k, p and v.
     """
 
     __slots__ = ("kernel", "grid", "block", "params", "scale", "shared_bytes", "_steps", "_slots", "_written", "_keep",
-                 "_argv", "_lock", "_graphs", "_node_params", "workspace", "_buffers")
+                 "_argv", "_lock", "_graphs", "_node_params", "workspace", "_buffers", "_maps")
 
-    def __init__(self, kernel, grid, block, params, scale, shared_bytes=0, *, before=None, workspace=0):
+    def __init__(self, kernel, grid, block, params, scale, shared_bytes=0, *, before=None, workspace=0, maps=None):
         self.kernel, self.grid, self.block, self.params, self.scale = kernel, grid, block, params, scale
         self.shared_bytes, self.workspace = shared_bytes, workspace
         steps = ([before] if before is not None and before[1] > 0 else []) + [(kernel, grid, block, shared_bytes)]
@@ -177,8 +179,11 @@ class Launcher:
         params_buf = ctypes.create_string_buffer(blob, len(blob))
         scale_buf = ctypes.c_float(float(scale))
         base = ctypes.addressof(self._slots)
-        argv = (ctypes.c_void_p * (N_POINTERS + 2))(*(base + 8 * i for i in range(N_POINTERS)),
-                                                    ctypes.addressof(params_buf), ctypes.addressof(scale_buf))
+        args = [base + 8 * i for i in range(N_POINTERS)] + [ctypes.addressof(params_buf), ctypes.addressof(scale_buf)]
+        if maps is not None:
+            args.append(maps.address)
+        self._maps = maps
+        argv = (ctypes.c_void_p * len(args))(*args)
         self._argv = ctypes.addressof(argv)
         nodes = [_KernelNodeParams(fn, (g, 1, 1), (b, 1, 1), s, self._argv, None, None, None)
                  for fn, g, b, s in self._steps]
@@ -213,6 +218,8 @@ class Launcher:
             if pointers != self._written:  # a decode loop that reuses its buffers writes them once
                 self._slots[:] = pointers
                 self._written = pointers
+                if self._maps is not None:
+                    self._maps.update((pointers[2], pointers[3], pointers[5], pointers[4]))
             graphs = self._graphs
             if _DRIVER is None or capturing:
                 self._launch_kernels(stream)

@@ -18,6 +18,7 @@ from . import families, reference, tiling
 from ._backend import cupy
 from ._dtypes import float32
 from ._launcher import Launcher, pack_params
+from ._tma import StageMaps
 from . import _validate
 from ._validate import ARRAYS, STATE, STATE_OUT
 
@@ -86,12 +87,16 @@ class Plan:
                     fn.max_dynamic_shared_size_bytes = shared_bytes
                 return fn
 
+            maps = None
             if kernel.prep:
                 before = (compiled(kernel.prep, kernel.prep_shared_bytes), slots * sig.H, kernel.prep_block,
                           kernel.prep_shared_bytes)
+                maps = StageMaps(a["q"], a["k"], a["p"] if a["p"] is not None else a["k"], a["v"], sig.ragged,
+                                 2 if sig.bf16_keys else 4, kernel.slab,
+                                 int(cupy.cuda.Device(self.device).compute_capability) >= 90)
             self.launcher = Launcher(compiled(kernel.expression, kernel.shared_bytes), grid, kernel.block,
                                      pack_params(sig), numpy.float32(sig.scale), kernel.shared_bytes, before=before,
-                                     workspace=workspace)
+                                     workspace=workspace, maps=maps)
 
 
 #: The opt-in shared memory a CTA may hold, by device (cudaDevAttrMaxSharedMemoryPerBlockOptin).

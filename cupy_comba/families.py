@@ -255,7 +255,7 @@ def _prefill_layout(K, slab, separate_p, wide_keys, record):
     """``(bytes of one stage, bytes of the rest)`` of ``ScanLayout`` (kernels_cu/prefill.cu) for a record of
     ``record`` words."""
     rows = 40 if slab == 16 else slab + 8
-    fixed = 4 * (K // 4) * (4 * slab + 8) + 3 * 4 * PREFILL_CHUNK * rows
+    fixed = 4 * (K // 4) * (4 * slab + 8) + 3 * 4 * PREFILL_CHUNK * rows + 16  # + two mbarriers
     stage = (3 if separate_p else 2) * PREFILL_CHUNK * (K + 16) * (4 if wide_keys else 2) + \
         PREFILL_CHUNK * 4 * slab + 4 * record
     return stage, fixed

@@ -195,6 +195,64 @@ __device__ __forceinline__ void copy_async16(void* dst, const void* src, bool va
                  : "memory");
 }
 
+// Hopper's bulk copies (sm_90 on): a scan chunk's rows of q, k, p and v by tensor map and its record in one
+// piece, from one thread, completing on an mbarrier a stage.  A TensorMap is the driver's opaque 128-byte
+// descriptor (cuTensorMapEncodeTiled); StageMaps, the prefill kernels' last parameter, holds q's, k's and
+// p's as [B, T, Hk, K] with a box of one head's 64 token rows, K + 16 elements wide -- the 16 past the key
+// axis arrive as zeros, so that a row lands at the stage's padded pitch -- v's as [B, T, H, V] with a box
+// of 64 rows of one slab, and `use` 0 where the host made none (cupy_comba/_tma.py says when; the scan
+// then stages by cp.async).
+struct alignas(64) TensorMap {
+    unsigned long long opaque[16];
+};
+struct StageMaps {
+    TensorMap q, k, p, v;
+    long long use;
+};
+#define COMBA_PREFILL_ARGS COMBA_KERNEL_ARGS, const __grid_constant__ StageMaps maps
+#if __CUDA_ARCH__ >= 900
+#define COMBA_BULK_COPY 1
+__device__ __forceinline__ void mbarrier_init(unsigned long long* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n"
+                 "fence.mbarrier_init.release.cluster;\n" ::"r"(shared_address(bar))
+                 : "memory");
+}
+// The one arrival of this phase, expecting `bytes` of bulk copies.
+__device__ __forceinline__ void mbarrier_expect(unsigned long long* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(bar)), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned parity) {
+    unsigned done;
+    do {
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     " selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(shared_address(bar)), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+// The box at (element e, head h, token t, row b) of `map` into dst.
+__device__ __forceinline__ void bulk_rows(void* dst, const TensorMap& map, int e, int h, int t, int b,
+                                          unsigned long long* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
+        "%5}], [%6];\n" ::"r"(shared_address(dst)),
+        "l"(reinterpret_cast<unsigned long long>(&map)), "r"(e), "r"(h), "r"(t), "r"(b), "r"(shared_address(bar))
+        : "memory");
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     shared_address(dst)),
+                 "l"(src), "r"(bytes), "r"(shared_address(bar))
+                 : "memory");
+}
+// Orders this thread's generic stores to shared memory before later bulk copies into the same bytes.
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+#else
+#define COMBA_BULK_COPY 0
+#endif
+
 // Whether the rows of a key array can be copied as 16-byte pieces into a stage of ES-byte elements
 // (bf16 into 16-bit stages, fp32 into fp32 ones).
 __device__ __forceinline__ bool rows_copyable(const void* base, long long sb, long long st, long long sh,
@@ -299,7 +357,7 @@ struct GramTiles {
 // bytes.
 template <int K, int ACC, bool SERVING>
 __global__ void __launch_bounds__(kPrefillThreads, (ACC <= 1 || ACC == 4) && K <= 128 ? 4 : 1)
-prefill_prep(COMBA_KERNEL_ARGS) {
+prefill_prep(COMBA_PREFILL_ARGS) {
     // keys as they are (bf16), split or rounded; A and Mq rounded for a scan that reads them as they are
     constexpr bool K32 = ACC == 2 || ACC == 3;
     using R = Record<ACC>;
@@ -308,7 +366,7 @@ prefill_prep(COMBA_KERNEL_ARGS) {
     using Layout = PrepLayout<K, K32>;
     constexpr int C = kPrefillChunk, S = Layout::S, KP = Layout::KP, ES = Layout::ES;
     static_assert(K % 16 == 0 && kPrefillThreads == 2 * C, "keys in steps of 16; two threads a column");
-    extern __shared__ __align__(16) unsigned char prefill_smem[];
+    extern __shared__ __align__(128) unsigned char prefill_smem[];
     unsigned char* const sq = prefill_smem;
     unsigned char* const sk = prefill_smem + Layout::KEY_BYTES;
     // Gated DeltaNet hands k as p (the same array): its rows are staged once
@@ -630,13 +688,17 @@ struct ScanLayout {
     // S[key][col] at state[key / 4][4 col + key % 4]: a lane's 4 keys of a column in one float4
     static constexpr int STATE_AT = 0, Y_AT = 4 * (K / 4) * HS, U_AT = Y_AT + 4 * kPrefillChunk * YS;
     static constexpr int UW_AT = U_AT + 4 * kPrefillChunk * YS, STAGE_AT = UW_AT + 4 * kPrefillChunk * YS;
-    static constexpr int STAGES = STAGE_AT + 2 * Stage::BYTES <= 232448 ? 2 : 1;  // the H200's 227 KB a CTA
-    static constexpr int BYTES = STAGE_AT + STAGES * Stage::BYTES;
+    static constexpr int STAGES = STAGE_AT + 2 * Stage::BYTES + 16 <= 232448 ? 2 : 1;  // the H200's 227 KB a CTA
+    static constexpr int BAR_AT = STAGE_AT + STAGES * Stage::BYTES;  // a stage's mbarrier (bulk copies)
+    static constexpr int BYTES = BAR_AT + 16;
+    static_assert(STAGE_AT % 128 == 0 && Stage::BYTES % 128 == 0 && Stage::KEY_BYTES % 128 == 0 &&
+                      Stage::REC_AT % 16 == 0,
+                  "prefill_scan: bulk copies land on 128-byte (tensor) and 16-byte boundaries");
     static_assert(BYTES <= 232448, "prefill_scan: the stage does not fit in shared memory");
 };
 
 template <int K, int VT, bool SEPARATE_P, bool VK, int ACC, bool SERVING>
-__global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARGS) {
+__global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_PREFILL_ARGS) {
     constexpr bool K32 = ACC == 2 || ACC == 3;  // q, k, p staged as fp32 (else bf16)
     // ACC 4 ("bf16"): the read [P | Q] S on bf16 products, the state published as bf16 for it
     constexpr bool B16 = bf16_products(ACC);
@@ -654,7 +716,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
     constexpr int MT = K / 64, NTW = VT / 16;  // a warp's key tiles (16 keys) and column tiles (8 columns)
     constexpr bool KL = KM == kSplit, SL = SM == kSplit;
     static_assert(K % 64 == 0 && VT % 16 == 0, "bad prefill tiling");
-    extern __shared__ __align__(16) unsigned char prefill_smem[];
+    extern __shared__ __align__(128) unsigned char prefill_smem[];
     float* const sh_state = reinterpret_cast<float*>(prefill_smem + Layout::STATE_AT);
     float* const sh_y = reinterpret_cast<float*>(prefill_smem + Layout::Y_AT);
     float* const sh_u = reinterpret_cast<float*>(prefill_smem + Layout::U_AT);
@@ -767,13 +829,43 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
             if (RP % kScanThreads == 0 || tid + j * kScanThreads < RP)
                 copy_async16(at + Stage::REC_AT + 16 * (tid + j * kScanThreads), rfrom + 4 * j * kScanThreads, true);
     };
-    // Chunk c's inputs into stage `at`; chunks are staged in order.
-    auto stage_next = [&](int c, unsigned char* at) {
+    // Every input by bulk copies from thread 0 where the host made tensor maps, their coordinates the
+    // sequence's first token in a ragged batch, else the row; v's rows then land at their own pitch.
+#if COMBA_BULK_COPY
+    const bool bulk = K + 16 <= 256 && fast && maps.use != 0;
+    const int v_row = bulk ? VT * v_bytes : Stage::V_ROW;  // bytes a staged row of the v slab
+    const long long t_first = row_start<SERVING>(cu_seqlens, prm, b);
+    const int b_map = SERVING && prm.cu_t ? 0 : b;
+    unsigned long long* const bars = reinterpret_cast<unsigned long long*>(prefill_smem + Layout::BAR_AT);
+    if (bulk && tid == 0) {
+        mbarrier_init(bars);
+        mbarrier_init(bars + 1);
+    }
+#else
+    constexpr bool bulk = false;
+    constexpr int v_row = Stage::V_ROW;
+#endif
+    // Chunk c's inputs into stage s; chunks are staged in order.
+    auto stage_next = [&](int c, int s) {
+        unsigned char* const at = prefill_smem + Layout::STAGE_AT + s * Stage::BYTES;
         if (!fast) {
             stage_chunk(c, at);
             return;
         }
         const int n = static_cast<int>(min(static_cast<long long>(C), T - static_cast<long long>(c) * C));
+#if COMBA_BULK_COPY
+        if (bulk) {
+            if (tid == 0) {
+                const int t = static_cast<int>(t_first + static_cast<long long>(c) * C);
+                mbarrier_expect(bars + s, Stage::NK * Stage::KEY_BYTES + C * v_row + 4 * R::SIZE);
+                bulk_rows(at, maps.q, 0, hk, t, b_map, bars + s);
+                bulk_rows(at + Stage::KEY_BYTES, maps.k, 0, hk, t, b_map, bars + s);
+                if (SEPARATE_P) bulk_rows(at + 2 * Stage::KEY_BYTES, maps.p, 0, hk, t, b_map, bars + s);
+                bulk_rows(at + Stage::V_AT, maps.v, col0, h, t, b_map, bars + s);
+                bulk_copy(at + Stage::REC_AT, rfrom, 4 * R::SIZE, bars + s);  // thread 0's rfrom: the record
+            }
+        } else
+#endif
         if (n == C) stage_fast(Constant<true>{}, C, at);
         else stage_fast(Constant<false>{}, n, at);
 #pragma unroll
@@ -786,7 +878,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
     // 16 m + 2 lg + 1 (row lg + 8) -- a permutation of the key index that makes a lane's two write-key
     // values one pair load -- and columns 8 nt + 2 lj, + 1.
     if (chunks > 0) {
-        stage_next(0, prefill_smem + Layout::STAGE_AT);
+        stage_next(0, 0);
         copy_async_commit();
     }
     float hacc[MT][NTW][4];
@@ -865,9 +957,12 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
     for (int c = 0; c < chunks; ++c) {
         // stage c & 1 (of two) holds its (c >> 1)-th chunk, the one stage its c-th
         copy_async_wait<0>();
+#if COMBA_BULK_COPY
+        if (bulk) mbarrier_wait(bars + (STAGES == 2 ? c & 1 : 0), (STAGES == 2 ? c >> 1 : c) & 1);
+#endif
         __syncthreads();  // chunk c staged; the state of chunk c - 1 published; the other stage free
         if (STAGES == 2 && c + 1 < chunks) {
-            stage_next(c + 1, prefill_smem + Layout::STAGE_AT + ((c + 1) & 1) * Stage::BYTES);
+            stage_next(c + 1, (c + 1) & 1);
             copy_async_commit();
         }
         const unsigned char* st = prefill_smem + Layout::STAGE_AT + (STAGES == 2 ? (c & 1) * Stage::BYTES : 0);
@@ -877,6 +972,24 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
         const float* rec = reinterpret_cast<const float*>(st + Stage::REC_AT);
         const long long t0 = static_cast<long long>(c) * C;
         const int n = static_cast<int>(min(static_cast<long long>(C), T - t0));
+#if COMBA_BULK_COPY
+        if (bulk && SERVING && prm.cu_t && n < C) {
+            // a box past a sequence's end holds the next one's tokens: zero those rows, as cp.async does
+            constexpr int PR = KP * ES / 16;  // 16-byte pieces a staged key row
+            const int rows = C - n, vr = v_row / 16;
+            unsigned char* const at = const_cast<unsigned char*>(st);
+            for (int i = tid; i < Stage::NK * rows * PR; i += kScanThreads) {
+                const int a = i / (rows * PR), r = i - a * rows * PR;
+                *reinterpret_cast<uint4*>(at + a * Stage::KEY_BYTES + (n + r / PR) * KP * ES + 16 * (r % PR)) =
+                    make_uint4(0, 0, 0, 0);
+            }
+            for (int i = tid; i < rows * vr; i += kScanThreads)
+                *reinterpret_cast<uint4*>(at + Stage::V_AT + (n + i / vr) * v_row + 16 * (i % vr)) =
+                    make_uint4(0, 0, 0, 0);
+            fence_async_shared();  // before a later bulk copy into these bytes
+            __syncthreads();
+        }
+#endif
 
         // [Rp | Rq] = [P | Q] S0 over this warp's 16 tokens; keys permuted as in prefill_prep.  Alternate key
         // steps sum into two accumulators (ILP: each chain of dependent mma.sync half the K / 16 steps long).
@@ -934,8 +1047,8 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
             constexpr long long VT_ = decltype(vt)::value;
             constexpr int VB = VT_ == F32 ? 4 : 2;
             const float ga = rec[R::GP + ta], gb = rec[R::GP + tb];
-            const unsigned char* va = st + Stage::V_AT + ta * Stage::V_ROW;
-            const unsigned char* vb = st + Stage::V_AT + tb * Stage::V_ROW;
+            const unsigned char* va = st + Stage::V_AT + ta * v_row;
+            const unsigned char* vb = st + Stage::V_AT + tb * v_row;
 #pragma unroll
             for (int nt = 0; nt < NTW; ++nt) {
                 const int cc = 8 * (nt0 + nt) + 2 * lj;
@@ -1131,7 +1244,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_KERNEL_ARG
         publish_state();  // every warp's reads of the old state ended before the first barrier
         if (STAGES == 1 && c + 1 < chunks) {
             __syncthreads();  // every warp done with the stage
-            stage_next(c + 1, prefill_smem + Layout::STAGE_AT);
+            stage_next(c + 1, 0);
             copy_async_commit();
         }
     }

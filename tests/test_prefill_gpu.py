@@ -143,6 +143,36 @@ def test_ragged_pool_gating(layout, comba, precision):
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
+@pytest.mark.parametrize("precision", ["bf16", "tf32"])
+def test_a_packed_sequence_sees_none_of_its_neighbours_tokens(layout, comba, precision):
+    """A chunk that runs past its sequence's end stages the next sequence's rows (bulk copies box 64 tokens
+    at a time): those rows must count for nothing, even where they hold NaN and infinities."""
+    lens = [70, 50, 90]
+    H, K, V = 4, 128, 64
+    cu = numpy.concatenate([[0], numpy.cumsum(lens)]).astype(numpy.int32)
+    q, k, v, p, beta, g, S0 = forward_inputs(len(lens), int(cu[-1]), H, K, V, state_layout=layout, seed=5, xp=cupy)
+    q, k, v, p, beta, g = (a[:1] for a in (q, k, v, p, beta, g))  # one packed row
+    bad = slice(int(cu[1]), int(cu[2]))
+    for a, value in ((q, cupy.nan), (k, cupy.inf), (p, -cupy.inf), (v, cupy.nan)):
+        a[0, bad] = value
+    h = cupy.asnumpy
+    with numpy.errstate(all="ignore"):  # the middle sequence's own outputs are NaN
+        S_ref, o_ref = reference.comba_loop(h(S0), h(q), h(k), h(v), h(p if comba else k), h(beta), h(g),
+                                            state_layout=layout, cu_seqlens=cu)
+    tol_s, tol_o = TOL[precision, "bfloat16"]
+    for slab in families.PREFILL_SLABS:
+        if V % slab:
+            continue
+        o, S = _forward(comba, q, k, v, p, beta, g, S0, state_layout=layout, cu_seqlens=cupy.asarray(cu),
+                        variant=f"{layout}{slab}c64", precision=precision)
+        for n in (0, 2):
+            rows = slice(int(cu[n]), int(cu[n + 1]))
+            assert reference.relative_error(o[:, rows], o_ref[:, rows]) <= tol_o
+            assert reference.relative_error(S[n], S_ref[n]) <= tol_s
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
 def test_zero_state_and_no_final_state(layout):
     q, k, v, p, beta, g, _ = forward_inputs(3, 150, 4, 64, 64, state_layout=layout, seed=11, xp=cupy)
     S_ref, o_ref = reference.comba_loop(numpy.zeros((3, 4, 64, 64)), q, k, v, p, beta, g, state_layout=layout)
@@ -203,14 +233,14 @@ def a100_limit():
 
 def test_a_gpu_with_less_shared_memory(a100_limit):
     """Where the GPU allows less than the H200's 227 KB a CTA, a long prompt runs on a kernel that fits (Comba's
-    16-column scan at K = 128 needs 201728 bytes in TF32, 181248 in bf16: the tensor-core kernel takes it; Gated
-    DeltaNet's, 164864, still runs), and a forced variant that does not fit is refused before any work."""
+    16-column scan at K = 128 needs 201744 bytes in TF32, 181264 in bf16: the tensor-core kernel takes it; Gated
+    DeltaNet's, 164880, still runs), and a forced variant that does not fit is refused before any work."""
     args = forward_inputs(1, 256, 16, 128, 128, seed=3, dtype=bfloat16, xp=cupy)
     assert families.prefill_scan_bytes(128, 16, True, False) > a100_limit >= families.prefill_scan_bytes(
         128, 16, False, False)
     for comba in (True, False):
         _check(comba, args, None)
-    with pytest.raises(ValueError, match="181248 bytes of shared memory a CTA; GPU .* allows 166912"):  # bf16
+    with pytest.raises(ValueError, match="181264 bytes of shared memory a CTA; GPU .* allows 166912"):  # bf16
         comba_forward(*args[:6], initial_state=args[6], variant="kv16c64")
     from cupy_comba import _plan
     assert [plan.variant for plan in _plan.PLANS.values()] == ["kv32tc16", "kv16c64"]

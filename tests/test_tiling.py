@@ -151,7 +151,7 @@ def test_prefill_over_few_heads_and_long_prompts(layout, comba):
 def test_prefill_only_where_its_shared_memory_fits(layout):
     """A GPU that allows less shared memory a CTA than the H200 gets the prefill builds that fit it and the
     rules after the prefill one for the rest: an A100 (163 KB) keeps Gated DeltaNet's 16-column scan at
-    K = 128 (164864 bytes) and loses Comba's (201728); a 99 KB GPU (sm_86 / sm_89) runs none."""
+    K = 128 (164880 bytes) and loses Comba's (201744); a 99 KB GPU (sm_86 / sm_89) runs none."""
     a100, ada = 166912, 101376
 
     def choose(comba, K=128, T=8192, heads=16, **kw):
