@@ -47,9 +47,10 @@
 // CTA a (row, value head, slab of VT = 16 or 32 value columns); warp w holds token tile w % 4 of Y, U
 // and O and half (w / 4) of the slab's column tiles, and of the state (K x VT fp32) key tiles
 // K / 64 (w % 4) .. + K / 64 - 1 of those columns, in its accumulators; the state is also published
-// to shared memory for the read.  A chunk's inputs are staged by cp.async into one of two stages
-// (ScanLayout; one where two do not fit) while the previous chunk is computed.  Three CTA barriers a
-// chunk (four with one stage).
+// to shared memory for the read.  A chunk's inputs are staged into one of two stages (ScanLayout; one
+// where two do not fit) while the previous chunk is computed: on Hopper by five bulk copies from thread 0
+// that complete on the stage's mbarrier (StageMaps), else by cp.async pieces from every thread.  Three CTA
+// barriers a chunk (four with one stage, or where a packed sequence's last chunk clears its neighbour's rows).
 #include "common.cuh"
 #include "params.cuh"
 #include "mma_ops.cuh"
@@ -663,10 +664,11 @@ prefill_prep(COMBA_PREFILL_ARGS) {
 // prefill_scan: one slab of VT value columns of one head, chunk after chunk (header).
 //
 // A chunk's inputs -- its rows of q, k (and p) and the slab of v, as they are in memory, and its
-// record -- are staged in shared memory (ScanStage) where the rows are contiguous and aligned by copies
-// in flight (else by plain loads, the same layout): cp.async 16-byte pieces, the next chunk's in flight
-// while one is computed when two stages fit (STAGES).  Key rows are padded by 16 elements, which
-// makes the read's 8-byte (16-bit keys) and 16-byte (fp32) fragment loads free of bank conflicts.
+// record -- are staged in shared memory (ScanStage) by bulk copies (StageMaps), or where the rows are
+// contiguous and aligned by cp.async 16-byte pieces (else by plain loads, the same layout), the next
+// chunk's in flight while one is computed when two stages fit (STAGES).  Key rows are padded by 16
+// elements, which makes the read's 8-byte (16-bit keys) and 16-byte (fp32) fragment loads free of bank
+// conflicts; v rows are 4 VT bytes apart, or VT elements where a bulk copy lands them.
 template <int K, int VT, bool SEPARATE_P, bool K32, int RECORD>
 struct ScanStage {
     static constexpr int KP = K + 16, ES = K32 ? 4 : 2, NK = SEPARATE_P ? 3 : 2;
