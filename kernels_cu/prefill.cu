@@ -210,6 +210,8 @@ struct StageMaps {
     TensorMap q, k, p, v;
     long long use;
 };
+static_assert(sizeof(TensorMap) == 128 && sizeof(StageMaps) == 576,
+              "StageMaps: cupy_comba/_tma.py writes 576 bytes, four maps and `use` at byte 512");
 #define COMBA_PREFILL_ARGS COMBA_KERNEL_ARGS, const __grid_constant__ StageMaps maps
 #if __CUDA_ARCH__ >= 900
 #define COMBA_BULK_COPY 1
