@@ -107,16 +107,24 @@ class _KernelNodeParams(ctypes.Structure):
                 ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
 
 
+def libcuda():
+    """The CUDA driver library through ctypes (for the entry points CuPy does not wrap), or None."""
+    try:
+        return ctypes.WinDLL("nvcuda.dll") if sys.platform == "win32" else ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
 def _load_driver():
     """``(cuGraphGetNodes, cuGraphExecKernelNodeSetParams_v2, cuGraphKernelNodeGetParams_v2)`` from the
     CUDA driver, or None."""
     if os.environ.get("CUPY_COMBA_GRAPH_LAUNCH", "1") == "0":
         return None
+    lib = libcuda()
     try:
-        lib = ctypes.WinDLL("nvcuda.dll") if sys.platform == "win32" else ctypes.CDLL("libcuda.so.1")
         get_nodes, set_params = lib.cuGraphGetNodes, lib.cuGraphExecKernelNodeSetParams_v2
         get_params = lib.cuGraphKernelNodeGetParams_v2
-    except (OSError, AttributeError):
+    except AttributeError:  # no driver (None), or one older than CUDA 12
         return None
     get_nodes.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t))
     set_params.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)

@@ -17,7 +17,9 @@ refuses -- ``use`` is 0 and the kernels stage by cp.async.
 """
 
 import ctypes
-import sys
+import functools
+
+from ._launcher import libcuda
 
 #: sizeof(StageMaps) in kernels_cu/prefill.cu: four 128-byte maps and a 64-bit flag, aligned to 64 bytes.
 STAGE_MAPS_BYTES = 576
@@ -32,12 +34,13 @@ _INTERLEAVE_NONE = _SWIZZLE_NONE = _OOB_FILL_ZEROS = 0
 _L2_PROMOTION_128B = 2
 
 
-def _load():
+@functools.cache
+def _driver():
     """``(cuTensorMapEncodeTiled, cuTensorMapReplaceAddress)`` from the CUDA driver, or None."""
     try:
-        lib = ctypes.WinDLL("nvcuda.dll") if sys.platform == "win32" else ctypes.CDLL("libcuda.so.1")
+        lib = libcuda()
         encode, replace = lib.cuTensorMapEncodeTiled, lib.cuTensorMapReplaceAddress
-    except (OSError, AttributeError):
+    except AttributeError:  # no driver (None), or one without tensor maps
         return None
     u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
     encode.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
@@ -45,17 +48,6 @@ def _load():
     replace.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
     encode.restype = replace.restype = ctypes.c_int
     return encode, replace
-
-
-_DRIVER = None
-_LOADED = False
-
-
-def _driver():
-    global _DRIVER, _LOADED
-    if not _LOADED:
-        _DRIVER, _LOADED = _load(), True
-    return _DRIVER
 
 
 def _geometry(a, ragged, itemsize, width):
