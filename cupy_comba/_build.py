@@ -26,6 +26,16 @@ from ._backend import cupy
 
 NVRTC_OPTIONS = ("--std=c++17",)
 
+#: Sources built for the arch-specific target on compute capability 9.0 (sm_90a): the prefill kernels, whose
+#: ``prefill_scan_wg`` runs on wgmma (elsewhere it is built empty and never chosen).
+ARCH_SPECIFIC = ("prefill.cu",)
+
+
+def nvrtc_options(source, arch):
+    """NVRTC's options for ``kernels_cu/<source>`` on ``arch`` (``"sm_90"``)."""
+    return NVRTC_OPTIONS + (("-arch=sm_90a",) if source in ARCH_SPECIFIC and arch == "sm_90" else ())
+
+
 _INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)
 
 
@@ -48,7 +58,7 @@ def kernel_source(filename):
 # -- kernels on a device ------------------------------------------------------------------------
 
 _kernels = {}                # (source, expression, device) -> cupy.RawKernel
-_modules = {}                # (source, expression) -> cupy.RawModule
+_modules = {}                # (source, expression, *options) -> cupy.RawModule
 _locks = {}                  # (source, expression) -> the lock its first compile holds
 _locks_guard = threading.Lock()
 
@@ -68,10 +78,11 @@ def get_kernel(source, expression, device):
     with lock:
         fn = _kernels.get(key)
         if fn is None:
-            module = _modules.get(key[:2])
+            options = nvrtc_options(source, _arch(device))
+            module = _modules.get(key[:2] + options)
             if module is None:
-                module = _modules[key[:2]] = cupy.RawModule(code=kernel_source(source), options=NVRTC_OPTIONS,
-                                                             name_expressions=[expression])
+                module = _modules[key[:2] + options] = cupy.RawModule(code=kernel_source(source), options=options,
+                                                                       name_expressions=[expression])
             with cupy.cuda.Device(device):
                 fn = module.get_function(expression)
                 fn.attributes  # noqa: B018 - loads the binary now, inside the lock
@@ -93,7 +104,8 @@ def cache_dir():
 
 
 def _marker(source, expression, arch):
-    digest = hashlib.sha256("\0".join((kernel_source(source), *NVRTC_OPTIONS, expression, arch)).encode()).hexdigest()
+    digest = hashlib.sha256("\0".join((kernel_source(source), *nvrtc_options(source, arch), expression,
+                                       arch)).encode()).hexdigest()
     return os.path.join(cache_dir(), "cupy_comba", f"{digest[:32]}.{arch}")
 
 
@@ -155,7 +167,9 @@ def compile_for_arch(source, expressions, arch="sm_90", *, jobs=None):
         try:
             nvrtc.addNameExpression(prog, expression)
             try:
-                nvrtc.compileProgram(prog, NVRTC_OPTIONS + (f"--gpu-architecture={arch}", "--ptxas-options=-v"))
+                # sm_90a where the library builds this source so on compute capability 9.0
+                target = "sm_90a" if nvrtc_options(source, arch) != NVRTC_OPTIONS else arch
+                nvrtc.compileProgram(prog, NVRTC_OPTIONS + (f"--gpu-architecture={target}", "--ptxas-options=-v"))
             except nvrtc.NVRTCError as err:
                 raise RuntimeError(f"NVRTC failed on {source} for {expression}:\n{nvrtc.getProgramLog(prog)}") from err
             log = nvrtc.getProgramLog(prog)

@@ -58,8 +58,10 @@ class Plan:
         T = max(1, sig.T // max(sig.B, 1)) if sig.ragged else 1 if sig.per_token else sig.T
         f32_keys = any(a[n] is not None and a[n].dtype == float32 for n in ("q", "k", "p"))
         limit = shared_limit(self.device)
+        wgmma = sig.bf16_keys and sig.precision in (None, "bf16") and \
+            cupy.cuda.Device(self.device).compute_capability == "90"
         self.variant = sig.variant or tiling.choose(sig.layout, sig.K, sig.V, sig.comba, sig.multi, T, sig.B * sig.H,
-                                                    not sig.bf16_keys, limit, bool(sig.per_token))
+                                                    not sig.bf16_keys, limit, bool(sig.per_token), wgmma)
         self.kernel = kernel = families.kernel(sig.layout, self.variant, K=sig.K, separate_p=sig.comba,
                                                multi=sig.multi, f32_keys=f32_keys, precision=sig.precision,
                                                bf16_keys=sig.bf16_keys,
@@ -93,7 +95,8 @@ class Plan:
                           kernel.prep_shared_bytes)
                 maps = StageMaps(a["q"], a["k"], a["p"] if a["p"] is not None else a["k"], a["v"], sig.ragged,
                                  2 if sig.bf16_keys else 4, kernel.slab,
-                                 int(cupy.cuda.Device(self.device).compute_capability) >= 90)
+                                 int(cupy.cuda.Device(self.device).compute_capability) >= 90,
+                                 8 if "prefill_scan_wg" in kernel.expression else 16)
             self.launcher = Launcher(compiled(kernel.expression, kernel.shared_bytes), grid, kernel.block,
                                      pack_params(sig), numpy.float32(sig.scale), kernel.shared_bytes, before=before,
                                      workspace=workspace, maps=maps)

@@ -78,18 +78,20 @@ class StageMaps:
         Value columns a scan CTA stages.
     capable : bool
         Whether the GPU has the bulk tensor copy (compute capability 9.0 or higher).
+    pad : int
+        Elements past the key axis in a staged key row: 16 for ``prefill_scan``, 8 for ``prefill_scan_wg``.
     """
 
     __slots__ = ("_raw", "address", "_maps", "_encoded", "_pointers")
 
-    def __init__(self, q, k, p, v, ragged, key_itemsize, slab, capable):
+    def __init__(self, q, k, p, v, ragged, key_itemsize, slab, capable, pad=_PAD):
         self._raw = ctypes.create_string_buffer(STAGE_MAPS_BYTES + 64)
         self.address = (ctypes.addressof(self._raw) + 63) & ~63  # the driver writes maps at 64-byte alignment
         self._maps, self._encoded, self._pointers = None, False, None
         if not capable or _driver() is None:
             return
         K = q.shape[3]
-        maps = [_geometry(a, ragged, key_itemsize, K + _PAD) for a in (q, k, p)]
+        maps = [_geometry(a, ragged, key_itemsize, K + pad) for a in (q, k, p)]
         maps.append(_geometry(v, ragged, v.itemsize, slab))
         if all(maps):
             self._maps = tuple(maps)

@@ -25,6 +25,9 @@ variant                   kernel (``comba::``)        a CTA holds
 ``{layout}{SLAB}c64``     ``prefill_prep``, then      SLAB value columns, chunk after chunk of 64
                           ``prefill_scan``            tokens on the tensor cores, from coefficients
                           (``prefill.cu``)            ``prefill_prep`` forms for every chunk at once
+``{layout}{SLAB}c64wg``   ``prefill_prep``, then      the same on Hopper's warpgroup MMA (bf16
+                          ``prefill_scan_wg``         q, k, p and products; compute capability 9.0)
+                          (``prefill_wgmma.cuh``)
 ========================  ==========================  ============================================
 
 The token-loop kernels have two builds: the decode step (one token from a given state to a
@@ -58,8 +61,8 @@ PREFILL_CHUNK, PREFILL_RECORD, PREFILL_RECORD_BF16 = 64, 2 * 20 * 32 * 4 + 256, 
 
 
 def prefill_record(acc):
-    """32-bit words of a chunk's record for the prefill kernels' ACC (Record<ACC>::SIZE): bf16 tiles at ACC 4."""
-    return PREFILL_RECORD_BF16 if acc == 4 else PREFILL_RECORD
+    """32-bit words of a chunk's record for the prefill kernels' ACC (Record<ACC>::SIZE): bf16 tiles at ACC 4 and 5."""
+    return PREFILL_RECORD_BF16 if acc in (4, 5) else PREFILL_RECORD
 
 
 def _flag(x):
@@ -159,6 +162,9 @@ def _all_tilings():
     for K in SUPPORTED_K:
         out += [Tiling(f"{layout}{slab}c64", layout, K, "prefill_scan", "prefill.cu", (slab,), slab, 256,
                        PREFILL_CHUNK, True) for layout in ("kv", "vk") for slab in PREFILL_SLABS]
+    for K in FAMILY_K:
+        out += [Tiling(f"{layout}{slab}c64wg", layout, K, "prefill_scan_wg", "prefill.cu", (slab,), slab, 128,
+                       PREFILL_CHUNK, True) for layout in ("kv", "vk") for slab in PREFILL_SLABS]
     return tuple(out)
 
 
@@ -201,6 +207,15 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
     which the prefill family stages as they are (others as fp32; default ``not f32_keys``).
     """
     t = tiling(layout, K, variant)
+    if t.family == "prefill_scan_wg":
+        wide = f32_keys if bf16_keys is None else not bf16_keys
+        if wide or precision not in (None, "bf16"):
+            raise ValueError(f"variant {variant!r} runs bf16 q, k, p with precision 'bf16' only; got "
+                             f"{'wider keys' if wide else f'precision {precision!r}'}")
+        return Kernel(t.source, f"comba::prefill_scan_wg<{K}, {t.slab}, {_flag(separate_p)}, {_flag(layout == 'vk')}, "
+                                f"{_flag(serving)}>", t.slab, t.threads, prefill_wg_bytes(K, t.slab, separate_p),
+                      f"comba::prefill_prep<{K}, 5, {_flag(serving)}>", prefill_prep_bytes(K, False), 128,
+                      PREFILL_RECORD_BF16)
     if t.family == "prefill_scan":
         wide = f32_keys if bf16_keys is None else not bf16_keys
         if precision is None:  # 16-bit activations: bf16 products, the fastest (docs/design.md)
@@ -232,8 +247,9 @@ def specialisations():
             for separate_p in (True, False):
                 for multi in (True,) if t.passes_only else (False,) if t.decode_only else (False, True):
                     prefill = t.family == "prefill_scan"  # its builds differ by numerics too
-                    for precision, f32_keys in itertools.product(PRECISIONS, (False, True)) if prefill else \
-                            (("fp32", False), ("fp32", True)):
+                    numerics = itertools.product(PRECISIONS, (False, True)) if prefill else \
+                        (("bf16", False),) if t.family == "prefill_scan_wg" else (("fp32", False), ("fp32", True))
+                    for precision, f32_keys in numerics:
                         if prefill and not prefill_fits(t.K, t.slab, separate_p, f32_keys):
                             continue
                         k = kernel(t.layout, t.variant, K=t.K, separate_p=separate_p, multi=multi, serving=serving,
@@ -283,6 +299,15 @@ def prefill_scan_bytes(K, slab, separate_p, wide_keys, record=PREFILL_RECORD):
     read's operand, Y, U and w U of a chunk, and one or two stages of a chunk's inputs."""
     stage, fixed = _prefill_layout(K, slab, separate_p, wide_keys, record)
     return fixed + (2 if fixed + 2 * stage <= MAX_SHARED else 1) * stage
+
+
+def prefill_wg_bytes(K, slab, separate_p):
+    """Bytes of ``WgLayout<K, SLAB, SEPARATE_P, RECORD>`` (kernels_cu/prefill_wgmma.cuh): the state, Y, U and
+    w U as bf16 tiles, then two stages of a chunk's key rows (K + 8 bf16 a row), v slab and record, and two
+    mbarriers."""
+    tiles = 2 * slab * K + 3 * 2 * slab * PREFILL_CHUNK
+    stage = (3 if separate_p else 2) * PREFILL_CHUNK * (K + 8) * 2 + PREFILL_CHUNK * slab * 4 + 4 * PREFILL_RECORD_BF16
+    return -(-tiles // 128) * 128 + 2 * (-(-stage // 128) * 128) + 16
 
 
 def mma_stage_bytes(K, slab, separate_p, tokens):

@@ -38,6 +38,7 @@ class Case(NamedTuple):
     wide_keys: bool = False  #: not all of q, k, p bf16 (the prefill kernels stage those as fp32)
     max_shared: int = MAX_SHARED  #: bytes of shared memory the GPU allows a CTA (the H200's 227 KB)
     verify: bool = False  #: speculative verify: the state after every token stored (the token loop only)
+    wgmma: bool = False  #: bf16 products of bf16 q, k, p on a GPU of compute capability 9.0 (``prefill_scan_wg``)
 
     @property
     def few(self):
@@ -109,6 +110,11 @@ def _prefill_slab(c):
     return 16 if c.heads is not None and c.heads <= 16 else 32
 
 
+def _warpgroup(c):
+    """The prefill scan on wgmma: 32-column slabs, and Gated DeltaNet's 16-column ones."""
+    return c.wgmma and c.K in (64, 128) and (_prefill_slab(c) == 32 or not c.separate_p)
+
+
 def _tensor_cores(c):
     return c.multi and c.T >= c.mma_min_t and (c.few or c.wide)
 
@@ -116,7 +122,7 @@ def _tensor_cores(c):
 RULES = (
     Rule("prefill: 64-token chunks on the tensor cores",
          _prefill,
-         lambda c: f"{c.layout}{_prefill_slab(c)}c64",
+         lambda c: f"{c.layout}{_prefill_slab(c)}c64{'wg' if _warpgroup(c) else ''}",
          "h200-prefill-tiling.json (kv and vk, K = 64 / 128 / 256, 1-128 heads, T = 256-4096) and "
          "h200-prefill-lengths.json (kv, T = 16-65536 and either side of each threshold), Gated DeltaNet at "
          "K = 128 unless said.  The prefill kernels cost a step every 64 tokens, the 16-token kernel every 16, so "
@@ -214,10 +220,10 @@ RULES = (
 
 
 def explain(layout, K, V, separate_p, multi=False, T=1, heads=None, wide_keys=False, max_shared=MAX_SHARED,
-            verify=False):
+            verify=False, wgmma=False):
     """The :class:`Rule` that decides a shape."""
     return _decide(Case(layout, K, V, bool(separate_p), bool(multi), T, heads, bool(wide_keys), max_shared,
-                        bool(verify)))[0]
+                        bool(verify), bool(wgmma)))[0]
 
 
 def _decide(case):
@@ -229,11 +235,12 @@ def _decide(case):
 
 
 def choose(layout, K, V, separate_p, multi=False, T=1, heads=None, wide_keys=False, max_shared=MAX_SHARED,
-           verify=False):
+           verify=False, wgmma=False):
     """The variant for a shape: ``multi`` for T-token passes (T of them), ``heads`` = B * H; ``wide_keys``
     not all of q, k, p bf16; ``max_shared`` the bytes of shared memory the GPU allows a CTA (a prefill
     build that needs more leaves the shape to the rules after it: on an A100, 163 KB, Comba's and the
     fp32 keys' scans at K = 128; on sm_86 / sm_89 GPUs, 99 KB, every prefill build); ``verify``: the state after
-    every token stored (speculative verify), which only the token loop does (T is then 1)."""
+    every token stored (speculative verify), which only the token loop does (T is then 1); ``wgmma``: bf16 q, k,
+    p with bf16 products on a GPU of compute capability 9.0, where the prefill scan also runs on wgmma."""
     return _decide(Case(layout, K, V, bool(separate_p), bool(multi), T, heads, bool(wide_keys), max_shared,
-                        bool(verify)))[1]
+                        bool(verify), bool(wgmma)))[1]

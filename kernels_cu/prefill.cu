@@ -60,7 +60,9 @@ namespace comba {
 constexpr int kPrefillChunk = 64;
 constexpr int kPrefillThreads = 128, kScanThreads = 256;
 // ACC 4 ("bf16"): every product of the scan on bf16 m16n8k16 (header, "Precision").
-__host__ __device__ constexpr bool bf16_products(int acc) { return acc == 4; }
+// ACC 5: the same products for prefill_scan_wg (prefill_wgmma.cuh), whose record holds the fragments in the
+// natural k order.
+__host__ __device__ constexpr bool bf16_products(int acc) { return acc == 4 || acc == 5; }
 
 // A chunk's record (header, "Workspace"), in 32-bit words: A's and Mq's fragments (TF32: the 20 tiles of
 // 16 x 8 on or below the diagonal, 4 floats a lane; bf16: the 10 tiles of 16 x 16, 4 bf16 pairs a lane),
@@ -267,10 +269,10 @@ __device__ __forceinline__ bool rows_copyable(const void* base, long long sb, lo
 
 // Rows t0 .. t0 + C - 1 of one key array into a stage (zeros from row n on): 16-byte copies, or plain
 // loads stored as ES-byte elements (bf16 bits -- the 16-bit stages hold bf16 keys only -- or floats).
-template <int K, int ES, int NTHREADS>
+template <int K, int ES, int NTHREADS, int KP = K + 16>
 __device__ __forceinline__ void stage_keys(unsigned char* dst, const void* src, long long row0, long long st,
                                            long long sk, long long dtype, int n, bool copyable, int tid) {
-    constexpr int KP = K + 16, PER = 16 / ES, ROW = K / PER, ROWS = NTHREADS / ROW;  // pieces a row; rows a pass
+    constexpr int PER = 16 / ES, ROW = K / PER, ROWS = NTHREADS / ROW;  // pieces a row; rows a pass
     static_assert(NTHREADS % ROW == 0 && kPrefillChunk % ROWS == 0, "whole rows a pass");
     if (copyable) {
         // thread tid copies piece tid % ROW of rows tid / ROW + ROWS j: one address each, stepped
@@ -359,7 +361,7 @@ struct GramTiles {
 // registers and 57.6 KB of shared memory, four of which are within the SM's 228 KB; wider keys stage twice the
 // bytes.
 template <int K, int ACC, bool SERVING>
-__global__ void __launch_bounds__(kPrefillThreads, (ACC <= 1 || ACC == 4) && K <= 128 ? 4 : 1)
+__global__ void __launch_bounds__(kPrefillThreads, (ACC <= 1 || ACC >= 4) && K <= 128 ? 4 : 1)
 prefill_prep(COMBA_PREFILL_ARGS) {
     // keys as they are (bf16), split or rounded; A and Mq rounded for a scan that reads them as they are
     constexpr bool K32 = ACC == 2 || ACC == 3;
@@ -627,24 +629,26 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     // A and Mq as A fragments.  TF32: tile (m, ks) at m (m + 1) + ks, lane (lg, lj) the float4 (rows 16 m + lg,
     // + 8; columns 8 ks + lj, + 4).  bf16: tile (m, ks) at m (m + 1) / 2 + ks, lane (lg, lj) four bf16 pairs --
     // rows 16 m + lg, + 8 by columns (16 ks + lj, + 4), then (+ 8, + 12): k-slots 2 lj, 2 lj + 1, 2 lj + 8,
-    // 2 lj + 9 stand for tokens lj, lj + 4, lj + 8, lj + 12 of the step, the order of the scan's token quads.
+    // 2 lj + 9 stand for tokens lj, lj + 4, lj + 8, lj + 12 of the step, the order of the scan's token quads
+    // (ACC 4); with ACC 5 for tokens 2 lj, 2 lj + 1, 2 lj + 8, 2 lj + 9 (the natural order of wgmma's B tiles).
     if constexpr (bf16_products(ACC)) {
+        constexpr int D = ACC == 5 ? 1 : 4, E = ACC == 5 ? 2 : 1;  // the second token of a pair; lane's step
         unsigned* const words = reinterpret_cast<unsigned*>(rec);
         for (int i = tid; i < R::TILES * 32; i += kPrefillThreads) {
             const int f = i >> 5, l = i & 31;
             const int m = f < 1 ? 0 : f < 3 ? 1 : f < 6 ? 2 : 3, ks = f - m * (m + 1) / 2;
-            const int r0 = 16 * m + (l >> 2), c0 = 16 * ks + (l & 3);
-            const float b0 = bt[c0], b1 = bt[c0 + 4], b2 = bt[c0 + 8], b3 = bt[c0 + 12];  // A = X diag(beta)
+            const int r0 = 16 * m + (l >> 2), c0 = 16 * ks + E * (l & 3);
+            const float b0 = bt[c0], b1 = bt[c0 + D], b2 = bt[c0 + 8], b3 = bt[c0 + 8 + D];  // A = X diag(beta)
             const float* x0 = xs + r0 * S + c0;
             const float* x1 = x0 + 8 * S;
             *reinterpret_cast<uint4*>(words + R::A + 4 * i) =
-                make_uint4(bf16_pair(x0[0] * b0, x0[4] * b1), bf16_pair(x1[0] * b0, x1[4] * b1),
-                           bf16_pair(x0[8] * b2, x0[12] * b3), bf16_pair(x1[8] * b2, x1[12] * b3));
+                make_uint4(bf16_pair(x0[0] * b0, x0[D] * b1), bf16_pair(x1[0] * b0, x1[D] * b1),
+                           bf16_pair(x0[8] * b2, x0[8 + D] * b3), bf16_pair(x1[8] * b2, x1[8 + D] * b3));
             const float* m0 = gram_q + r0 * S + c0;
             const float* m1 = m0 + 8 * S;
             *reinterpret_cast<uint4*>(words + R::MQ + 4 * i) =
-                make_uint4(bf16_pair(m0[0], m0[4]), bf16_pair(m1[0], m1[4]), bf16_pair(m0[8], m0[12]),
-                           bf16_pair(m1[8], m1[12]));
+                make_uint4(bf16_pair(m0[0], m0[D]), bf16_pair(m1[0], m1[D]), bf16_pair(m0[8], m0[8 + D]),
+                           bf16_pair(m1[8], m1[8 + D]));
         }
         return;
     }
@@ -1272,3 +1276,5 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_PREFILL_AR
 }
 
 }  // namespace comba
+
+#include "prefill_wgmma.cuh"

@@ -36,9 +36,10 @@ def test_the_registry_lists_every_build_once():
     # vk4x2 at K = 128 x p or not, decode only, and vk8x8 at K = 128 x p or not, T tokens only;
     # chunked: 2 K x 2 kv + 2 vk at K = 128, x p or not; tensor cores: 9 builds (K, slab, tokens) x p or not x
     # layout; prefill: 3 K x 2 slabs x 2 layouts x p or not scans x 5 numerics (tf32 or fp32, bf16 or wider keys;
-    # bf16 products) less the 24 whose stage does not fit (K = 256, wider keys), and 3 K x 5 preps; each with and
-    # without the serving options
-    assert counts == {"token_loop.cu": 160, "chunked.cu": 24, "delta_rule_mma.cu": 72, "prefill.cu": 246,
+    # bf16 products) less the 24 whose stage does not fit (K = 256, wider keys), and 3 K x 5 preps; the wgmma
+    # scan: 2 K x 2 slabs x 2 layouts x p or not, and 2 K x its prep (ACC 5); each with and without the serving
+    # options
+    assert counts == {"token_loop.cu": 160, "chunked.cu": 24, "delta_rule_mma.cu": 72, "prefill.cu": 282,
                       "copy.cu": 1}
     for source, expressions in SPECIALISATIONS.items():
         assert len(set(expressions)) == len(expressions), source
@@ -46,6 +47,7 @@ def test_the_registry_lists_every_build_once():
                for f32 in (False, True) for serving in (False, True) for precision in families.PRECISIONS
                if (multi or not t.passes_only) and not (multi and t.decode_only)
                if t.family != "prefill_scan" or families.prefill_fits(t.K, t.slab, sep, f32)
+               if t.family != "prefill_scan_wg" or (precision == "bf16" and not f32)
                for e in _expressions(families.kernel(t.layout, t.variant, K=t.K, separate_p=sep, multi=multi,
                                                      f32_keys=f32, serving=serving, precision=precision))}
     assert reached == {e for s, exprs in SPECIALISATIONS.items() if s != "copy.cu" for e in exprs}
@@ -114,9 +116,9 @@ def _pre_hopper_spread():
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89"])
 def test_every_family_also_builds_for_pre_hopper_gpus(arch):
     picks = _pre_hopper_spread()
-    # 8 + 8 token loop, 4 + 4 chunked, 16 tensor cores, 5 + 20 prefill (numerics, x p x layout) (each with and
-    # without serving), the copy
-    assert len(picks) == 91
+    # 8 + 8 token loop, 4 + 4 chunked, 16 tensor cores, 5 + 20 prefill (numerics, x p x layout), 4 wgmma scans
+    # (p x layout) and their prep (each with and without serving), the copy; the wgmma scan builds empty there
+    assert len(picks) == 101
     for source in SPECIALISATIONS:
         expressions = [e for s, e in picks if s == source]
         assert set(_build.compile_for_arch(source, expressions, arch)) == set(expressions)
@@ -171,6 +173,12 @@ def test_prefill_shared_bytes_are_the_layouts():
     checks = []
     for expression in SPECIALISATIONS["prefill.cu"]:
         args = _template_args(expression)
+        if expression.startswith("comba::prefill_scan_wg"):
+            K, slab, sep, _, _ = args
+            n = families.prefill_wg_bytes(int(K), int(slab), sep == "true")
+            words = families.prefill_record(5)
+            checks.append(f'static_assert(comba::WgLayout<{K}, {slab}, {sep}, {words}>::BYTES == {n}, "{expression}");')
+            continue
         if expression.startswith("comba::prefill_prep"):
             K, acc, _ = args
             n = families.prefill_prep_bytes(int(K), int(acc) in (2, 3))
@@ -185,7 +193,7 @@ def test_prefill_shared_bytes_are_the_layouts():
             n = families.prefill_scan_bytes(int(K), int(slab), sep == "true", wide, words)
             checks.append(f'static_assert(comba::ScanLayout<{K}, {slab}, {sep}, {"true" if wide else "false"}, '
                           f'{words}>::BYTES == {n}, "{expression}");')
-    assert len(checks) == 246 + 216
+    assert len(checks) == 246 + 216 + 36
     _compiles_with("prefill.cu", checks)
     # what does not fit is not built: K = 256 with fp32 keys, except Gated DeltaNet on 16-column slabs
     assert [(K, slab, sep) for K in families.SUPPORTED_K for slab in families.PREFILL_SLABS for sep in (True, False)

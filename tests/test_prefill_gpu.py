@@ -5,6 +5,8 @@ Every case runs a forced variant on fresh random inputs into NaN-poisoned output
 else TF32 ones) to the accuracy docs/design.md states for them.
 """
 
+import itertools
+
 import numpy
 import pytest
 
@@ -19,6 +21,14 @@ F16, F32 = numpy.dtype(numpy.float16), numpy.dtype(numpy.float32)
 TOL = {("fp32", "bfloat16"): (1e-6, 4e-3), ("fp32", "float16"): (1e-6, 1e-3), ("fp32", "float32"): (1e-6, 5e-6),
        ("tf32", "bfloat16"): (1.5e-3, 5e-3), ("tf32", "float16"): (1.5e-3, 2e-3), ("tf32", "float32"): (1.5e-3, 2e-3),
        ("bf16", "bfloat16"): (4e-3, 5e-3), ("bf16", "float16"): (1.5e-3, 2e-3), ("bf16", "float32"): (1.5e-3, 2e-3)}
+
+
+def _wgmma():
+    """Whether this GPU runs the wgmma scan (``{layout}{slab}c64wg``: compute capability 9.0)."""
+    return cupy.cuda.Device().compute_capability == "90"
+
+
+needs_wgmma = pytest.mark.skipif(not _wgmma(), reason="the wgmma scan needs compute capability 9.0")
 
 
 def _forward(comba, q, k, v, p, beta, g, S, **opts):
@@ -61,6 +71,22 @@ def test_matches_reference(K, V, layout, comba, gate, l2norm, T, precision):
                    variant=f"{layout}{slab}c64")
 
 
+@needs_wgmma
+@pytest.mark.parametrize("K,V", [(64, 64), (128, 128), (128, 96)])
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
+@pytest.mark.parametrize("gate,l2norm", [("log", False), ("linear", True)], ids=["log", "linear-l2norm"])
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 200, 1000])
+def test_the_wgmma_scan_matches_reference(K, V, layout, comba, gate, l2norm, T):
+    """``prefill_scan_wg`` (bf16 products on wgmma) on both slabs, to the bf16 products' bounds."""
+    args = forward_inputs(2, T, 4, K, V, Hk=2, state_layout=layout, gate=gate, seed=K + T + V, dtype=bfloat16,
+                          normalize_keys=not l2norm, xp=cupy, warm_steps=8 if T == 1000 else 0)
+    for slab in families.PREFILL_SLABS:
+        if V % slab == 0:
+            _check(comba, args, "bf16", state_layout=layout, gate=gate, use_qk_l2norm=l2norm,
+                   variant=f"{layout}{slab}c64wg")
+
+
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
 @pytest.mark.parametrize("precision", [None, "fp32"], ids=["default", "fp32"])
@@ -96,20 +122,25 @@ def test_strided_activations(layout, dtype):
     beta = cupy.asarray(rng.random((B, T, H)).astype(dtype))
     g = cupy.asarray(-rng.random((B, T, H)).astype(F32) / 4)
     S0 = cupy.asarray(rng.standard_normal((B, H, K, V) if layout == "kv" else (B, H, V, K)).astype(F32) / 8)
-    o_buf = cupy.full((B, T, H, V + 8), cupy.nan, dtype)
-    o, S = comba_forward(q, k, v, p, beta, g, initial_state=S0, out=o_buf[..., :V], state_layout=layout,
-                         variant=f"{layout}32c64", precision="fp32")
     S_ref, o_ref = reference.comba_loop(S0, q, k, v, p, beta, g, state_layout=layout)
-    assert reference.relative_error(S, S_ref) <= 1e-6
-    assert reference.relative_error(o, o_ref) <= TOL["fp32", numpy.dtype(dtype).name][1]
-    assert bool(cupy.isnan(o_buf[..., V:]).all())  # the gap untouched
+    runs = [(f"{layout}32c64", "fp32")] + ([(f"{layout}32c64wg", "bf16")] if dtype == bfloat16 and _wgmma() else [])
+    for variant, precision in runs:
+        o_buf = cupy.full((B, T, H, V + 8), cupy.nan, dtype)
+        o, S = comba_forward(q, k, v, p, beta, g, initial_state=S0, out=o_buf[..., :V], state_layout=layout,
+                             variant=variant, precision=precision)
+        tol_s, tol_o = TOL[precision, numpy.dtype(dtype).name]
+        assert reference.relative_error(S, S_ref) <= tol_s
+        assert reference.relative_error(o, o_ref) <= tol_o
+        assert bool(cupy.isnan(o_buf[..., V:]).all())  # the gap untouched
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
-@pytest.mark.parametrize("precision", ["fp32", "tf32"])
-def test_ragged_pool_gating(layout, comba, precision):
+@pytest.mark.parametrize("precision,scan", [("fp32", "c64"), ("tf32", "c64"), ("bf16", "c64wg")])
+def test_ragged_pool_gating(layout, comba, precision, scan):
     """Packed sequences of many lengths (empty ones too) from a pool with padding rows, in-kernel gating."""
+    if scan == "c64wg" and not _wgmma():
+        pytest.skip("the wgmma scan needs compute capability 9.0")
     lens = [0, 70, 1, 0, 200, 64, 128, 5]
     N, H, Hk, K, V = len(lens), 4, 2, 128, 64
     cu = numpy.concatenate([[0], numpy.cumsum(lens)]).astype(numpy.int32)
@@ -123,7 +154,7 @@ def test_ragged_pool_gating(layout, comba, precision):
     dt_bias = cupy.asarray(rng.standard_normal(H).astype(F32) / 2)
     out = cupy.full(v.shape, cupy.nan, v.dtype)
     kw = dict(state_layout=layout, state_indices=cupy.asarray(idx), cu_seqlens=cupy.asarray(cu), A_log=A_log,
-              dt_bias=dt_bias, use_beta_sigmoid=True, variant=f"{layout}32c64", precision=precision)
+              dt_bias=dt_bias, use_beta_sigmoid=True, variant=f"{layout}32{scan}", precision=precision)
     if comba:
         o, S = comba_forward(q, k, v, p, beta, g, initial_state=pool, out=out, **kw)
     else:
@@ -161,11 +192,12 @@ def test_a_packed_sequence_sees_none_of_its_neighbours_tokens(layout, comba, pre
         S_ref, o_ref = reference.comba_loop(h(S0), h(q), h(k), h(v), h(p if comba else k), h(beta), h(g),
                                             state_layout=layout, cu_seqlens=cu)
     tol_s, tol_o = TOL[precision, "bfloat16"]
-    for slab in families.PREFILL_SLABS:
+    scans = ("c64", "c64wg") if precision == "bf16" and _wgmma() else ("c64",)
+    for slab, scan in itertools.product(families.PREFILL_SLABS, scans):
         if V % slab:
             continue
         o, S = _forward(comba, q, k, v, p, beta, g, S0, state_layout=layout, cu_seqlens=cupy.asarray(cu),
-                        variant=f"{layout}{slab}c64", precision=precision)
+                        variant=f"{layout}{slab}{scan}", precision=precision)
         for n in (0, 2):
             rows = slice(int(cu[n]), int(cu[n + 1]))
             assert reference.relative_error(o[:, rows], o_ref[:, rows]) <= tol_o

@@ -65,11 +65,11 @@ def test_wide_slab_at_k64_over_many_heads(layout):
 
 
 def test_mma_variant_names():
-    assert families.variants("kv", 128, 128, multi=True)[-6:] == ("kv64tc", "kv64tc16", "kv32tc", "kv32tc16",
-                                                                  "kv32c64", "kv16c64")
+    assert families.variants("kv", 128, 128, multi=True)[-8:] == ("kv64tc", "kv64tc16", "kv32tc", "kv32tc16",
+                                                                  "kv32c64", "kv16c64", "kv32c64wg", "kv16c64wg")
     assert not any(v.endswith("tc16") for v in families.variants("vk", 128, 128))  # T-token passes only
     assert families.tiling("vk", 128, "vk32tc16").passes_only
-    assert families.variants("kv", 64, 128, multi=True)[-3] == "kv128tc16"  # K = 64 only, V a multiple of 128
+    assert families.variants("kv", 64, 128, multi=True)[-5] == "kv128tc16"  # K = 64 only, V a multiple of 128
     assert "vk128tc16" in families.variants("vk", 64, 256, multi=True)
     assert not any("128tc" in v for layout, K, V in (("kv", 128, 128), ("vk", 128, 256), ("kv", 64, 192))
                    for v in families.variants(layout, K, V, multi=True))

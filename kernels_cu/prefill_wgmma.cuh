@@ -1,0 +1,420 @@
+// prefill_wgmma.cuh -- prefill_scan_wg: the scan of prefill.cu on Hopper's warpgroup MMA (wgmma, sm_90a),
+// bf16 products (ACC 5: prefill_prep's bf16 record with its fragments in the natural k order).
+//
+// Math: prefill.cu's header, chunk after chunk of 64 tokens from the state S (K x VT, fp32 in the
+// accumulators):  Rp = P S,  Rq = Q S,  Y = V - diag(G fp) Rp,  U = A Y,  O = diag(scale G fq) Rq + Mq U,
+// S = G_63 S + Kc^T (diag(w) U) -- every product one wgmma.mma_async m64nVTk16 chain, bf16 operands, fp32
+// accumulators: the numerics of the "bf16" precision of prefill_scan (ACC 4), in another summation order.
+//
+// Launch geometry: one 128-thread CTA (one warpgroup) a (row, value head, slab of VT = 16 or 32 value
+// columns).  Warp w owns token rows 16 w .. 16 w + 15 of Rp, Rq, Y, U and O (wgmma's M = 64 tokens) and
+// key rows 64 mt + 16 w .. + 15 of each 64-key tile mt of the state (M = K as K / 64 tiles).
+//
+// Operands.  A from registers: P's and Q's rows by ldmatrix from the staged key rows (K + 8 elements a
+// row: eight rows of 16 bytes fall in distinct banks), Kc^T by ldmatrix.trans from the same rows, A and
+// Mq as the record holds them (mma.sync m16n8k16 A fragments, which are wgmma's).  B from shared memory:
+// S, Y, U and w U as bf16 tiles transposed (BTile: N = VT rows of k values, no swizzle), written from the
+// accumulators by stmatrix.trans -- the accumulator fragments of m64nN are mma.sync's C fragments, each
+// 8 x 8 block of them one stmatrix matrix.
+//
+// Staging as prefill_scan: a chunk's q, k (p) rows, v slab and record by bulk copies from thread 0 on the
+// stage's mbarrier where the host made tensor maps (their key boxes K + 8 wide), else by cp.async pieces
+// and plain loads; two stages.  Three CTA barriers a chunk: chunk staged and S published; Y written;
+// U and w U written.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define COMBA_WGMMA 1
+#else
+#define COMBA_WGMMA 0
+#endif
+
+namespace comba {
+
+constexpr int kWgThreads = 128;
+
+// A B operand of N rows (columns of the product) by KD k values, bf16, K-major with no swizzle: the 8 x 8
+// core matrix (n / 8, k / 8) at 16 N (k / 8) + 128 (n / 8), a row of it 16 bytes.
+template <int N, int KD>
+struct BTile {
+    static constexpr int LBO = 16 * N, SBO = 128, BYTES = 2 * N * KD;
+};
+
+template <int K, int VT, bool SEPARATE_P, int RECORD>
+struct WgLayout {
+    static constexpr int KP = K + 8, NK = SEPARATE_P ? 3 : 2;
+    static constexpr int KEY_BYTES = kPrefillChunk * KP * 2;
+    static constexpr int V_AT = NK * KEY_BYTES, REC_AT = V_AT + kPrefillChunk * VT * 4;
+    static constexpr int STAGE_BYTES = (REC_AT + 4 * RECORD + 127) / 128 * 128;
+    using ST = BTile<VT, K>;
+    using YT = BTile<VT, kPrefillChunk>;
+    static constexpr int STATE_AT = 0, Y_AT = ST::BYTES, U_AT = Y_AT + YT::BYTES, UW_AT = U_AT + YT::BYTES;
+    static constexpr int STAGE_AT = (UW_AT + YT::BYTES + 127) / 128 * 128;
+    static constexpr int BAR_AT = STAGE_AT + 2 * STAGE_BYTES, BYTES = BAR_AT + 16;
+    static_assert(KEY_BYTES % 128 == 0 && V_AT % 128 == 0 && REC_AT % 16 == 0, "bulk copies' alignment");
+    static_assert(BYTES <= 232448, "prefill_scan_wg: two stages do not fit in shared memory");
+};
+
+#if COMBA_WGMMA
+__device__ __forceinline__ unsigned long long wg_desc(const void* at, unsigned lbo, unsigned sbo) {
+    const unsigned a = shared_address(at);
+    return static_cast<unsigned long long>((a & 0x3ffff) >> 4) | static_cast<unsigned long long>(lbo >> 4) << 16 |
+           static_cast<unsigned long long>(sbo >> 4) << 32;
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+// d (+)= a b: a this warp's 16 x 16 A fragment (mma.sync's), b a BTile descriptor; d = a b where !acc.
+template <int N>
+__device__ __forceinline__ void wgmma(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long b, bool acc);
+
+template <>
+__device__ __forceinline__ void wgmma<16>(float (&d)[8], const unsigned (&a)[4], unsigned long long b, bool acc) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, "
+        "%12, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(acc)));
+}
+
+template <>
+__device__ __forceinline__ void wgmma<32>(float (&d)[16], const unsigned (&a)[4], unsigned long long b, bool acc) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
+        "%12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(acc)));
+}
+
+__device__ __forceinline__ void ldsm4(unsigned (&r)[4], const void* at) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(at))
+                 : "memory");
+}
+__device__ __forceinline__ void ldsm4_trans(unsigned (&r)[4], const void* at) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(at))
+                 : "memory");
+}
+__device__ __forceinline__ void stsm4_trans(void* at, unsigned r0, unsigned r1, unsigned r2, unsigned r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(shared_address(at)),
+                 "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+}
+
+// This warp's accumulator rows (16 of an m64nN, as bf16) into the transposed tile `tile` (BTile<N, KD>), at
+// k block kb0 (its rows 0-7) and kb0 + 1 (rows 8-15): one stmatrix.trans a pair of 8-column blocks.
+template <int N, int KD>
+__device__ __forceinline__ void store_bt(unsigned char* tile, const float (&d)[N / 2], int kb0, int lane) {
+    using B = BTile<N, KD>;
+    const int m = lane >> 3, i = lane & 7;
+#pragma unroll
+    for (int j = 0; j < N / 8; j += 2) {
+        unsigned char* at = tile + (kb0 + (m & 1)) * B::LBO + (j + (m >> 1)) * B::SBO + 16 * i;
+        stsm4_trans(at, bf16_pair(d[4 * j], d[4 * j + 1]), bf16_pair(d[4 * j + 2], d[4 * j + 3]),
+                    bf16_pair(d[4 * j + 4], d[4 * j + 5]), bf16_pair(d[4 * j + 6], d[4 * j + 7]));
+    }
+}
+#endif
+
+template <int K, int VT, bool SEPARATE_P, bool VK, bool SERVING>
+__global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_ARGS) {
+#if COMBA_WGMMA
+    using R = Record<5>;
+    using L = WgLayout<K, VT, SEPARATE_P, R::SIZE>;
+    constexpr int C = kPrefillChunk, KP = L::KP, MT = K / 64, NA = VT / 2, KS = K / 16;
+    static_assert(K % 64 == 0 && (VT == 16 || VT == 32), "bad prefill_scan_wg tiling");
+    extern __shared__ __align__(128) unsigned char prefill_smem[];
+    unsigned char* const s_state = prefill_smem + L::STATE_AT;
+    unsigned char* const s_y = prefill_smem + L::Y_AT;
+    unsigned char* const s_u = prefill_smem + L::U_AT;
+    unsigned char* const s_uw = prefill_smem + L::UW_AT;
+    const float* work = inter;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, lg = lane >> 2, lj = lane & 3;
+    const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H), slabs = V / VT;
+    const int bh = static_cast<int>(blockIdx.x) / slabs;
+    const int col0 = (static_cast<int>(blockIdx.x) - bh * slabs) * VT;
+    const int b = bh / H, h = bh - b * H, hk = h / static_cast<int>(prm.group);
+    const long long first = first_slot<SERVING>(cu_seqlens, prm, b);
+    const int T = tokens<SERVING>(cu_seqlens, prm, b, q, k, v, p, beta, g, o);
+    const long long slot = state_slot<SERVING>(slots, prm, b);
+    if (SERVING && slot < 0) {  // a padding row
+        zero_o(o, prm, b, h, col0, VT, T, tid, kWgThreads);
+        return;
+    }
+    const long long head = (SERVING ? slot * H + h : static_cast<long long>(bh)) * K * V;
+    const int chunks = (T + C - 1) / C;
+
+    const bool q_copy = rows_copyable(q, prm.q_sb, prm.q_st, prm.q_sh, prm.q_sk, prm.q_t, 2);
+    const bool k_copy = rows_copyable(k, prm.k_sb, prm.k_st, prm.k_sh, prm.k_sk, prm.k_t, 2);
+    const bool p_copy = rows_copyable(p, prm.p_sb, prm.p_st, prm.p_sh, prm.p_sk, prm.p_t, 2);
+    const int v_bytes = prm.v_t == F32 ? 4 : 2, v_row = VT * v_bytes;
+    const bool bulk = K + 8 <= 256 && maps.use != 0;
+    const long long t_first = row_start<SERVING>(cu_seqlens, prm, b);
+    const int b_map = SERVING && prm.cu_t ? 0 : b;
+    unsigned long long* const bars = reinterpret_cast<unsigned long long*>(prefill_smem + L::BAR_AT);
+    if (bulk && tid == 0) {
+        mbarrier_init(bars);
+        mbarrier_init(bars + 1);
+    }
+    __syncthreads();  // the mbarriers initialised before any thread waits on them
+    // Chunk c's inputs into stage s (bulk copies from thread 0, else cp.async pieces and plain stores that the
+    // caller's next wait and barrier publish).
+    auto stage_next = [&](int c, int s) {
+        unsigned char* const at = prefill_smem + L::STAGE_AT + s * L::STAGE_BYTES;
+        const float* rec = work + ((first + c) * H + h) * R::SIZE;
+        if (bulk) {
+            if (tid == 0) {
+                const int t = static_cast<int>(t_first + static_cast<long long>(c) * C);
+                mbarrier_expect(bars + s, L::NK * L::KEY_BYTES + C * v_row + 4 * R::SIZE);
+                bulk_rows(at, maps.q, 0, hk, t, b_map, bars + s);
+                bulk_rows(at + L::KEY_BYTES, maps.k, 0, hk, t, b_map, bars + s);
+                if (SEPARATE_P) bulk_rows(at + 2 * L::KEY_BYTES, maps.p, 0, hk, t, b_map, bars + s);
+                bulk_rows(at + L::V_AT, maps.v, col0, h, t, b_map, bars + s);
+                bulk_copy(at + L::REC_AT, rec, 4 * R::SIZE, bars + s);
+            }
+            return;
+        }
+        const long long t0 = static_cast<long long>(c) * C;
+        const int n = static_cast<int>(min(static_cast<long long>(C), T - t0));
+        stage_keys<K, 2, kWgThreads, KP>(at, q, b * prm.q_sb + t0 * prm.q_st + hk * prm.q_sh, prm.q_st, prm.q_sk,
+                                         prm.q_t, n, q_copy, tid);
+        stage_keys<K, 2, kWgThreads, KP>(at + L::KEY_BYTES, k, b * prm.k_sb + t0 * prm.k_st + hk * prm.k_sh,
+                                         prm.k_st, prm.k_sk, prm.k_t, n, k_copy, tid);
+        if (SEPARATE_P)
+            stage_keys<K, 2, kWgThreads, KP>(at + 2 * L::KEY_BYTES, p, b * prm.p_sb + t0 * prm.p_st + hk * prm.p_sh,
+                                             prm.p_st, prm.p_sk, prm.p_t, n, p_copy, tid);
+        const long long v0 = b * prm.v_sb + t0 * prm.v_st + h * prm.v_sh + col0 * prm.v_sv;
+        for (int i = tid; i < C * VT; i += kWgThreads) {
+            const int t = i / VT, e = i - t * VT;
+            const unsigned bits = t < n ? load_bits(v, v0 + t * prm.v_st + e * prm.v_sv, prm.v_t) : 0u;
+            unsigned char* d = at + L::V_AT + t * v_row + e * v_bytes;
+            if (v_bytes == 4) *reinterpret_cast<unsigned*>(d) = bits;
+            else *reinterpret_cast<unsigned short*>(d) = static_cast<unsigned short>(bits);
+        }
+        for (int i = tid; i < R::SIZE / 4; i += kWgThreads) copy_async16(at + L::REC_AT + 16 * i, rec + 4 * i, true);
+        copy_async_commit();
+    };
+    if (chunks > 0) stage_next(0, 0);
+
+    // The state: tile mt's rows 64 mt + 16 warp + lg (accumulators 4 j, 4 j + 1) and + 8 (4 j + 2, 4 j + 3), columns
+    // 8 j + 2 lj, + 1 of the slab.
+    float sacc[MT][NA];
+    const int key0 = 16 * warp + lg;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < VT / 8; ++j) {
+            const int ka = 64 * mt + key0, kb = ka + 8, cc = col0 + 8 * j + 2 * lj;
+            float* d = sacc[mt] + 4 * j;
+            if (!prm.has_initial) {
+                d[0] = d[1] = d[2] = d[3] = 0.f;
+                continue;
+            }
+            const float* src = state + head;
+            if constexpr (VK) {
+                d[0] = src[cc * K + ka], d[1] = src[(cc + 1) * K + ka];
+                d[2] = src[cc * K + kb], d[3] = src[(cc + 1) * K + kb];
+            } else {
+                const float2 a = *reinterpret_cast<const float2*>(src + ka * V + cc);
+                const float2 z = *reinterpret_cast<const float2*>(src + kb * V + cc);
+                d[0] = a.x, d[1] = a.y, d[2] = z.x, d[3] = z.y;
+            }
+        }
+    auto publish_state = [&]() {  // S as the bf16 B tile of the read, then visible to wgmma
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) store_bt<VT, K>(s_state, sacc[mt], 8 * mt + 2 * warp, lane);
+        fence_async_shared();
+    };
+    publish_state();
+
+    const bool opair = pairs_aligned(o, prm.o_sb, prm.o_st, prm.o_sh, prm.o_sv, prm.o_t);
+    const bool o_pairs16 = opair && prm.o_t == BF16;
+    const int ta = 16 * warp + lg, tb = ta + 8;  // this lane's token rows
+    unsigned char* o_row = static_cast<unsigned char*>(o) + 2 * (b * prm.o_sb + ta * prm.o_st + h * prm.o_sh + col0 +
+                                                                  2 * lj);
+    const long long o_tb = 16 * prm.o_st, o_chunk = 2 * C * prm.o_st;
+    const long long v_t = prm.v_t;
+    // ldmatrix addresses: lane l gives row l % 8 of matrix l / 8
+    const int a_row = 16 * warp + (lane & 15), a_col = 8 * (lane >> 4);               // A = rows of P, Q
+    const int t_row = (lane & 7) + 8 * (lane >> 4), t_col = 16 * warp + 8 * ((lane >> 3) & 1);  // A = Kc^T
+
+    for (int c = 0; c < chunks; ++c) {
+        const int s = c & 1;
+        if (bulk) mbarrier_wait(bars + s, (c >> 1) & 1);
+        else copy_async_wait<0>();
+        __syncthreads();  // chunk c staged, S published, the other stage free
+        if (c + 1 < chunks) stage_next(c + 1, s ^ 1);
+        const unsigned char* st = prefill_smem + L::STAGE_AT + s * L::STAGE_BYTES;
+        const unsigned char* sq = st;
+        const unsigned char* sk = st + L::KEY_BYTES;
+        const unsigned char* sp = SEPARATE_P ? st + 2 * L::KEY_BYTES : sk;
+        const float* rec = reinterpret_cast<const float*>(st + L::REC_AT);
+        const int n = static_cast<int>(min(static_cast<long long>(C), T - static_cast<long long>(c) * C));
+        if (bulk && SERVING && prm.cu_t && n < C) {
+            // a box past a sequence's end holds the next one's tokens: zero those rows
+            constexpr int PR = KP * 2 / 16;
+            const int rows = C - n, vr = v_row / 16;
+            unsigned char* const at = const_cast<unsigned char*>(st);
+            for (int i = tid; i < L::NK * rows * PR; i += kWgThreads) {
+                const int a = i / (rows * PR), r = i - a * rows * PR;
+                *reinterpret_cast<uint4*>(at + a * L::KEY_BYTES + (n + r / PR) * KP * 2 + 16 * (r % PR)) =
+                    make_uint4(0, 0, 0, 0);
+            }
+            for (int i = tid; i < rows * vr; i += kWgThreads)
+                *reinterpret_cast<uint4*>(at + L::V_AT + (n + i / vr) * v_row + 16 * (i % vr)) = make_uint4(0, 0, 0, 0);
+            fence_async_shared();
+            __syncthreads();
+        }
+
+        // [Rp | Rq] = [P | Q] S
+        float rp[NA], rq[NA];
+        {
+            unsigned pa[KS][4], qa[KS][4];
+#pragma unroll
+            for (int ks = 0; ks < KS; ++ks) {
+                ldsm4(pa[ks], sp + (a_row * KP + 16 * ks + a_col) * 2);
+                ldsm4(qa[ks], sq + (a_row * KP + 16 * ks + a_col) * 2);
+            }
+            using ST = typename L::ST;
+            wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < KS; ++ks) {
+                const unsigned long long d = wg_desc(s_state + 2 * ks * ST::LBO, ST::LBO, ST::SBO);
+                wgmma<VT>(rp, pa[ks], d, ks > 0);
+                wgmma<VT>(rq, qa[ks], d, ks > 0);
+            }
+            wg_commit();
+            wg_wait();
+        }
+        using YT = typename L::YT;
+
+        // Y = V - diag(G fp) Rp
+        {
+            const float ga = rec[R::GP + ta], gb = rec[R::GP + tb];
+            const unsigned char* va = st + L::V_AT + ta * v_row;
+            const unsigned char* vb = st + L::V_AT + tb * v_row;
+            float y[NA];
+#pragma unroll
+            for (int j = 0; j < VT / 8; ++j) {
+                const int cc = 8 * j + 2 * lj;
+                float2 x, z;
+                if (v_t == BF16) x = staged2<2>(va + 2 * cc), z = staged2<2>(vb + 2 * cc);
+                else if (v_t == F16) x = staged_f16x2(va + 2 * cc), z = staged_f16x2(vb + 2 * cc);
+                else x = staged2<4>(va + 4 * cc), z = staged2<4>(vb + 4 * cc);
+                y[4 * j] = fmaf(-ga, rp[4 * j], x.x);
+                y[4 * j + 1] = fmaf(-ga, rp[4 * j + 1], x.y);
+                y[4 * j + 2] = fmaf(-gb, rp[4 * j + 2], z.x);
+                y[4 * j + 3] = fmaf(-gb, rp[4 * j + 3], z.y);
+            }
+            store_bt<VT, C>(s_y, y, 2 * warp, lane);
+            fence_async_shared();
+        }
+        __syncthreads();
+
+        // U = A Y (this warp's row tile of A up to the diagonal; zeros above it)
+        const uint4* afrag = reinterpret_cast<const uint4*>(rec + R::A) + warp * (warp + 1) / 2 * 32 + lane;
+        const uint4* mfrag = reinterpret_cast<const uint4*>(rec + R::MQ) + warp * (warp + 1) / 2 * 32 + lane;
+        auto frag = [&](const uint4* f, int ks, unsigned (&a)[4]) {
+            const uint4 x = ks <= warp ? f[32 * ks] : make_uint4(0, 0, 0, 0);
+            a[0] = x.x, a[1] = x.y, a[2] = x.z, a[3] = x.w;
+        };
+        {
+            unsigned af[4][4];
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) frag(afrag, ks, af[ks]);
+            float u[NA];
+            wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks)
+                wgmma<VT>(u, af[ks], wg_desc(s_y + 2 * ks * YT::LBO, YT::LBO, YT::SBO), ks > 0);
+            wg_commit();
+            wg_wait();
+            store_bt<VT, C>(s_u, u, 2 * warp, lane);
+            const float wa = rec[R::W + ta], wb = rec[R::W + tb];
+#pragma unroll
+            for (int j = 0; j < VT / 8; ++j) {
+                u[4 * j] *= wa, u[4 * j + 1] *= wa, u[4 * j + 2] *= wb, u[4 * j + 3] *= wb;
+            }
+            store_bt<VT, C>(s_uw, u, 2 * warp, lane);
+            fence_async_shared();
+        }
+        __syncthreads();
+
+        // O = diag(scale G fq) Rq + Mq U;  S = G_63 S + Kc^T (w U)
+        {
+            unsigned mf[4][4], kt[MT][4][4];
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) frag(mfrag, ks, mf[ks]);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int ks = 0; ks < 4; ++ks) ldsm4_trans(kt[mt][ks], sk + ((16 * ks + t_row) * KP + 64 * mt + t_col) * 2);
+            const float qa_ = rec[R::GQ + ta], qb_ = rec[R::GQ + tb], G = rec[R::G];
+#pragma unroll
+            for (int j = 0; j < VT / 8; ++j) {
+                rq[4 * j] *= qa_, rq[4 * j + 1] *= qa_, rq[4 * j + 2] *= qb_, rq[4 * j + 3] *= qb_;
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int r = 0; r < NA; ++r) sacc[mt][r] *= G;
+            wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks)
+                wgmma<VT>(rq, mf[ks], wg_desc(s_u + 2 * ks * YT::LBO, YT::LBO, YT::SBO), true);
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    wgmma<VT>(sacc[mt], kt[mt][ks], wg_desc(s_uw + 2 * ks * YT::LBO, YT::LBO, YT::SBO), true);
+            wg_commit();
+            wg_wait();
+        }
+        if (o_pairs16) {
+#pragma unroll
+            for (int j = 0; j < VT / 8; ++j) {
+                if (ta < n) *reinterpret_cast<unsigned*>(o_row + 16 * j) = bf16_pair(rq[4 * j], rq[4 * j + 1]);
+                if (tb < n) *reinterpret_cast<unsigned*>(o_row + o_tb + 16 * j) = bf16_pair(rq[4 * j + 2], rq[4 * j + 3]);
+            }
+            o_row += o_chunk;
+        } else {
+            const long long t0 = static_cast<long long>(c) * C;
+            const long long oa = b * prm.o_sb + (t0 + ta) * prm.o_st + h * prm.o_sh;
+            const long long ob = b * prm.o_sb + (t0 + tb) * prm.o_st + h * prm.o_sh;
+#pragma unroll
+            for (int j = 0; j < VT / 8; ++j) {
+                const long long cc = (col0 + 8 * j + 2 * lj) * prm.o_sv;
+                if (ta < n) store_act_pair(o, oa + cc, prm.o_sv, prm.o_t, rq[4 * j], rq[4 * j + 1], opair);
+                if (tb < n) store_act_pair(o, ob + cc, prm.o_sv, prm.o_t, rq[4 * j + 2], rq[4 * j + 3], opair);
+            }
+        }
+        publish_state();  // every warp's read of the old S ended before the second barrier
+    }
+
+    if (prm.write_final) {
+        float* dst = state_out + (SERVING ? pool_head<K>(slots, prm, b, h) : head);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int j = 0; j < VT / 8; ++j) {
+                const int ka = 64 * mt + key0, kb = ka + 8, cc = col0 + 8 * j + 2 * lj;
+                const float* d = sacc[mt] + 4 * j;
+                if constexpr (VK) {
+                    dst[cc * K + ka] = d[0], dst[(cc + 1) * K + ka] = d[1];
+                    dst[cc * K + kb] = d[2], dst[(cc + 1) * K + kb] = d[3];
+                } else {
+                    store_state(dst + ka * V + cc, make_float2(d[0], d[1]));
+                    store_state(dst + kb * V + cc, make_float2(d[2], d[3]));
+                }
+            }
+    }
+#endif
+}
+
+}  // namespace comba
