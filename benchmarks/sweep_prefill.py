@@ -4,6 +4,7 @@ flash-linear-attention's chunked kernels in the same process (bf16, K = V = 128,
     PYTHONPATH=. python benchmarks/sweep_prefill.py --tiling benchmarks/results/h200-prefill-tiling.json
     PYTHONPATH=. python benchmarks/sweep_prefill.py --lengths benchmarks/results/h200-prefill-lengths.json
     PYTHONPATH=.:/tmp/site python benchmarks/sweep_prefill.py --fla benchmarks/results/h200-prefill.json
+    PYTHONPATH=.:/tmp/site python benchmarks/sweep_prefill.py --wgmma benchmarks/results/h200-prefill-wgmma.json
 
 ``--tiling``: Gated DeltaNet and Comba, "kv" and "vk", over 1-128 heads (H = 16; H = 32 from 32 heads
 on) and T = 256-4096, at each K of ``--head-sizes``: both 64-token slabs and the kernel the rules
@@ -15,6 +16,10 @@ choose.  Rows hold the times only: the renderer marks the choice of the tree it 
 ``chunk_gated_delta_rule`` / ``chunk_comba``, as rows ``{op, B, T, H, K, V, dtype, ours_us, fla_us}``;
 and the relative errors of o and of the final state of both against the float64 reference at B = 1,
 T = 1024, H = 4 (each library's bf16 default).
+``--wgmma`` (compute capability 9.0; the FLA rows need torch and fla-core): Gated DeltaNet and Comba, "kv" and
+"vk", K = 64 / 128, 1-128 heads, T = 256 / 1024 / 8192: both slabs of ``prefill_scan`` (``c64``) and of its
+wgmma form (``c64wg``), as rows ``{op, layout, K, V, B, T, H, us}``; then the ``--fla`` shapes with ours on
+the variant the tiling names when it takes the wgmma scan.
 """
 
 import argparse
@@ -81,7 +86,35 @@ def sweep_lengths(head_sizes):
             for heads in (1, 16, 32, 64, 128) for T in LENGTHS]
 
 
-def sweep_fla():
+#: ``--wgmma``: the grid of the wgmma scan against prefill_scan, both slabs (vk over 128 heads to T = 1024)
+WGMMA_GRID = tuple((K, layout, comba, heads, T) for K in (128, 64) for layout in ("kv", "vk") for comba in (False, True)
+                   for heads in (1, 16, 64, 128) for T in (256, 1024, 8192)
+                   if not (layout == "vk" and heads == 128 and T == 8192))
+
+
+def sweep_wgmma():
+    """The 64-token scans on both slabs, mma.sync (``c64``) and wgmma (``c64wg``), over WGMMA_GRID."""
+    rows = []
+    for K_, layout, comba, heads, T in WGMMA_GRID:
+        H = min(16 if heads < 32 else 32, heads)
+        B = heads // H
+        args = forward_inputs(B, T, H, K_, V, xp=cupy, state_layout=layout, warm_steps=0, seed=T)
+        times = {}
+        for variant in (f"{layout}{slab}{scan}" for scan in ("c64", "c64wg") for slab in (16, 32)):
+            times[variant] = round(time_graph(_call(comba, args, state_layout=layout, variant=variant),
+                                              iters=5).median_us, 2)
+        chosen = tiling.choose(layout, K_, V, comba, True, T, heads, wgmma=True)
+        best = min(times, key=times.get)
+        print(f"{'comba' if comba else 'gdn'} {layout} K={K_} heads={heads} T={T} "
+              + " ".join(f"{a}={b}" for a, b in times.items())
+              + f" best {best} chosen {chosen} ({times[chosen] / times[best]:.3f})", flush=True)
+        rows.append(dict(op="comba" if comba else "gdn", layout=layout, K=K_, V=V, B=B, T=T, H=H, us=times))
+    return rows
+
+
+def sweep_fla(wgmma=False):
+    """The shapes of FLA_SHAPES against flash-linear-attention; ``wgmma``: ours on the variant the tiling names
+    where it takes the wgmma scan (tiling.choose(..., wgmma=True)), else the library's choice."""
     import torch
     from fla.ops.comba import chunk_comba
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -115,16 +148,19 @@ def sweep_fla():
         args = forward_inputs(B, T, H, K, V, xp=cupy, warm_steps=0, seed=T + H)
         q, k, v, p, beta, g, S = (T_(a) for a in args)
         for comba in (False, True):
-            ours = time_graph(_call(comba, args), iters=5).median_us
+            variant = tiling.choose("kv", K, V, comba, True, T, B * H, wgmma=wgmma)
+            ours = time_graph(_call(comba, args, variant=variant if wgmma else None), iters=5).median_us
             if comba:
                 fla = torch_graph(lambda: chunk_comba(q, k, v, p, g, beta, initial_state=S, output_final_state=True))
             else:
                 fla = torch_graph(lambda: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=S,
                                                                  output_final_state=True))
             row = dict(op="comba" if comba else "gdn", B=B, T=T, H=H, K=K, V=V, dtype="bfloat16", ours_us=ours,
-                       fla_us=fla, ours_variant=tiling.choose("kv", K, V, comba, True, T, B * H))
+                       fla_us=fla, ours_variant=variant)
             rows.append(row)
             print(json.dumps(row), flush=True)
+    if wgmma:
+        return rows, None
     # accuracy of each library's bf16 default against float64 (Gated DeltaNet; FLA's Comba is another function)
     args = forward_inputs(1, 1024, 4, K, V, xp=cupy, warm_steps=4, seed=5)
     host = [cupy.asnumpy(a) for a in args]
@@ -148,7 +184,14 @@ def main():
     ap.add_argument("--fla", metavar="JSON")
     ap.add_argument("--lengths", metavar="JSON", help="the tiling's choice against the best, T = 16 - 65536 (kv, "
                                                       "--head-sizes)")
+    ap.add_argument("--wgmma", metavar="JSON", help="the wgmma scan against prefill_scan (WGMMA_GRID), and against "
+                                                    "flash-linear-attention on the FLA_SHAPES (needs torch, fla-core)")
     a = ap.parse_args()
+    if a.wgmma:
+        rows = sweep_wgmma()
+        fla, _ = sweep_fla(wgmma=True)
+        with open(a.wgmma, "w") as f:
+            json.dump({"environment": environment(), "rows": rows, "fla": fla}, f, indent=1)
     if a.lengths:
         rows = sweep_lengths([int(k) for k in a.head_sizes.split(",")])
         with open(a.lengths, "w") as f:

@@ -26,9 +26,9 @@ from ._backend import cupy
 
 NVRTC_OPTIONS = ("--std=c++17",)
 
-#: Sources built for the arch-specific target on compute capability 9.0 (sm_90a): the prefill kernels, whose
-#: ``prefill_scan_wg`` runs on wgmma (elsewhere it is built empty and never chosen).
-ARCH_SPECIFIC = ("prefill.cu",)
+#: Sources built for the arch-specific target on compute capability 9.0 (sm_90a): the prefill scan on wgmma
+#: (elsewhere it is built empty, and the plans refuse it).
+ARCH_SPECIFIC = ("prefill_wgmma.cu",)
 
 
 def nvrtc_options(source, arch):

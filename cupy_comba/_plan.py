@@ -58,10 +58,14 @@ class Plan:
         T = max(1, sig.T // max(sig.B, 1)) if sig.ragged else 1 if sig.per_token else sig.T
         f32_keys = any(a[n] is not None and a[n].dtype == float32 for n in ("q", "k", "p"))
         limit = shared_limit(self.device)
-        wgmma = sig.bf16_keys and sig.precision in (None, "bf16") and \
-            cupy.cuda.Device(self.device).compute_capability == "90"
+        hopper = cupy.cuda.Device(self.device).compute_capability == "90"
+        if sig.variant and families.tiling(sig.layout, sig.K, sig.variant).family == "prefill_scan_wg" and not hopper:
+            raise ValueError(f"variant {sig.variant!r} runs on wgmma, on GPUs of compute capability 9.0 only; GPU "
+                             f"{self.device} has {cupy.cuda.Device(self.device).compute_capability}")
+        # the wgmma scan runs where a caller names it (variant=...c64wg); tiling.choose takes it (wgmma=True)
+        # once compute-sanitizer has checked it
         self.variant = sig.variant or tiling.choose(sig.layout, sig.K, sig.V, sig.comba, sig.multi, T, sig.B * sig.H,
-                                                    not sig.bf16_keys, limit, bool(sig.per_token), wgmma)
+                                                    not sig.bf16_keys, limit, bool(sig.per_token), wgmma=False)
         self.kernel = kernel = families.kernel(sig.layout, self.variant, K=sig.K, separate_p=sig.comba,
                                                multi=sig.multi, f32_keys=f32_keys, precision=sig.precision,
                                                bf16_keys=sig.bf16_keys,

@@ -27,7 +27,7 @@ variant                   kernel (``comba::``)        a CTA holds
                           (``prefill.cu``)            ``prefill_prep`` forms for every chunk at once
 ``{layout}{SLAB}c64wg``   ``prefill_prep``, then      the same on Hopper's warpgroup MMA (bf16
                           ``prefill_scan_wg``         q, k, p and products; compute capability 9.0)
-                          (``prefill_wgmma.cuh``)
+                          (``prefill_wgmma.cu``)
 ========================  ==========================  ============================================
 
 The token-loop kernels have two builds: the decode step (one token from a given state to a
@@ -163,7 +163,7 @@ def _all_tilings():
         out += [Tiling(f"{layout}{slab}c64", layout, K, "prefill_scan", "prefill.cu", (slab,), slab, 256,
                        PREFILL_CHUNK, True) for layout in ("kv", "vk") for slab in PREFILL_SLABS]
     for K in FAMILY_K:
-        out += [Tiling(f"{layout}{slab}c64wg", layout, K, "prefill_scan_wg", "prefill.cu", (slab,), slab, 128,
+        out += [Tiling(f"{layout}{slab}c64wg", layout, K, "prefill_scan_wg", "prefill_wgmma.cu", (slab,), slab, 128,
                        PREFILL_CHUNK, True) for layout in ("kv", "vk") for slab in PREFILL_SLABS]
     return tuple(out)
 
@@ -302,7 +302,7 @@ def prefill_scan_bytes(K, slab, separate_p, wide_keys, record=PREFILL_RECORD):
 
 
 def prefill_wg_bytes(K, slab, separate_p):
-    """Bytes of ``WgLayout<K, SLAB, SEPARATE_P, RECORD>`` (kernels_cu/prefill_wgmma.cuh): the state, Y, U and
+    """Bytes of ``WgLayout<K, SLAB, SEPARATE_P, RECORD>`` (kernels_cu/prefill_wgmma.cu): the state, Y, U and
     w U as bf16 tiles, then two stages of a chunk's key rows (K + 8 bf16 a row), v slab and record, and two
     mbarriers."""
     tiles = 2 * slab * K + 3 * 2 * slab * PREFILL_CHUNK

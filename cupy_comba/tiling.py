@@ -111,8 +111,8 @@ def _prefill_slab(c):
 
 
 def _warpgroup(c):
-    """The prefill scan on wgmma: 32-column slabs, and Gated DeltaNet's 16-column ones."""
-    return c.wgmma and c.K in (64, 128) and (_prefill_slab(c) == 32 or not c.separate_p)
+    """The prefill scan on wgmma: 32-column slabs, Gated DeltaNet's 16-column ones, and Comba's over one head."""
+    return c.wgmma and c.K in (64, 128) and (_prefill_slab(c) == 32 or not c.separate_p or c.heads == 1)
 
 
 def _tensor_cores(c):
@@ -133,7 +133,13 @@ RULES = (
          "against 17.5); over 65-128 heads from T = 113 (128 heads: 40.8 against 45.7, T = 112 40.8 against "
          "40.9; T = 65536 11801 against 20767), at K = 64 from T = 177 (40.5 against 44.0, T = 176 40.6 against "
          "41.1); at K = 256 over every head count from T = 16 (1 head: 15.1 against 18.9 us for kv32x16, 128 "
-         "heads: 36.5 against 53.4), 6.6-32x the token loops from T = 256."),
+         "heads: 36.5 against 53.4), 6.6-32x the token loops from T = 256.  Where q, k, p are bf16 with bf16 "
+         "products on compute capability 9.0, the same slabs' scan on wgmma (h200-prefill-wgmma.json, K = 64 / 128, "
+         "kv and vk, 1-128 heads, T = 256-8192): 32-column slabs 0.72-0.93 of prefill_scan's time from 64 heads "
+         "(K = 128, 128 heads, T = 8192: 1241.1 against 1398.5 us; K = 64: 868.6 against 1193.0), Gated "
+         "DeltaNet's 16-column slabs 0.92-0.98 (16 heads, T = 8192: 242.7 against 248.0), Comba's 16-column "
+         "ones over one head 0.91-1.02 (T = 8192 178.4 against 195.5) but over 16 heads 1.11 (289.9 against "
+         "261.5), which keeps prefill_scan."),
     Rule("K = 256: the kv token loop",
          lambda c: c.K == 256 and c.layout == "kv",
          lambda c: "kv64x16" if c.wide and (c.heads is None or c.heads > 1024) else "kv32x16",

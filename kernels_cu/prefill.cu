@@ -60,7 +60,7 @@ namespace comba {
 constexpr int kPrefillChunk = 64;
 constexpr int kPrefillThreads = 128, kScanThreads = 256;
 // ACC 4 ("bf16"): every product of the scan on bf16 m16n8k16 (header, "Precision").
-// ACC 5: the same products for prefill_scan_wg (prefill_wgmma.cuh), whose record holds the fragments in the
+// ACC 5: the same products for prefill_scan_wg (prefill_wgmma.cu), whose record holds the fragments in the
 // natural k order.
 __host__ __device__ constexpr bool bf16_products(int acc) { return acc == 4 || acc == 5; }
 
@@ -1276,5 +1276,3 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_PREFILL_AR
 }
 
 }  // namespace comba
-
-#include "prefill_wgmma.cuh"

@@ -1,8 +1,6 @@
 """Every build of the 64-token prefill kernels over several chunks (two full ones and one of 22 tokens), dense and
-with the serving options (a ragged batch from a pool), in "bf16" and "fp32", and the wgmma scan where the GPU
-runs it: run under compute-sanitizer's racecheck and memcheck by test_sanitizer_gpu.py."""
-
-import itertools
+with the serving options (a ragged batch from a pool), in "bf16" and "fp32": run under compute-sanitizer's
+racecheck and memcheck by test_sanitizer_gpu.py."""
 
 import cupy
 import numpy
@@ -23,9 +21,8 @@ def main():
                 packed = [a.reshape((1, 2 * T) + a.shape[2:]) for a in (q, k, v, p, beta, g)]
                 cu = cupy.asarray(numpy.array([0, 70, 2 * T], numpy.int32))
                 slots = cupy.asarray(numpy.array([2, 0], numpy.int32))
-                wgmma = precision == "bf16" and K <= 128 and cupy.cuda.Device().compute_capability == "90"
-                for slab, scan in itertools.product(families.PREFILL_SLABS, ("c64", "c64wg") if wgmma else ("c64",)):
-                    variant = f"{layout}{slab}{scan}"
+                for slab in families.PREFILL_SLABS:
+                    variant = f"{layout}{slab}c64"
                     for comba in (False, True):
                         if not families.prefill_fits(K, slab, comba, False):
                             continue

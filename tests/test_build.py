@@ -39,7 +39,8 @@ def test_the_registry_lists_every_build_once():
     # bf16 products) less the 24 whose stage does not fit (K = 256, wider keys), and 3 K x 5 preps; the wgmma
     # scan: 2 K x 2 slabs x 2 layouts x p or not, and 2 K x its prep (ACC 5); each with and without the serving
     # options
-    assert counts == {"token_loop.cu": 160, "chunked.cu": 24, "delta_rule_mma.cu": 72, "prefill.cu": 282,
+    assert counts == {"token_loop.cu": 160, "chunked.cu": 24, "delta_rule_mma.cu": 72, "prefill.cu": 246,
+                      "prefill_wgmma.cu": 36,
                       "copy.cu": 1}
     for source, expressions in SPECIALISATIONS.items():
         assert len(set(expressions)) == len(expressions), source
@@ -170,15 +171,24 @@ def test_prefill_shared_bytes_are_the_layouts():
     ScanLayout::BYTES and PrepLayout::BYTES of kernels_cu/prefill.cu for every build, the workspace's record
     sizes Record::SIZE (a stage holds its own precision's record), and prefill_fits names exactly the builds
     whose stage fits."""
-    checks = []
-    for expression in SPECIALISATIONS["prefill.cu"]:
+    checks, wg_checks = [], []
+    for expression in SPECIALISATIONS["prefill_wgmma.cu"]:
         args = _template_args(expression)
-        if expression.startswith("comba::prefill_scan_wg"):
+        if expression.startswith("comba::prefill_prep"):
+            K, acc, _ = args
+            assert acc == "5" and families.prefill_record(5) == families.PREFILL_RECORD_BF16
+            wg_checks.append(f'static_assert(comba::PrepLayout<{K}, false>::BYTES == '
+                             f'{families.prefill_prep_bytes(int(K), False)}, "{expression}");')
+        else:
             K, slab, sep, _, _ = args
             n = families.prefill_wg_bytes(int(K), int(slab), sep == "true")
-            words = families.prefill_record(5)
-            checks.append(f'static_assert(comba::WgLayout<{K}, {slab}, {sep}, {words}>::BYTES == {n}, "{expression}");')
-            continue
+            layout = f"comba::WgLayout<{K}, {slab}, {sep}, {families.PREFILL_RECORD_BF16}>"
+            wg_checks.append(f'static_assert({layout}::BYTES == {n}, "{expression}");')
+    wg_checks.append(f'static_assert(comba::Record<5>::SIZE == {families.PREFILL_RECORD_BF16}, "ACC 5");')
+    assert len(wg_checks) == 37
+    _compiles_with("prefill_wgmma.cu", wg_checks)
+    for expression in SPECIALISATIONS["prefill.cu"]:
+        args = _template_args(expression)
         if expression.startswith("comba::prefill_prep"):
             K, acc, _ = args
             n = families.prefill_prep_bytes(int(K), int(acc) in (2, 3))
@@ -193,7 +203,7 @@ def test_prefill_shared_bytes_are_the_layouts():
             n = families.prefill_scan_bytes(int(K), int(slab), sep == "true", wide, words)
             checks.append(f'static_assert(comba::ScanLayout<{K}, {slab}, {sep}, {"true" if wide else "false"}, '
                           f'{words}>::BYTES == {n}, "{expression}");')
-    assert len(checks) == 246 + 216 + 36
+    assert len(checks) == 246 + 216
     _compiles_with("prefill.cu", checks)
     # what does not fit is not built: K = 256 with fp32 keys, except Gated DeltaNet on 16-column slabs
     assert [(K, slab, sep) for K in families.SUPPORTED_K for slab in families.PREFILL_SLABS for sep in (True, False)

@@ -175,3 +175,27 @@ def test_the_forward_choice_is_within_5_percent_of_the_best_timed(name):
         chosen = tiling.choose(r["layout"], r["K"], r["V"], r["op"] == "comba", True, r["T"], r["B"] * r["H"])
         assert r["us"][chosen] <= 1.05 * min(r["us"].values()), r
     assert len(rows) >= 200  # the files are not stubs
+
+
+def test_the_wgmma_scan_choice_is_within_5_percent_of_the_best_timed():
+    """h200-prefill-wgmma.json: where the tiling takes the wgmma scan (bf16 q, k, p and products on compute
+    capability 9.0), its choice among both slabs of both scans is within 5% of the fastest at every point."""
+    with open(RESULTS / "h200-prefill-wgmma.json") as f:
+        rows = json.load(f)["rows"]
+    for r in rows:
+        chosen = tiling.choose(r["layout"], r["K"], r["V"], r["op"] == "comba", True, r["T"], r["B"] * r["H"],
+                               wgmma=True)
+        assert r["us"][chosen] <= 1.05 * min(r["us"].values()), r
+    assert len(rows) == 92
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_the_wgmma_scan_where_it_wins(layout):
+    """32-column slabs and Gated DeltaNet's 16-column ones on wgmma; Comba's 16-column ones only over one head;
+    never at K = 256, nor without wgmma."""
+    def choose(comba, K=128, heads=16, wgmma=True):
+        return tiling.choose(layout, K, 128, comba, True, 4096, heads, wgmma=wgmma)
+    assert choose(False) == f"{layout}16c64wg" and choose(True) == f"{layout}16c64"
+    assert choose(True, heads=1) == f"{layout}16c64wg"
+    assert choose(True, heads=64) == choose(False, K=64, heads=128) == f"{layout}32c64wg"
+    assert choose(False, K=256) == f"{layout}16c64" and choose(False, wgmma=False) == f"{layout}16c64"

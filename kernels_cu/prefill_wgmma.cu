@@ -1,4 +1,4 @@
-// prefill_wgmma.cuh -- prefill_scan_wg: the scan of prefill.cu on Hopper's warpgroup MMA (wgmma, sm_90a),
+// prefill_wgmma.cu -- prefill_scan_wg: the scan of prefill.cu on Hopper's warpgroup MMA (wgmma, sm_90a),
 // bf16 products (ACC 5: prefill_prep's bf16 record with its fragments in the natural k order).
 //
 // Math: prefill.cu's header, chunk after chunk of 64 tokens from the state S (K x VT, fp32 in the
@@ -21,6 +21,8 @@
 // stage's mbarrier where the host made tensor maps (their key boxes K + 8 wide), else by cp.async pieces
 // and plain loads; two stages.  Three CTA barriers a chunk: chunk staged and S published; Y written;
 // U and w U written.
+#include "prefill.cu"
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define COMBA_WGMMA 1
 #else
@@ -354,7 +356,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int ks = 0; ks < 4; ++ks) ldsm4_trans(kt[mt][ks], sk + ((16 * ks + t_row) * KP + 64 * mt + t_col) * 2);
+                for (int ks = 0; ks < 4; ++ks)
+                    ldsm4_trans(kt[mt][ks], sk + ((16 * ks + t_row) * KP + 64 * mt + t_col) * 2);
             const float qa_ = rec[R::GQ + ta], qb_ = rec[R::GQ + tb], G = rec[R::G];
 #pragma unroll
             for (int j = 0; j < VT / 8; ++j) {
@@ -380,7 +383,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
 #pragma unroll
             for (int j = 0; j < VT / 8; ++j) {
                 if (ta < n) *reinterpret_cast<unsigned*>(o_row + 16 * j) = bf16_pair(rq[4 * j], rq[4 * j + 1]);
-                if (tb < n) *reinterpret_cast<unsigned*>(o_row + o_tb + 16 * j) = bf16_pair(rq[4 * j + 2], rq[4 * j + 3]);
+                if (tb < n)
+                    *reinterpret_cast<unsigned*>(o_row + o_tb + 16 * j) = bf16_pair(rq[4 * j + 2], rq[4 * j + 3]);
             }
             o_row += o_chunk;
         } else {
