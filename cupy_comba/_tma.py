@@ -4,8 +4,9 @@
 v from one thread by ``cp.async.bulk.tensor`` where the GPU has the copy engine (compute capability 9.0
 on) and the arrays allow it, instead of 16-byte cp.async pieces from every thread.  A tensor map
 describes one array as ``[B, T, heads, n]`` (the last axis innermost) and a box of 64 token rows of one
-head: for q, k and p ``K + 16`` elements wide -- the 16 past the key axis lie outside the array and arrive
-as zeros, so that the rows land at the stage's padded pitch -- and for v one slab of value columns.
+head: for q, k and p ``K + 16`` elements wide (``K + 8`` for ``prefill_scan_wg``) -- the elements past the
+key axis lie outside the array and arrive as zeros, so that the rows land at the stage's padded pitch --
+and for v one slab of value columns.
 
 The maps are opaque 128-byte values made by the CUDA driver (``cuTensorMapEncodeTiled``, through
 ctypes: CuPy does not wrap it).  A map holds its array's address, so a launch with other pointers has

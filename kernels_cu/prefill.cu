@@ -201,8 +201,9 @@ __device__ __forceinline__ void copy_async16(void* dst, const void* src, bool va
 // Hopper's bulk copies (sm_90 on): a scan chunk's rows of q, k, p and v by tensor map and its record in one
 // piece, from one thread, completing on an mbarrier a stage.  A TensorMap is the driver's opaque 128-byte
 // descriptor (cuTensorMapEncodeTiled); StageMaps, the prefill kernels' last parameter, holds q's, k's and
-// p's as [B, T, Hk, K] with a box of one head's 64 token rows, K + 16 elements wide -- the 16 past the key
-// axis arrive as zeros, so that a row lands at the stage's padded pitch -- v's as [B, T, H, V] with a box
+// p's as [B, T, Hk, K] with a box of one head's 64 token rows, K + 16 elements wide (K + 8 for prefill_scan_wg)
+// -- those past the key axis arrive as zeros, so that a row lands at the stage's padded pitch -- v's as
+// [B, T, H, V] with a box
 // of 64 rows of one slab, and `use` 0 where the host made none (cupy_comba/_tma.py says when; the scan
 // then stages by cp.async).
 struct alignas(64) TensorMap {
@@ -267,8 +268,8 @@ __device__ __forceinline__ bool rows_copyable(const void* base, long long sb, lo
            reinterpret_cast<unsigned long long>(base) % 16 == 0;
 }
 
-// Rows t0 .. t0 + C - 1 of one key array into a stage (zeros from row n on): 16-byte copies, or plain
-// loads stored as ES-byte elements (bf16 bits -- the 16-bit stages hold bf16 keys only -- or floats).
+// Rows t0 .. t0 + C - 1 of one key array into a stage (zeros from row n on), KP elements a row: 16-byte copies,
+// or plain loads stored as ES-byte elements (bf16 bits -- the 16-bit stages hold bf16 keys only -- or floats).
 template <int K, int ES, int NTHREADS, int KP = K + 16>
 __device__ __forceinline__ void stage_keys(unsigned char* dst, const void* src, long long row0, long long st,
                                            long long sk, long long dtype, int n, bool copyable, int tid) {
