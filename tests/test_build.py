@@ -54,6 +54,18 @@ def test_the_registry_lists_every_build_once():
     assert reached == {e for s, exprs in SPECIALISATIONS.items() if s != "copy.cu" for e in exprs}
 
 
+def test_only_the_wgmma_scan_is_built_for_sm90a():
+    """prefill_wgmma.cu (wgmma, sm_90a instructions) gets the arch-specific target on compute capability 9.0
+    and nowhere else; every other source keeps the plain options, so its cache entries stand."""
+    assert _build.nvrtc_options("prefill_wgmma.cu", "sm_90") == _build.NVRTC_OPTIONS + ("-arch=sm_90a",)
+    for arch in ("sm_80", "sm_89", "sm_100"):
+        assert _build.nvrtc_options("prefill_wgmma.cu", arch) == _build.NVRTC_OPTIONS
+    for source in SPECIALISATIONS:
+        if source != "prefill_wgmma.cu":
+            assert _build.nvrtc_options(source, "sm_90") == _build.NVRTC_OPTIONS
+    assert {t.source for t in families.TILINGS if t.family == "prefill_scan_wg"} == {"prefill_wgmma.cu"}
+
+
 def test_the_default_half_precision_is_bf16_products():
     """precision=None (16-bit activations): bf16 products on both slabs, with a prep of their own (bf16
     fragments); fp16 keys (staged wide) take the TF32 build."""
