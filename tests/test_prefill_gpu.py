@@ -1,4 +1,5 @@
-"""The 64-token prefill kernels (``{layout}{slab}c64``) against the float64 reference (``pytest -m gpu``).
+"""The 64-token prefill kernels (``{layout}{slab}c64``, and ``{layout}{slab}c64wg`` -- the scan on wgmma -- where
+the GPU has compute capability 9.0) against the float64 reference (``pytest -m gpu``).
 
 Every case runs a forced variant on fresh random inputs into NaN-poisoned outputs.  ``precision="fp32"``
 (3xTF32) is held to the fp32 kernels' accuracy, ``"tf32"`` and ``"bf16"`` (bf16 products where q, k, p are bf16,
