@@ -31,9 +31,16 @@ NVRTC_OPTIONS = ("--std=c++17",)
 ARCH_SPECIFIC = ("prefill_wgmma.cu",)
 
 
+def target(source, arch):
+    """The architecture ``kernels_cu/<source>`` is built for on a GPU of ``arch`` (``"sm_90"``): ``"sm_90a"`` for
+    ARCH_SPECIFIC sources there, else ``arch``."""
+    return "sm_90a" if source in ARCH_SPECIFIC and arch == "sm_90" else arch
+
+
 def nvrtc_options(source, arch):
-    """NVRTC's options for ``kernels_cu/<source>`` on ``arch`` (``"sm_90"``)."""
-    return NVRTC_OPTIONS + (("-arch=sm_90a",) if source in ARCH_SPECIFIC and arch == "sm_90" else ())
+    """NVRTC's options for ``kernels_cu/<source>`` on ``arch``: CuPy adds ``-arch`` for the GPU itself."""
+    built = target(source, arch)
+    return NVRTC_OPTIONS + ((f"-arch={built}",) if built != arch else ())
 
 
 _INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)
@@ -167,9 +174,8 @@ def compile_for_arch(source, expressions, arch="sm_90", *, jobs=None):
         try:
             nvrtc.addNameExpression(prog, expression)
             try:
-                # sm_90a where the library builds this source so on compute capability 9.0
-                target = "sm_90a" if nvrtc_options(source, arch) != NVRTC_OPTIONS else arch
-                nvrtc.compileProgram(prog, NVRTC_OPTIONS + (f"--gpu-architecture={target}", "--ptxas-options=-v"))
+                nvrtc.compileProgram(prog, NVRTC_OPTIONS + (f"--gpu-architecture={target(source, arch)}",
+                                                            "--ptxas-options=-v"))
             except nvrtc.NVRTCError as err:
                 raise RuntimeError(f"NVRTC failed on {source} for {expression}:\n{nvrtc.getProgramLog(prog)}") from err
             log = nvrtc.getProgramLog(prog)

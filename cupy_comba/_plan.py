@@ -58,10 +58,10 @@ class Plan:
         T = max(1, sig.T // max(sig.B, 1)) if sig.ragged else 1 if sig.per_token else sig.T
         f32_keys = any(a[n] is not None and a[n].dtype == float32 for n in ("q", "k", "p"))
         limit = shared_limit(self.device)
-        hopper = cupy.cuda.Device(self.device).compute_capability == "90"
-        if sig.variant and families.tiling(sig.layout, sig.K, sig.variant).family == "prefill_scan_wg" and not hopper:
+        cc = cupy.cuda.Device(self.device).compute_capability
+        if sig.variant and families.tiling(sig.layout, sig.K, sig.variant).family == "prefill_scan_wg" and cc != "90":
             raise ValueError(f"variant {sig.variant!r} runs on wgmma, on GPUs of compute capability 9.0 only; GPU "
-                             f"{self.device} has {cupy.cuda.Device(self.device).compute_capability}")
+                             f"{self.device} has {cc}")
         # the wgmma scan runs where a caller names it (variant=...c64wg); tiling.choose takes it (wgmma=True)
         # once compute-sanitizer has checked it
         self.variant = sig.variant or tiling.choose(sig.layout, sig.K, sig.V, sig.comba, sig.multi, T, sig.B * sig.H,
@@ -98,9 +98,7 @@ class Plan:
                 before = (compiled(kernel.prep, kernel.prep_shared_bytes), slots * sig.H, kernel.prep_block,
                           kernel.prep_shared_bytes)
                 maps = StageMaps(a["q"], a["k"], a["p"] if a["p"] is not None else a["k"], a["v"], sig.ragged,
-                                 2 if sig.bf16_keys else 4, kernel.slab,
-                                 int(cupy.cuda.Device(self.device).compute_capability) >= 90,
-                                 8 if "prefill_scan_wg" in kernel.expression else 16)
+                                 2 if sig.bf16_keys else 4, kernel.slab, int(cc) >= 90, kernel.key_pad)
             self.launcher = Launcher(compiled(kernel.expression, kernel.shared_bytes), grid, kernel.block,
                                      pack_params(sig), numpy.float32(sig.scale), kernel.shared_bytes, before=before,
                                      workspace=workspace, maps=maps)

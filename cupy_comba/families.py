@@ -97,6 +97,7 @@ class Kernel(NamedTuple):
     prep_shared_bytes: int = 0  #: its dynamic shared memory a CTA
     prep_block: int = 0         #: its threads a CTA (its grid: a CTA a chunk slot and value head)
     record_words: int = 0       #: 32-bit words of its workspace a chunk slot and value head
+    key_pad: int = 16           #: elements past the key axis in a staged key row (its bulk copies' box width)
 
     def grid(self, heads, V):
         """CTAs for ``heads`` = B * H heads of V value columns: one a slab of a head."""
@@ -215,7 +216,7 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
         return Kernel(t.source, f"comba::prefill_scan_wg<{K}, {t.slab}, {_flag(separate_p)}, {_flag(layout == 'vk')}, "
                                 f"{_flag(serving)}>", t.slab, t.threads, prefill_wg_bytes(K, t.slab, separate_p),
                       f"comba::prefill_prep<{K}, 5, {_flag(serving)}>", prefill_prep_bytes(K, False), 128,
-                      PREFILL_RECORD_BF16)
+                      PREFILL_RECORD_BF16, 8)
     if t.family == "prefill_scan":
         wide = f32_keys if bf16_keys is None else not bf16_keys
         if precision is None:  # 16-bit activations: bf16 products, the fastest (docs/design.md)

@@ -64,6 +64,11 @@ def test_only_the_wgmma_scan_is_built_for_sm90a():
         if source != "prefill_wgmma.cu":
             assert _build.nvrtc_options(source, "sm_90") == _build.NVRTC_OPTIONS
     assert {t.source for t in families.TILINGS if t.family == "prefill_scan_wg"} == {"prefill_wgmma.cu"}
+    # its staged key rows are K + 8 wide (WgLayout::KP), prefill_scan's K + 16 (the tensor maps' boxes follow)
+    scan = {v: families.kernel("kv", v, K=128, separate_p=True, multi=True, precision="bf16", bf16_keys=True)
+            for v in ("kv16c64", "kv16c64wg")}
+    assert scan["kv16c64"].key_pad == 16 and scan["kv16c64wg"].key_pad == 8
+    assert _build.target("prefill_wgmma.cu", "sm_90") == "sm_90a" and _build.target("prefill.cu", "sm_90") == "sm_90"
 
 
 def test_the_default_half_precision_is_bf16_products():
