@@ -668,6 +668,94 @@ prefill_prep(COMBA_PREFILL_ARGS) {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// What both scans (prefill_scan, prefill_wgmma.cu's prefill_scan_wg) share: a CTA's place, the zeroing of
+// a ragged chunk's borrowed rows, and the o stores.
+
+// The (row b, value head h, slab of VT columns from col0) of CTA blockIdx.x = (b H + h) (V / VT) + slab, its
+// key head hk, tokens T (the activation and o pointers moved to them in a ragged batch), chunks, first record
+// slot, state slot (negative: a padding row) and the offset of its state head.
+struct ScanRow {
+    int b, h, hk, col0, T, chunks;
+    long long first, slot, head;
+};
+template <int K, int VT, bool SERVING, class In, class Out>
+__device__ __forceinline__ ScanRow scan_row(const void* cu, const void* slots, const Params& prm, In& q, In& k,
+                                            In& v, In& p, In& beta, In& g, Out& o) {
+    ScanRow r;
+    const int H = static_cast<int>(prm.H), slabs = static_cast<int>(prm.V) / VT;
+    const int bh = static_cast<int>(blockIdx.x) / slabs;
+    r.col0 = (static_cast<int>(blockIdx.x) - bh * slabs) * VT;
+    r.b = bh / H;
+    r.h = bh - r.b * H;
+    r.hk = r.h / static_cast<int>(prm.group);
+    r.first = first_slot<SERVING>(cu, prm, r.b);
+    r.T = tokens<SERVING>(cu, prm, r.b, q, k, v, p, beta, g, o);
+    r.chunks = (r.T + kPrefillChunk - 1) / kPrefillChunk;
+    r.slot = state_slot<SERVING>(slots, prm, r.b);
+    r.head = (SERVING ? r.slot * H + r.h : static_cast<long long>(bh)) * K * prm.V;
+    return r;
+}
+
+#if COMBA_BULK_COPY
+// A ragged batch's last chunk of a sequence (n < 64 tokens) staged by bulk copies: the boxes' rows n on hold
+// the next sequence's tokens; zero them in the NK key arrays (KEY_BYTES apart, ROW bytes a row) and the v
+// slab (V_ROW bytes a row from V_AT), as cp.async does, and publish that to the CTA and to later bulk copies.
+template <int NK, int KEY_BYTES, int ROW, int NTHREADS>
+__device__ __forceinline__ void zero_borrowed_rows(unsigned char* stage, int v_at, int v_row, int n, int tid) {
+    constexpr int PR = ROW / 16;  // 16-byte pieces a key row
+    const int rows = kPrefillChunk - n, vr = v_row / 16;
+    for (int i = tid; i < NK * rows * PR; i += NTHREADS) {
+        const int a = i / (rows * PR), r = i - a * rows * PR;
+        *reinterpret_cast<uint4*>(stage + a * KEY_BYTES + (n + r / PR) * ROW + 16 * (r % PR)) = make_uint4(0, 0, 0, 0);
+    }
+    for (int i = tid; i < rows * vr; i += NTHREADS)
+        *reinterpret_cast<uint4*>(stage + v_at + (n + i / vr) * v_row + 16 * (i % vr)) = make_uint4(0, 0, 0, 0);
+    fence_async_shared();  // before a later bulk copy into these bytes
+    __syncthreads();
+}
+#endif
+
+// A lane's token rows ta and ta + 8 of every chunk's o, at columns col + 8 j, + 1 of its fragments j: bf16
+// pairs through a pointer stepped a chunk at a time where o is bf16 with aligned pairs (the usual output),
+// else stores from the strides.
+struct OutRows {
+    void* o;
+    unsigned char* row;  // bf16 pairs: row ta's first pair in this chunk
+    long long at, st, sv, dtype;  // else: the element of row ta's first column in this chunk
+    int ta;
+    bool pairs, pairs16;
+    __device__ __forceinline__ OutRows(void* o_, const Params& prm, int b, int h, int col, int ta_)
+        : o(o_), st(prm.o_st), sv(prm.o_sv), dtype(prm.o_t), ta(ta_) {
+        pairs = pairs_aligned(o_, prm.o_sb, prm.o_st, prm.o_sh, prm.o_sv, prm.o_t);
+        pairs16 = pairs && dtype == BF16;
+        at = b * prm.o_sb + ta * st + h * prm.o_sh + col * sv;
+        row = static_cast<unsigned char*>(o_) + 2 * at;
+    }
+    // This chunk's rows (n tokens): fragment j's values f(j, 0), f(j, 1) in row ta, f(j, 2), f(j, 3) in row
+    // ta + 8; then the next chunk.
+    template <int FRAGS, class F>
+    __device__ __forceinline__ void store(int n, F f) {
+        const bool a = ta < n, z = ta + 8 < n;
+        if (pairs16) {
+#pragma unroll
+            for (int j = 0; j < FRAGS; ++j) {
+                if (a) *reinterpret_cast<unsigned*>(row + 16 * j) = bf16_pair(f(j, 0), f(j, 1));
+                if (z) *reinterpret_cast<unsigned*>(row + 16 * st + 16 * j) = bf16_pair(f(j, 2), f(j, 3));
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < FRAGS; ++j) {
+                const long long e = at + 8 * j * sv;
+                if (a) store_act_pair(o, e, sv, dtype, f(j, 0), f(j, 1), pairs);
+                if (z) store_act_pair(o, e + 8 * st, sv, dtype, f(j, 2), f(j, 3), pairs);
+            }
+        }
+        row += 2 * kPrefillChunk * st;
+        at += kPrefillChunk * st;
+    }
+};
+
+// ---------------------------------------------------------------------------------------------------
 // prefill_scan: one slab of VT value columns of one head, chunk after chunk (header).
 //
 // A chunk's inputs -- its rows of q, k (and p) and the slab of v, as they are in memory, and its
@@ -734,19 +822,14 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_PREFILL_AR
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, lg = lane >> 2, lj = lane & 3;
     const int mrow = warp & 3, nt0 = (warp >> 2) * NTW;
-    const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H), slabs = V / VT;
-    const int bh = static_cast<int>(blockIdx.x) / slabs;
-    const int col0 = (static_cast<int>(blockIdx.x) - bh * slabs) * VT;
-    const int b = bh / H, h = bh - b * H, hk = h / static_cast<int>(prm.group);
-    const long long first = first_slot<SERVING>(cu_seqlens, prm, b);
-    const int T = tokens<SERVING>(cu_seqlens, prm, b, q, k, v, p, beta, g, o);
-    const long long slot = state_slot<SERVING>(slots, prm, b);
-    if (SERVING && slot < 0) {  // a padding row
+    const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H);
+    const ScanRow row = scan_row<K, VT, SERVING>(cu_seqlens, slots, prm, q, k, v, p, beta, g, o);
+    const int b = row.b, h = row.h, hk = row.hk, col0 = row.col0, T = row.T, chunks = row.chunks;
+    const long long first = row.first, head = row.head;
+    if (SERVING && row.slot < 0) {  // a padding row
         zero_o(o, prm, b, h, col0, VT, T, tid, kScanThreads);
         return;
     }
-    const long long head = (SERVING ? slot * H + h : static_cast<long long>(bh)) * K * V;
-    const int chunks = (T + C - 1) / C;
 
     const bool q_copy = rows_copyable(q, prm.q_sb, prm.q_st, prm.q_sh, prm.q_sk, prm.q_t, ES);
     const bool k_copy = rows_copyable(k, prm.k_sb, prm.k_st, prm.k_sh, prm.k_sk, prm.k_t, ES);
@@ -850,6 +933,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_PREFILL_AR
         mbarrier_init(bars);
         mbarrier_init(bars + 1);
     }
+    __syncthreads();  // the mbarriers initialised before any thread waits on them
 #else
     constexpr bool bulk = false;
     constexpr int v_row = Stage::V_ROW;
@@ -939,13 +1023,8 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_PREFILL_AR
     };
     publish_state();
 
-    const bool opair = pairs_aligned(o, prm.o_sb, prm.o_st, prm.o_sh, prm.o_sv, prm.o_t);
     const int ta = 16 * mrow + lg, tb = ta + 8;  // this lane's token rows of Y, U and O
-    // bf16 o in pairs (the usual output): this lane's first pair of row ta, stepped a chunk at a time
-    const bool o_pairs16 = opair && prm.o_t == BF16;
-    unsigned char* o_row = static_cast<unsigned char*>(o) +
-                           2 * (b * prm.o_sb + ta * prm.o_st + h * prm.o_sh + col0 + 8 * nt0 + 2 * lj);
-    const long long o_tb = 16 * prm.o_st, o_chunk = 2 * C * prm.o_st;  // bytes to row tb; a chunk's bytes
+    OutRows out(o, prm, b, h, col0 + 8 * nt0 + 2 * lj, ta);
     // bf16 products (ACC 4): Y, U and w U as bf16 token quads -- tokens lj, lj + 4, lj + 8, lj + 12 of 16-token
     // step ks in quad row 4 ks + lj, 8 bytes a column, the k-slot order of the record's fragments -- so that a
     // B operand is one 8-byte read.  Rows ta and tb of a column share a quad (positions lg / 4 and 2 + lg / 4).
@@ -982,22 +1061,9 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_PREFILL_AR
         const long long t0 = static_cast<long long>(c) * C;
         const int n = static_cast<int>(min(static_cast<long long>(C), T - t0));
 #if COMBA_BULK_COPY
-        if (bulk && SERVING && prm.cu_t && n < C) {
-            // a box past a sequence's end holds the next one's tokens: zero those rows, as cp.async does
-            constexpr int PR = KP * ES / 16;  // 16-byte pieces a staged key row
-            const int rows = C - n, vr = v_row / 16;
-            unsigned char* const at = const_cast<unsigned char*>(st);
-            for (int i = tid; i < Stage::NK * rows * PR; i += kScanThreads) {
-                const int a = i / (rows * PR), r = i - a * rows * PR;
-                *reinterpret_cast<uint4*>(at + a * Stage::KEY_BYTES + (n + r / PR) * KP * ES + 16 * (r % PR)) =
-                    make_uint4(0, 0, 0, 0);
-            }
-            for (int i = tid; i < rows * vr; i += kScanThreads)
-                *reinterpret_cast<uint4*>(at + Stage::V_AT + (n + i / vr) * v_row + 16 * (i % vr)) =
-                    make_uint4(0, 0, 0, 0);
-            fence_async_shared();  // before a later bulk copy into these bytes
-            __syncthreads();
-        }
+        if (bulk && SERVING && prm.cu_t && n < C)
+            zero_borrowed_rows<Stage::NK, Stage::KEY_BYTES, KP * ES, kScanThreads>(const_cast<unsigned char*>(st),
+                                                                                 Stage::V_AT, v_row, n, tid);
 #endif
 
         // [Rp | Rq] = [P | Q] S0 over this warp's 16 tokens; keys permuted as in prefill_prep.  Alternate key
@@ -1161,23 +1227,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_PREFILL_AR
                 rq[nt][0] *= ga; rq[nt][1] *= ga; rq[nt][2] *= gb; rq[nt][3] *= gb;
             }
             coefficient_product(mfrag, sh_u, rq);
-            if (o_pairs16) {  // bf16 pairs at a pointer stepped a chunk at a time
-#pragma unroll
-                for (int nt = 0; nt < NTW; ++nt) {
-                    if (ta < n) *reinterpret_cast<unsigned*>(o_row + 16 * nt) = bf16_pair(rq[nt][0], rq[nt][1]);
-                    if (tb < n) *reinterpret_cast<unsigned*>(o_row + o_tb + 16 * nt) = bf16_pair(rq[nt][2], rq[nt][3]);
-                }
-                o_row += o_chunk;
-            } else {
-                const long long oa = b * prm.o_sb + (t0 + ta) * prm.o_st + h * prm.o_sh;
-                const long long ob = b * prm.o_sb + (t0 + tb) * prm.o_st + h * prm.o_sh;
-#pragma unroll
-                for (int nt = 0; nt < NTW; ++nt) {
-                    const long long cc = (col0 + 8 * (nt0 + nt) + 2 * lj) * prm.o_sv;
-                    if (ta < n) store_act_pair(o, oa + cc, prm.o_sv, prm.o_t, rq[nt][0], rq[nt][1], opair);
-                    if (tb < n) store_act_pair(o, ob + cc, prm.o_sv, prm.o_t, rq[nt][2], rq[nt][3], opair);
-                }
-            }
+            out.store<NTW>(n, [&](int nt, int r) { return rq[nt][r]; });
         }
 
         // S = G_63 S0 + Kc^T (w U): A operand the write keys (rows: this lane's key pair), B w U; the odd token

@@ -138,25 +138,20 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
     const float* work = inter;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, lg = lane >> 2, lj = lane & 3;
-    const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H), slabs = V / VT;
-    const int bh = static_cast<int>(blockIdx.x) / slabs;
-    const int col0 = (static_cast<int>(blockIdx.x) - bh * slabs) * VT;
-    const int b = bh / H, h = bh - b * H, hk = h / static_cast<int>(prm.group);
-    const long long first = first_slot<SERVING>(cu_seqlens, prm, b);
-    const int T = tokens<SERVING>(cu_seqlens, prm, b, q, k, v, p, beta, g, o);
-    const long long slot = state_slot<SERVING>(slots, prm, b);
-    if (SERVING && slot < 0) {  // a padding row
+    const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H);
+    const ScanRow row = scan_row<K, VT, SERVING>(cu_seqlens, slots, prm, q, k, v, p, beta, g, o);
+    const int b = row.b, h = row.h, hk = row.hk, col0 = row.col0, T = row.T, chunks = row.chunks;
+    const long long first = row.first, head = row.head;
+    if (SERVING && row.slot < 0) {  // a padding row
         zero_o(o, prm, b, h, col0, VT, T, tid, kWgThreads);
         return;
     }
-    const long long head = (SERVING ? slot * H + h : static_cast<long long>(bh)) * K * V;
-    const int chunks = (T + C - 1) / C;
 
     const bool q_copy = rows_copyable(q, prm.q_sb, prm.q_st, prm.q_sh, prm.q_sk, prm.q_t, 2);
     const bool k_copy = rows_copyable(k, prm.k_sb, prm.k_st, prm.k_sh, prm.k_sk, prm.k_t, 2);
     const bool p_copy = rows_copyable(p, prm.p_sb, prm.p_st, prm.p_sh, prm.p_sk, prm.p_t, 2);
     const int v_bytes = prm.v_t == F32 ? 4 : 2, v_row = VT * v_bytes;
-    const bool bulk = K + 8 <= 256 && maps.use != 0;
+    const bool bulk = maps.use != 0;
     const long long t_first = row_start<SERVING>(cu_seqlens, prm, b);
     const int b_map = SERVING && prm.cu_t ? 0 : b;
     unsigned long long* const bars = reinterpret_cast<unsigned long long*>(prefill_smem + L::BAR_AT);
@@ -235,12 +230,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
     };
     publish_state();
 
-    const bool opair = pairs_aligned(o, prm.o_sb, prm.o_st, prm.o_sh, prm.o_sv, prm.o_t);
-    const bool o_pairs16 = opair && prm.o_t == BF16;
     const int ta = 16 * warp + lg, tb = ta + 8;  // this lane's token rows
-    unsigned char* o_row = static_cast<unsigned char*>(o) + 2 * (b * prm.o_sb + ta * prm.o_st + h * prm.o_sh + col0 +
-                                                                  2 * lj);
-    const long long o_tb = 16 * prm.o_st, o_chunk = 2 * C * prm.o_st;
+    OutRows out(o, prm, b, h, col0 + 2 * lj, ta);
     const long long v_t = prm.v_t;
     // ldmatrix addresses: lane l gives row l % 8 of matrix l / 8
     const int a_row = 16 * warp + (lane & 15), a_col = 8 * (lane >> 4);               // A = rows of P, Q
@@ -258,21 +249,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
         const unsigned char* sp = SEPARATE_P ? st + 2 * L::KEY_BYTES : sk;
         const float* rec = reinterpret_cast<const float*>(st + L::REC_AT);
         const int n = static_cast<int>(min(static_cast<long long>(C), T - static_cast<long long>(c) * C));
-        if (bulk && SERVING && prm.cu_t && n < C) {
-            // a box past a sequence's end holds the next one's tokens: zero those rows
-            constexpr int PR = KP * 2 / 16;
-            const int rows = C - n, vr = v_row / 16;
-            unsigned char* const at = const_cast<unsigned char*>(st);
-            for (int i = tid; i < L::NK * rows * PR; i += kWgThreads) {
-                const int a = i / (rows * PR), r = i - a * rows * PR;
-                *reinterpret_cast<uint4*>(at + a * L::KEY_BYTES + (n + r / PR) * KP * 2 + 16 * (r % PR)) =
-                    make_uint4(0, 0, 0, 0);
-            }
-            for (int i = tid; i < rows * vr; i += kWgThreads)
-                *reinterpret_cast<uint4*>(at + L::V_AT + (n + i / vr) * v_row + 16 * (i % vr)) = make_uint4(0, 0, 0, 0);
-            fence_async_shared();
-            __syncthreads();
-        }
+        if (bulk && SERVING && prm.cu_t && n < C)
+            zero_borrowed_rows<L::NK, L::KEY_BYTES, 2 * KP, kWgThreads>(const_cast<unsigned char*>(st), L::V_AT,
+                                                                         v_row, n, tid);
 
         // [Rp | Rq] = [P | Q] S
         float rp[NA], rq[NA];
@@ -379,25 +358,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
             wg_commit();
             wg_wait();
         }
-        if (o_pairs16) {
-#pragma unroll
-            for (int j = 0; j < VT / 8; ++j) {
-                if (ta < n) *reinterpret_cast<unsigned*>(o_row + 16 * j) = bf16_pair(rq[4 * j], rq[4 * j + 1]);
-                if (tb < n)
-                    *reinterpret_cast<unsigned*>(o_row + o_tb + 16 * j) = bf16_pair(rq[4 * j + 2], rq[4 * j + 3]);
-            }
-            o_row += o_chunk;
-        } else {
-            const long long t0 = static_cast<long long>(c) * C;
-            const long long oa = b * prm.o_sb + (t0 + ta) * prm.o_st + h * prm.o_sh;
-            const long long ob = b * prm.o_sb + (t0 + tb) * prm.o_st + h * prm.o_sh;
-#pragma unroll
-            for (int j = 0; j < VT / 8; ++j) {
-                const long long cc = (col0 + 8 * j + 2 * lj) * prm.o_sv;
-                if (ta < n) store_act_pair(o, oa + cc, prm.o_sv, prm.o_t, rq[4 * j], rq[4 * j + 1], opair);
-                if (tb < n) store_act_pair(o, ob + cc, prm.o_sv, prm.o_t, rq[4 * j + 2], rq[4 * j + 3], opair);
-            }
-        }
+        out.store<VT / 8>(n, [&](int j, int r) { return rq[4 * j + r]; });
         publish_state();  // every warp's read of the old S ended before the second barrier
     }
 

@@ -1,6 +1,8 @@
 """Every build of the 64-token prefill kernels over several chunks (two full ones and one of 22 tokens), dense and
-with the serving options (a ragged batch from a pool), in "bf16" and "fp32": run under compute-sanitizer's
-racecheck and memcheck by test_sanitizer_gpu.py."""
+with the serving options (a ragged batch from a pool), in "bf16" and "fp32", and the wgmma scan's builds on compute
+capability 9.0: run under compute-sanitizer's racecheck and memcheck by test_sanitizer_gpu.py."""
+
+import itertools
 
 import cupy
 import numpy
@@ -9,6 +11,12 @@ from cupy_comba import comba_forward, families, gated_delta_forward
 from cupy_comba.inputs import forward_inputs
 
 T = 150
+
+
+def _scans(precision, K):
+    """The prefill scans' variant suffixes this GPU builds for ``precision`` at head size ``K``."""
+    hopper = cupy.cuda.Device().compute_capability == "90"
+    return ("c64", "c64wg") if precision == "bf16" and K in families.FAMILY_K and hopper else ("c64",)
 
 
 def main():
@@ -21,8 +29,8 @@ def main():
                 packed = [a.reshape((1, 2 * T) + a.shape[2:]) for a in (q, k, v, p, beta, g)]
                 cu = cupy.asarray(numpy.array([0, 70, 2 * T], numpy.int32))
                 slots = cupy.asarray(numpy.array([2, 0], numpy.int32))
-                for slab in families.PREFILL_SLABS:
-                    variant = f"{layout}{slab}c64"
+                for slab, scan in itertools.product(families.PREFILL_SLABS, _scans(precision, K)):
+                    variant = f"{layout}{slab}{scan}"
                     for comba in (False, True):
                         if not families.prefill_fits(K, slab, comba, False):
                             continue
