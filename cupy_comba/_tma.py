@@ -70,7 +70,8 @@ class StageMaps:
     Parameters
     ----------
     q, k, p, v : ArraySig
-        ``[B, T, Hk, K]`` (k again as p for Gated DeltaNet) and ``[B, T, H, V]``.
+        ``[B, T, Hk, K]`` (k again as p for Gated DeltaNet) and ``[B, T, H, V]``; a decode step's ``[B, Hk, K]``
+        (a prefill variant named for one token) gets no maps.
     ragged : bool
         A packed batch: one row of all the tokens (the kernels move to each sequence's first token).
     key_itemsize : int
@@ -89,8 +90,8 @@ class StageMaps:
         self._raw = ctypes.create_string_buffer(STAGE_MAPS_BYTES + 64)
         self.address = (ctypes.addressof(self._raw) + 63) & ~63  # the driver writes maps at 64-byte alignment
         self._maps, self._encoded, self._pointers = None, False, None
-        if not capable or _driver() is None:
-            return
+        if not capable or len(q.shape) != 4 or _driver() is None:
+            return  # a decode step's one token ([B, H, K]) is staged by cp.async
         K = q.shape[3]
         maps = [_geometry(a, ragged, key_itemsize, K + pad) for a in (q, k, p)]
         maps.append(_geometry(v, ragged, v.itemsize, slab))

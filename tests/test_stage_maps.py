@@ -64,3 +64,11 @@ def test_stage_maps_are_off_where_the_gpu_has_no_bulk_copy():
     maps.update((1 << 20,) * 4)  # never reaches the driver
     assert maps.address % 64 == 0  # where the driver writes maps
     assert ctypes.c_int64.from_address(maps.address + 4 * 128).value == 0  # StageMaps::use: the kernels' cp.async
+
+
+def test_a_decode_step_s_one_token_gets_no_maps():
+    """A prefill variant named for a decode step: [B, Hk, K] activations stay with cp.async (no key axis at 3)."""
+    q, v = _sig((3, 2, 256)), _sig((3, 4, 128))
+    maps = _tma.StageMaps(q, q, q, v, False, 2, 32, capable=True)
+    maps.update((1 << 20,) * 4)
+    assert ctypes.c_int64.from_address(maps.address + 4 * 128).value == 0
