@@ -23,7 +23,7 @@ def main():
                 for variant in families.variants(layout, K, V, multi=True):
                     family = families.tiling(layout, K, variant).family
                     # fp32 keys take another path only in the 16-token kernels (8-token passes)
-                    if family == "prefill_scan" or (dtype is numpy.float32 and family != "delta_rule_mma"):
+                    if family.startswith("prefill_scan") or (dtype is numpy.float32 and family != "delta_rule_mma"):
                         continue
                     comba_forward(q, k, v, p, beta, g, initial_state=S, state_layout=layout, variant=variant)
                     gated_delta_forward(q, k, v, beta, g, initial_state=S, state_layout=layout, variant=variant)

@@ -6,6 +6,7 @@ import numpy
 
 from cupy_comba import comba_decode_step, comba_forward, families, gated_delta_forward
 from cupy_comba.inputs import forward_inputs
+from gpu_variants import runnable
 
 HOSTILE = numpy.array([2 ** 62, -2 ** 63, 3, 1, -1, 1, 2 ** 31 - 1, 2], numpy.int64)  # N = 3
 #: Sequence bounds of a ragged batch of 8 over 9 packed tokens: negative, decreasing, past the end.
@@ -21,7 +22,7 @@ def main():
             A_log, dt_bias = cupy.zeros(2, cupy.float32), cupy.ones(2, cupy.float32)
             for dtype in (cupy.int64, cupy.int32):
                 idx = cupy.asarray(HOSTILE.clip(numpy.iinfo(dtype).min, numpy.iinfo(dtype).max).astype(dtype))
-                for variant in families.variants(layout, K, V, multi=True):
+                for variant in runnable(layout, K, V, multi=True):
                     pool = cupy.zeros(shape, cupy.float32)
                     comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=idx, state_layout=layout,
                                   variant=variant, A_log=A_log, dt_bias=dt_bias)

@@ -9,6 +9,7 @@ from cupy_comba import (
 )
 from cupy_comba.inputs import forward_inputs
 
+from gpu_variants import exact as _exact, runnable
 from seed_port import mt_gated_delta_chunk
 
 cupy = pytest.importorskip("cupy")
@@ -18,10 +19,6 @@ F16, F32 = numpy.dtype(numpy.float16), numpy.dtype(numpy.float32)
 O_TOL = {numpy.dtype(bfloat16): 4e-3, F16: 1e-3, F32: 2e-6}
 
 
-def _exact(variant):
-    """fp32 products on the prefill kernels (whose default for bf16 inputs is TF32); every other kernel is
-    fp32-accurate whatever ``precision`` says."""
-    return {"precision": "fp32"} if variant is not None and variant.endswith("c64") else {}
 
 
 def _poisoned(shape, dtype):
@@ -111,7 +108,7 @@ def test_every_forward_tiling(layout, K, V, comba, T, initial):
     S_ref, o_ref = reference.comba_loop(S if initial else cupy.zeros(S.shape), q, k, v, k if p is None else p,
                                         beta, g, state_layout=layout)
     shape, S = S.shape, (S if initial else None)
-    for variant in families.variants(layout, K, V, multi=True):
+    for variant in runnable(layout, K, V, multi=True, exact=True):
         out, state_out = _poisoned((B, T, H, V), bfloat16), _poisoned(shape, F32)
         _op(False, q, k, v, p, beta, g, S, out=out, state_out=state_out, state_layout=layout, variant=variant,
             **_exact(variant))
@@ -140,7 +137,7 @@ def test_every_forward_tiling_strided_activations(layout, dtype):
     views = [strided(a) for a in (q, k, v, p)]
     assert all(view.strides[-1] == 2 * view.itemsize for view in views)
     S_ref, o_ref = reference.comba_loop(S, q, k, v, p, beta, g, state_layout=layout)
-    for variant in families.variants(layout, K, V, multi=True):
+    for variant in runnable(layout, K, V, multi=True, exact=True):
         out, state_out = strided(_poisoned((B, T, H, V), dtype)), _poisoned(S.shape, F32)
         _op(False, *views[:3], views[3], beta, g, S, out=out, state_out=state_out, state_layout=layout,
             variant=variant, **_exact(variant))
@@ -397,7 +394,7 @@ def test_head_size_256_on_every_token_loop_variant(layout, comba, V):
     step = [x[:, 0] if x is not None else None for x in (q, k, v, p, beta, g)]
     S1_ref, o1_ref = reference.comba_step(S, *step[:3], step[1] if p is None else step[3], *step[4:],
                                           use_qk_l2norm=True)
-    variants = families.variants(layout, K, V, multi=True)
+    variants = runnable(layout, K, V, multi=True, exact=True)
     assert len(variants) >= 2
     for variant in variants:
         o, S_new = _op(False, q, k, v, p, beta, g, S_in, out=_poisoned(o_ref.shape, bfloat16),

@@ -9,6 +9,7 @@ from cupy_comba import (
 )
 from cupy_comba.inputs import forward_inputs
 
+from gpu_variants import exact as _exact, runnable
 from test_serving_cpu import gating_inputs
 
 cupy = pytest.importorskip("cupy")
@@ -38,14 +39,8 @@ def _case(step, layout, K, V, T, seed, B=6, N=11, H=4, Hk=2):
     return pool, q, k, v, p, b, a, A_log, dt_bias
 
 
-def _exact(variant):
-    """fp32 products on the prefill kernels (whose default for bf16 inputs is TF32); every other kernel is
-    fp32-accurate whatever ``precision`` says."""
-    return {"precision": "fp32"} if variant is not None and variant.endswith("c64") else {}
-
-
 def _variants(step, layout, K, V):
-    return families.variants(layout, K, V, multi=not step)
+    return runnable(layout, K, V, multi=not step, exact=True)
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
@@ -118,22 +113,22 @@ def test_a_pooled_decode_loop_replays_in_a_cuda_graph():
     d_pool, idx, out = cupy.asarray(pool), cupy.asarray([3, 1, 6, -1], cupy.int32), cupy.empty((4, 4, 128), bfloat16)
     gates = dict(A_log=cupy.asarray(A_log), dt_bias=cupy.asarray(dt_bias), use_beta_sigmoid=True)
     call = dict(state_indices=idx, out=out, state_layout="vk", **gates)
-    comba_decode_step(d_pool, *d, **call)  # plan and build outside the capture
-    d_pool[...] = cupy.asarray(pool)
     stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
+    expected = pool.copy()
+    with stream:  # every write to the buffers on the replaying stream, ordered before each replay
+        comba_decode_step(d_pool, *d, **call)  # plan and build outside the capture
+        d_pool[...] = cupy.asarray(pool)
         stream.begin_capture()
         comba_decode_step(d_pool, *d, **call)
         graph = stream.end_capture()
-    expected = pool.copy()
-    for slots in ([3, 1, 6, -1], [0, 7, -5, 2]):
-        idx[...] = cupy.asarray(slots, cupy.int32)
-        graph.launch(stream)
-        stream.synchronize()
-        S_ref, o_ref = comba_decode_step(expected, q, k, v, p, b, a, state_indices=numpy.array(slots), state_layout="vk",
-                                         A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid=True)
-        assert reference.relative_error(cupy.asnumpy(d_pool), expected) < 2e-6
-        assert reference.relative_error(cupy.asnumpy(out), o_ref) < 5e-3
+        for slots in ([3, 1, 6, -1], [0, 7, -5, 2]):
+            idx[...] = cupy.asarray(slots, cupy.int32)
+            graph.launch(stream)
+            stream.synchronize()
+            S_ref, o_ref = comba_decode_step(expected, q, k, v, p, b, a, state_indices=numpy.array(slots),
+                                             state_layout="vk", A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid=True)
+            assert reference.relative_error(cupy.asnumpy(d_pool), expected) < 2e-6
+            assert reference.relative_error(cupy.asnumpy(out), o_ref) < 5e-3
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
@@ -186,17 +181,17 @@ def test_a_ragged_prefill_replays_in_a_cuda_graph_with_new_lengths():
     call = dict(initial_state=d_S0, cu_seqlens=cu, out=out, state_out=S)
     comba_forward(*d, **call)
     stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
+    with stream:  # the new lengths written on the replaying stream, ordered before each replay
         stream.begin_capture()
         comba_forward(*d, **call)
         graph = stream.end_capture()
-    for bounds in ([0, 10, 30, 48], [0, 1, 2, 48], [0, 48, 48, 48]):
-        cu[...] = cupy.asarray(bounds, cupy.int64)
-        graph.launch(stream)
-        stream.synchronize()
-        o_ref, S_ref = comba_forward(q, k, v, p, beta, g, initial_state=S0, cu_seqlens=numpy.array(bounds))
-        assert reference.relative_error(cupy.asnumpy(S), S_ref) < 2e-6
-        assert reference.relative_error(cupy.asnumpy(out), o_ref) < 5e-3
+        for bounds in ([0, 10, 30, 48], [0, 1, 2, 48], [0, 48, 48, 48]):
+            cu[...] = cupy.asarray(bounds, cupy.int64)
+            graph.launch(stream)
+            stream.synchronize()
+            o_ref, S_ref = comba_forward(q, k, v, p, beta, g, initial_state=S0, cu_seqlens=numpy.array(bounds))
+            assert reference.relative_error(cupy.asnumpy(S), S_ref) < 2e-6
+            assert reference.relative_error(cupy.asnumpy(out), o_ref) < 5e-3
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
