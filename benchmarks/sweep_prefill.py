@@ -18,8 +18,7 @@ and the relative errors of o and of the final state of both against the float64 
 T = 1024, H = 4 (each library's bf16 default).
 ``--wgmma`` (compute capability 9.0; the FLA rows need torch and fla-core): Gated DeltaNet and Comba, "kv" and
 "vk", K = 64 / 128, 1-128 heads, T = 256 / 1024 / 8192: both slabs of ``prefill_scan`` (``c64``) and of its
-wgmma form (``c64wg``), as rows ``{op, layout, K, V, B, T, H, us}``; then the ``--fla`` shapes with ours on
-the variant the tiling names when it takes the wgmma scan.
+wgmma form (``c64wg``), as rows ``{op, layout, K, V, B, T, H, us}``; then the ``--fla`` shapes.
 """
 
 import argparse
@@ -112,9 +111,9 @@ def sweep_wgmma():
     return rows
 
 
-def sweep_fla(wgmma=False):
-    """The shapes of FLA_SHAPES against flash-linear-attention; ``wgmma``: ours on the variant the tiling names
-    where it takes the wgmma scan (tiling.choose(..., wgmma=True)), else the library's choice."""
+def sweep_fla():
+    """The shapes of FLA_SHAPES against flash-linear-attention, ours on the library's choice (the wgmma scan's
+    rule on compute capability 9.0)."""
     import torch
     from fla.ops.comba import chunk_comba
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -144,12 +143,13 @@ def sweep_fla(wgmma=False):
 
     T_ = lambda a: torch.from_dlpack(a)  # noqa: E731 - the same memory, no copy
     rows = []
+    hopper = cupy.cuda.Device().compute_capability == "90"
     for B, T, H in FLA_SHAPES:
         args = forward_inputs(B, T, H, K, V, xp=cupy, warm_steps=0, seed=T + H)
         q, k, v, p, beta, g, S = (T_(a) for a in args)
         for comba in (False, True):
-            variant = tiling.choose("kv", K, V, comba, True, T, B * H, wgmma=wgmma)
-            ours = time_graph(_call(comba, args, variant=variant if wgmma else None), iters=5).median_us
+            variant = tiling.choose("kv", K, V, comba, True, T, B * H, wgmma=hopper)
+            ours = time_graph(_call(comba, args), iters=5).median_us
             if comba:
                 fla = torch_graph(lambda: chunk_comba(q, k, v, p, g, beta, initial_state=S, output_final_state=True))
             else:
@@ -159,8 +159,6 @@ def sweep_fla(wgmma=False):
                        fla_us=fla, ours_variant=variant)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    if wgmma:
-        return rows, None
     # accuracy of each library's bf16 default against float64 (Gated DeltaNet; FLA's Comba is another function)
     args = forward_inputs(1, 1024, 4, K, V, xp=cupy, warm_steps=4, seed=5)
     host = [cupy.asnumpy(a) for a in args]
@@ -189,7 +187,7 @@ def main():
     a = ap.parse_args()
     if a.wgmma:
         rows = sweep_wgmma()
-        fla, _ = sweep_fla(wgmma=True)
+        fla, _ = sweep_fla()
         with open(a.wgmma, "w") as f:
             json.dump({"environment": environment(), "rows": rows, "fla": fla}, f, indent=1)
     if a.lengths:

@@ -62,10 +62,10 @@ class Plan:
         if sig.variant and families.tiling(sig.layout, sig.K, sig.variant).family == "prefill_scan_wg" and cc != "90":
             raise ValueError(f"variant {sig.variant!r} runs on wgmma, on GPUs of compute capability 9.0 only; GPU "
                              f"{self.device} has {cc}")
-        # the wgmma scan runs where a caller names it (variant=...c64wg); tiling.choose takes it (wgmma=True)
-        # once compute-sanitizer has checked it
+        # the prefill scan on wgmma: bf16 q, k, p with bf16 products on compute capability 9.0
+        wgmma = sig.bf16_keys and sig.precision in (None, "bf16") and cc == "90"
         self.variant = sig.variant or tiling.choose(sig.layout, sig.K, sig.V, sig.comba, sig.multi, T, sig.B * sig.H,
-                                                    not sig.bf16_keys, limit, bool(sig.per_token), wgmma=False)
+                                                    not sig.bf16_keys, limit, bool(sig.per_token), wgmma=wgmma)
         self.kernel = kernel = families.kernel(sig.layout, self.variant, K=sig.K, separate_p=sig.comba,
                                                multi=sig.multi, f32_keys=f32_keys, precision=sig.precision,
                                                bf16_keys=sig.bf16_keys,
