@@ -98,7 +98,8 @@ def prefill_tiling_table(report):
             if r is None:
                 cells.append("")
                 continue
-            chosen = tiling.choose(layout, K, r.get("V", 128), op == "comba", True, T, heads)
+            chosen = tiling.choose(layout, K, r.get("V", 128), op == "comba", True, T, heads,
+                                   wgmma=report.get("wgmma", False))
             best = min(r["us"], key=r["us"].get)
             cell = f"{chosen} {r['us'][chosen]:.1f}" if chosen in r["us"] else f"{chosen} (not timed)"
             if chosen in r["us"] and r["us"][chosen] > 1.005 * r["us"][best]:  # beyond timing noise

@@ -11,7 +11,9 @@ on) and T = 256-4096, at each K of ``--head-sizes``: both 64-token slabs and the
 after the prefill rule choose (`_without_prefill`).
 ``--lengths``: Gated DeltaNet and Comba, "kv", over 1, 16, 32, 64 and 128 heads and T = 16-65536 at each K of
 ``--head-sizes``: the tiling's choice, both 64-token slabs and the kernel the rules after the prefill rule
-choose.  Rows hold the times only: the renderer marks the choice of the tree it runs in.
+choose.  Rows hold the times only: the renderer marks the choice of the tree it runs in.  Both sweeps time
+the wgmma scan's slabs too on compute capability 9.0, where the library takes it for bf16 inputs, and
+say so in the file (``"wgmma": true``).
 ``--fla`` (needs torch and fla-core): the shapes of the issue's table, both ops, our choice against
 ``chunk_gated_delta_rule`` / ``chunk_comba``, as rows ``{op, B, T, H, K, V, dtype, ours_us, fla_us}``;
 and the relative errors of o and of the final state of both against the float64 reference at B = 1,
@@ -28,7 +30,7 @@ import json
 import cupy
 import numpy
 
-from cupy_comba import bfloat16, comba_forward, gated_delta_forward, reference, tiling
+from cupy_comba import bfloat16, comba_forward, families, gated_delta_forward, reference, tiling
 from cupy_comba.bench import environment, time_graph
 from cupy_comba.inputs import forward_inputs
 
@@ -52,16 +54,27 @@ def _without_prefill(layout, K, V, comba, T, heads):
     return next(rule.variant(case) for rule in tiling.RULES[1:] if rule.applies(case))
 
 
-def _point(layout, K, comba, heads, T):
-    """One row: the times of the tiling's choice, both 64-token slabs and the kernel the rules after the
-    prefill rule choose (H = 16; H = 32 from 32 heads on)."""
+def _hopper():
+    """Whether this GPU runs the wgmma scan, which the library then chooses for bf16 inputs."""
+    return cupy.cuda.Device().compute_capability == "90"
+
+
+def _inputs(layout, K, heads, T):
+    """(B, H, the forward inputs) of ``heads`` = B H heads: H = 16, H = 32 from 32 heads on."""
     H = min(16 if heads < 32 else 32, heads)
     B = heads // H
-    args = forward_inputs(B, T, H, K, V, xp=cupy, state_layout=layout, warm_steps=0, seed=T)
-    chosen = tiling.choose(layout, K, V, comba, True, T, heads)
+    return B, H, forward_inputs(B, T, H, K, V, xp=cupy, state_layout=layout, warm_steps=0, seed=T)
+
+
+def _point(layout, K, comba, heads, T, wgmma):
+    """One row: the times of the tiling's choice, both 64-token slabs (of both scans with ``wgmma``) and the
+    kernel the rules after the prefill rule choose."""
+    B, H, args = _inputs(layout, K, heads, T)
+    chosen = tiling.choose(layout, K, V, comba, True, T, heads, wgmma=wgmma)
+    scans = ("c64", "c64wg") if wgmma and K in families.FAMILY_K else ("c64",)
     times = {}
-    for variant in dict.fromkeys((chosen, _without_prefill(layout, K, V, comba, T, heads), f"{layout}16c64",
-                                  f"{layout}32c64")):
+    for variant in dict.fromkeys((chosen, _without_prefill(layout, K, V, comba, T, heads),
+                                  *(f"{layout}{slab}{scan}" for scan in scans for slab in (16, 32)))):
         times[variant] = time_graph(_call(comba, args, state_layout=layout, variant=variant), iters=5).median_us
     best = min(times, key=times.get)
     op = "comba" if comba else "gdn"
@@ -70,8 +83,8 @@ def _point(layout, K, comba, heads, T):
     return dict(op=op, layout=layout, B=B, T=T, H=H, K=K, V=V, us=times)
 
 
-def sweep_tiling(layouts, head_sizes):
-    return [_point(layout, K, comba, heads, T) for K, layout in itertools.product(head_sizes, layouts)
+def sweep_tiling(layouts, head_sizes, wgmma):
+    return [_point(layout, K, comba, heads, T, wgmma) for K, layout in itertools.product(head_sizes, layouts)
             for comba in (False, True) for heads in (1, 16, 32, 64, 128) for T in (256, 512, 1024, 4096)]
 
 
@@ -79,9 +92,9 @@ def sweep_tiling(layouts, head_sizes):
 LENGTHS = (16, 32, 48, 49, 64, 96, 112, 113, 128, 176, 177, 192, 256, 1024, 8192, 65536)
 
 
-def sweep_lengths(head_sizes):
+def sweep_lengths(head_sizes, wgmma):
     """The tiling's choice against the 64-token slabs and the kernel they replace, at every T of LENGTHS."""
-    return [_point("kv", K, comba, heads, T) for K in head_sizes for comba in (False, True)
+    return [_point("kv", K, comba, heads, T, wgmma) for K in head_sizes for comba in (False, True)
             for heads in (1, 16, 32, 64, 128) for T in LENGTHS]
 
 
@@ -95,9 +108,7 @@ def sweep_wgmma():
     """The 64-token scans on both slabs, mma.sync (``c64``) and wgmma (``c64wg``), over WGMMA_GRID."""
     rows = []
     for K_, layout, comba, heads, T in WGMMA_GRID:
-        H = min(16 if heads < 32 else 32, heads)
-        B = heads // H
-        args = forward_inputs(B, T, H, K_, V, xp=cupy, state_layout=layout, warm_steps=0, seed=T)
+        B, H, args = _inputs(layout, K_, heads, T)
         times = {}
         for variant in (f"{layout}{slab}{scan}" for scan in ("c64", "c64wg") for slab in (16, 32)):
             times[variant] = round(time_graph(_call(comba, args, state_layout=layout, variant=variant),
@@ -191,13 +202,13 @@ def main():
         with open(a.wgmma, "w") as f:
             json.dump({"environment": environment(), "rows": rows, "fla": fla}, f, indent=1)
     if a.lengths:
-        rows = sweep_lengths([int(k) for k in a.head_sizes.split(",")])
+        rows = sweep_lengths([int(k) for k in a.head_sizes.split(",")], _hopper())
         with open(a.lengths, "w") as f:
-            json.dump({"environment": environment(), "rows": rows}, f, indent=1)
+            json.dump({"environment": environment(), "wgmma": _hopper(), "rows": rows}, f, indent=1)
     if a.tiling:
-        rows = sweep_tiling(a.layouts.split(","), [int(k) for k in a.head_sizes.split(",")])
+        rows = sweep_tiling(a.layouts.split(","), [int(k) for k in a.head_sizes.split(",")], _hopper())
         with open(a.tiling, "w") as f:
-            json.dump({"environment": environment(), "rows": rows}, f, indent=1)
+            json.dump({"environment": environment(), "wgmma": _hopper(), "rows": rows}, f, indent=1)
     if a.fla:
         rows, errors = sweep_fla()
         with open(a.fla, "w") as f:

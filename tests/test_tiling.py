@@ -168,11 +168,14 @@ def test_prefill_only_where_its_shared_memory_fits(layout):
 @pytest.mark.parametrize("name", ["h200-prefill-tiling.json", "h200-prefill-lengths.json"])
 def test_the_forward_choice_is_within_5_percent_of_the_best_timed(name):
     """At every point of the committed sweeps (T = 16-65536, K = 64-256, 1-128 heads) the variant chosen is
-    among those timed and within 5% of the fastest of them."""
+    among those timed and within 5% of the fastest of them (with the wgmma scan where the sweep ran on a GPU
+    that has it)."""
     with open(RESULTS / name) as f:
-        rows = json.load(f)["rows"]
+        report = json.load(f)
+    rows = report["rows"]
     for r in rows:
-        chosen = tiling.choose(r["layout"], r["K"], r["V"], r["op"] == "comba", True, r["T"], r["B"] * r["H"])
+        chosen = tiling.choose(r["layout"], r["K"], r["V"], r["op"] == "comba", True, r["T"], r["B"] * r["H"],
+                               wgmma=report.get("wgmma", False))
         assert r["us"][chosen] <= 1.05 * min(r["us"].values()), r
     assert len(rows) >= 200  # the files are not stubs
 
