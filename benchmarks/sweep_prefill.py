@@ -56,7 +56,7 @@ def _without_prefill(layout, K, V, comba, T, heads):
 
 def _hopper():
     """Whether this GPU runs the wgmma scan, which the library then chooses for bf16 inputs."""
-    return cupy.cuda.Device().compute_capability == "90"
+    return families.runs_wgmma(cupy.cuda.Device().compute_capability)
 
 
 def _inputs(layout, K, heads, T):
@@ -154,7 +154,7 @@ def sweep_fla():
 
     T_ = lambda a: torch.from_dlpack(a)  # noqa: E731 - the same memory, no copy
     rows = []
-    hopper = cupy.cuda.Device().compute_capability == "90"
+    hopper = _hopper()
     for B, T, H in FLA_SHAPES:
         args = forward_inputs(B, T, H, K, V, xp=cupy, warm_steps=0, seed=T + H)
         q, k, v, p, beta, g, S = (T_(a) for a in args)

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from typing import NamedTuple
 
+from . import families
 from ._backend import cupy
 
 NVRTC_OPTIONS = ("--std=c++17",)
@@ -34,7 +35,7 @@ ARCH_SPECIFIC = ("prefill_wgmma.cu",)
 def target(source, arch):
     """The architecture ``kernels_cu/<source>`` is built for on a GPU of ``arch`` (``"sm_90"``): ``"sm_90a"`` for
     ARCH_SPECIFIC sources there, else ``arch``."""
-    return "sm_90a" if source in ARCH_SPECIFIC and arch == "sm_90" else arch
+    return "sm_90a" if source in ARCH_SPECIFIC and arch == "sm_" + families.WGMMA_CAPABILITY else arch
 
 
 def nvrtc_options(source, arch):

@@ -59,11 +59,12 @@ class Plan:
         f32_keys = any(a[n] is not None and a[n].dtype == float32 for n in ("q", "k", "p"))
         limit = shared_limit(self.device)
         cc = cupy.cuda.Device(self.device).compute_capability
-        if sig.variant and families.tiling(sig.layout, sig.K, sig.variant).family == "prefill_scan_wg" and cc != "90":
+        hopper = families.runs_wgmma(cc)
+        if sig.variant and families.tiling(sig.layout, sig.K, sig.variant).family == "prefill_scan_wg" and not hopper:
             raise ValueError(f"variant {sig.variant!r} runs on wgmma, on GPUs of compute capability 9.0 only; GPU "
                              f"{self.device} has {cc}")
         # the prefill scan on wgmma: bf16 q, k, p with bf16 products on compute capability 9.0
-        wgmma = sig.bf16_keys and sig.precision in (None, "bf16") and cc == "90"
+        wgmma = hopper and sig.bf16_keys and sig.precision in (None, "bf16")
         self.variant = sig.variant or tiling.choose(sig.layout, sig.K, sig.V, sig.comba, sig.multi, T, sig.B * sig.H,
                                                     not sig.bf16_keys, limit, bool(sig.per_token), wgmma=wgmma)
         self.kernel = kernel = families.kernel(sig.layout, self.variant, K=sig.K, separate_p=sig.comba,

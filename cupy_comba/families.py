@@ -60,6 +60,15 @@ PRECISIONS = ("tf32", "fp32", "bf16")
 PREFILL_CHUNK, PREFILL_RECORD, PREFILL_RECORD_BF16 = 64, 2 * 20 * 32 * 4 + 256, 2 * 10 * 32 * 4 + 256
 
 
+#: The compute capability whose arch-specific target (sm_90a) holds the wgmma scan (``{layout}{SLAB}c64wg``).
+WGMMA_CAPABILITY = "90"
+
+
+def runs_wgmma(compute_capability):
+    """Whether a GPU of ``compute_capability`` (CuPy's spelling, ``"90"``) runs the wgmma scan."""
+    return compute_capability == WGMMA_CAPABILITY
+
+
 def prefill_record(acc):
     """32-bit words of a chunk's record for the prefill kernels' ACC (Record<ACC>::SIZE): bf16 tiles at ACC 4 and 5."""
     return PREFILL_RECORD_BF16 if acc in (4, 5) else PREFILL_RECORD
@@ -208,8 +217,8 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
     which the prefill family stages as they are (others as fp32; default ``not f32_keys``).
     """
     t = tiling(layout, K, variant)
+    wide = f32_keys if bf16_keys is None else not bf16_keys  # the prefill family's keys staged as fp32
     if t.family == "prefill_scan_wg":
-        wide = f32_keys if bf16_keys is None else not bf16_keys
         if wide or precision not in (None, "bf16"):
             raise ValueError(f"variant {variant!r} runs bf16 q, k, p with precision 'bf16' only; got "
                              f"{'wider keys' if wide else f'precision {precision!r}'}")
@@ -218,7 +227,6 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
                       f"comba::prefill_prep<{K}, 5, {_flag(serving)}>", prefill_prep_bytes(K, False), 128,
                       PREFILL_RECORD_BF16, 8)
     if t.family == "prefill_scan":
-        wide = f32_keys if bf16_keys is None else not bf16_keys
         if precision is None:  # 16-bit activations: bf16 products, the fastest (docs/design.md)
             precision = "bf16"
         acc = (3 if wide else 4 if precision == "bf16" else 0) if precision != "fp32" else 2 if wide else 1

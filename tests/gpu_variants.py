@@ -10,7 +10,7 @@ def runnable(layout, K, V, multi=False, token_loop=False, exact=False):
     """``families.variants(layout, K, V, multi, token_loop)`` that this GPU runs (the wgmma scan on compute
     capability 9.0 only); ``exact``: only those with an fp32-accurate build (the wgmma scan has bf16 products
     only: test_prefill_gpu.py holds it to their bounds)."""
-    hopper = cupy.cuda.Device().compute_capability == "90"
+    hopper = families.runs_wgmma(cupy.cuda.Device().compute_capability)
     return tuple(v for v in families.variants(layout, K, V, multi, token_loop)
                  if families.tiling(layout, K, v).family != "prefill_scan_wg" or (hopper and not exact))
 

@@ -15,7 +15,7 @@ T = 150
 
 def _scans(precision, K):
     """The prefill scans' variant suffixes this GPU builds for ``precision`` at head size ``K``."""
-    hopper = cupy.cuda.Device().compute_capability == "90"
+    hopper = families.runs_wgmma(cupy.cuda.Device().compute_capability)
     return ("c64", "c64wg") if precision == "bf16" and K in families.FAMILY_K and hopper else ("c64",)
 
 

@@ -27,7 +27,7 @@ TOL = {("fp32", "bfloat16"): (1e-6, 4e-3), ("fp32", "float16"): (1e-6, 1e-3), ("
 def _wgmma():
     """Whether this GPU runs the wgmma scan (``{layout}{slab}c64wg``: compute capability 9.0); False with none."""
     try:
-        return cupy.cuda.Device().compute_capability == "90"
+        return families.runs_wgmma(cupy.cuda.Device().compute_capability)
     except cupy.cuda.runtime.CUDARuntimeError:
         return False
 
