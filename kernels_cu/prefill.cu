@@ -255,6 +255,30 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
 }
 // Orders this thread's generic stores to shared memory before later bulk copies into the same bytes.
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// A scan's two stage mbarriers, initialised by thread 0 where it stages by bulk copies, before any thread
+// waits on them (every thread passes the barrier: call it from uniform control flow).
+__device__ __forceinline__ void init_stage_barriers(unsigned long long* bars, bool bulk, int tid) {
+    if (bulk && tid == 0) {
+        mbarrier_init(bars);
+        mbarrier_init(bars + 1);
+    }
+    __syncthreads();
+}
+// One chunk's inputs into the stage at `at` by bulk copies, issued by one thread: the q, k (and p, where the stage
+// holds NK = 3 key inputs) rows of key head hk, the v slab at column col0 of head h (v_row bytes a token), and the
+// chunk's record `rec` (rec_bytes), all from token t of row b_map, completing on `bar`.  Stage names its offsets:
+// KEY_BYTES, NK, V_AT, REC_AT.
+template <class Stage>
+__device__ __forceinline__ void bulk_stage(unsigned char* at, const StageMaps& maps, int hk, int h, int col0, int t,
+                                           int b_map, int v_row, const float* rec, int rec_bytes,
+                                           unsigned long long* bar) {
+    mbarrier_expect(bar, Stage::NK * Stage::KEY_BYTES + kPrefillChunk * v_row + rec_bytes);
+    bulk_rows(at, maps.q, 0, hk, t, b_map, bar);
+    bulk_rows(at + Stage::KEY_BYTES, maps.k, 0, hk, t, b_map, bar);
+    if (Stage::NK == 3) bulk_rows(at + 2 * Stage::KEY_BYTES, maps.p, 0, hk, t, b_map, bar);
+    bulk_rows(at + Stage::V_AT, maps.v, col0, h, t, b_map, bar);
+    bulk_copy(at + Stage::REC_AT, rec, rec_bytes, bar);
+}
 #else
 #define COMBA_BULK_COPY 0
 #endif
@@ -929,11 +953,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_PREFILL_AR
     const long long t_first = row_start<SERVING>(cu_seqlens, prm, b);
     const int b_map = SERVING && prm.cu_t ? 0 : b;
     unsigned long long* const bars = reinterpret_cast<unsigned long long*>(prefill_smem + Layout::BAR_AT);
-    if (bulk && tid == 0) {
-        mbarrier_init(bars);
-        mbarrier_init(bars + 1);
-    }
-    __syncthreads();  // the mbarriers initialised before any thread waits on them
+    init_stage_barriers(bars, bulk, tid);
 #else
     constexpr bool bulk = false;
     constexpr int v_row = Stage::V_ROW;
@@ -948,15 +968,9 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_PREFILL_AR
         const int n = static_cast<int>(min(static_cast<long long>(C), T - static_cast<long long>(c) * C));
 #if COMBA_BULK_COPY
         if (bulk) {
-            if (tid == 0) {
-                const int t = static_cast<int>(t_first + static_cast<long long>(c) * C);
-                mbarrier_expect(bars + s, Stage::NK * Stage::KEY_BYTES + C * v_row + 4 * R::SIZE);
-                bulk_rows(at, maps.q, 0, hk, t, b_map, bars + s);
-                bulk_rows(at + Stage::KEY_BYTES, maps.k, 0, hk, t, b_map, bars + s);
-                if (SEPARATE_P) bulk_rows(at + 2 * Stage::KEY_BYTES, maps.p, 0, hk, t, b_map, bars + s);
-                bulk_rows(at + Stage::V_AT, maps.v, col0, h, t, b_map, bars + s);
-                bulk_copy(at + Stage::REC_AT, rfrom, 4 * R::SIZE, bars + s);  // thread 0's rfrom: the record
-            }
+            if (tid == 0)  // thread 0's rfrom: the record
+                bulk_stage<Stage>(at, maps, hk, h, col0, static_cast<int>(t_first + static_cast<long long>(c) * C),
+                                  b_map, v_row, rfrom, 4 * R::SIZE, bars + s);
         } else
 #endif
         if (n == C) stage_fast(Constant<true>{}, C, at);

@@ -155,26 +155,16 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
     const long long t_first = row_start<SERVING>(cu_seqlens, prm, b);
     const int b_map = SERVING && prm.cu_t ? 0 : b;
     unsigned long long* const bars = reinterpret_cast<unsigned long long*>(prefill_smem + L::BAR_AT);
-    if (bulk && tid == 0) {
-        mbarrier_init(bars);
-        mbarrier_init(bars + 1);
-    }
-    __syncthreads();  // the mbarriers initialised before any thread waits on them
+    init_stage_barriers(bars, bulk, tid);
     // Chunk c's inputs into stage s (bulk copies from thread 0, else cp.async pieces and plain stores that the
     // caller's next wait and barrier publish).
     auto stage_next = [&](int c, int s) {
         unsigned char* const at = prefill_smem + L::STAGE_AT + s * L::STAGE_BYTES;
         const float* rec = work + ((first + c) * H + h) * R::SIZE;
         if (bulk) {
-            if (tid == 0) {
-                const int t = static_cast<int>(t_first + static_cast<long long>(c) * C);
-                mbarrier_expect(bars + s, L::NK * L::KEY_BYTES + C * v_row + 4 * R::SIZE);
-                bulk_rows(at, maps.q, 0, hk, t, b_map, bars + s);
-                bulk_rows(at + L::KEY_BYTES, maps.k, 0, hk, t, b_map, bars + s);
-                if (SEPARATE_P) bulk_rows(at + 2 * L::KEY_BYTES, maps.p, 0, hk, t, b_map, bars + s);
-                bulk_rows(at + L::V_AT, maps.v, col0, h, t, b_map, bars + s);
-                bulk_copy(at + L::REC_AT, rec, 4 * R::SIZE, bars + s);
-            }
+            if (tid == 0)
+                bulk_stage<L>(at, maps, hk, h, col0, static_cast<int>(t_first + static_cast<long long>(c) * C), b_map,
+                              v_row, rec, 4 * R::SIZE, bars + s);
             return;
         }
         const long long t0 = static_cast<long long>(c) * C;
