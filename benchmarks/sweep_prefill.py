@@ -89,7 +89,7 @@ def sweep_tiling(layouts, head_sizes, wgmma):
 
 
 #: ``--lengths``: T = 16-65536, with both sides of each of the tiling's prefill thresholds (tiling.PREFILL_MIN_T)
-LENGTHS = (16, 32, 48, 49, 64, 96, 112, 113, 128, 176, 177, 192, 256, 1024, 8192, 65536)
+LENGTHS = (16, 32, 48, 49, 64, 96, 97, 112, 113, 128, 160, 161, 176, 177, 192, 256, 1024, 8192, 65536)
 
 
 def sweep_lengths(head_sizes, wgmma):

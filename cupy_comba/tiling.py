@@ -78,21 +78,24 @@ def _mma(c):
 
 #: The shortest pass the prefill kernels take at each K, over at most so many heads: (heads, T) in order
 #: (h200-prefill-lengths.json).  Their cost rises in steps of 64 tokens and the 16-token kernel's in steps of 16,
-#: so the thresholds fall on that kernel's step boundaries: T = 49, 113 and 177 open a step of it that costs more
+#: so the thresholds fall on that kernel's step boundaries: T = 49, 113 and 161 open a step of it that costs more
 #: than the prefill chunks, and at T = 96 over 33-64 heads the two tie.  Beyond 128 heads, the most the sweeps
 #: measured, the token kernels keep every length (and no workspace of 11-21.5 KB a chunk and head is made); at
 #: K = 256 the token loops the prefill kernels replace walk 256 keys a token, and lose from T = 16 over any
 #: number of heads.
 PREFILL_MIN_T = {
-    64: ((32, 49), (64, 96), (128, 177)),
+    64: ((32, 49), (64, 96), (128, 161)),
     128: ((32, 49), (64, 96), (128, 113)),
     256: ((None, 16),),
 }
+#: The same where the scan runs on wgmma (:func:`_warpgroup`): two chunks of it cost less than the 16-token
+#: kernel's seventh step over 65-128 heads at both K, so from T = 97 there.
+PREFILL_MIN_T_WGMMA = {K: ((32, 49), (64, 96), (128, 97)) for K in (64, 128)}
 
 
 def _prefill_min_t(c):
     """The shortest pass the prefill kernels take at this head size and head count, or None."""
-    for most, T in PREFILL_MIN_T.get(c.K, ()):
+    for most, T in (PREFILL_MIN_T_WGMMA if _warpgroup(c) else PREFILL_MIN_T).get(c.K, ()):
         if most is None or (c.heads is not None and c.heads <= most):
             return T
     return None
@@ -125,21 +128,23 @@ RULES = (
          lambda c: f"{c.layout}{_prefill_slab(c)}c64{'wg' if _warpgroup(c) else ''}",
          "h200-prefill-tiling.json (kv and vk, K = 64 / 128 / 256, 1-128 heads, T = 256-4096) and "
          "h200-prefill-lengths.json (kv, T = 16-65536 and either side of each threshold), Gated DeltaNet at "
-         "K = 128 unless said.  The prefill kernels cost a step every 64 tokens, the 16-token kernel every 16, so "
-         "the thresholds fall on the latter's step boundaries: over 1-32 heads from T = 49 (16 heads: T = 48 13.7 "
-         "against 12.3 us for kv32tc16, T = 49 13.8 against 15.3, T = 65536 2033 against 12854; K = 64: 12.4 "
-         "against 14.2), 16-column slabs over 1-16 heads and 32-column ones over more (32 heads, T = 49: 15.2 "
-         "against 17.4); over 33-64 heads from T = 96 (64 heads: 24.4 against 24.5 for kv64tc16, T = 64 19.9 "
-         "against 17.5); over 65-128 heads from T = 113 (128 heads: 40.8 against 45.7, T = 112 40.8 against "
-         "40.9; T = 65536 11801 against 20767), at K = 64 from T = 177 (40.5 against 44.0, T = 176 40.6 against "
-         "41.1); at K = 256 over every head count from T = 16 (1 head: 15.1 against 18.9 us for kv32x16, 128 "
-         "heads: 36.5 against 53.4), 6.6-32x the token loops from T = 256.  Where q, k, p are bf16 with bf16 "
-         "products on compute capability 9.0, the same slabs' scan on wgmma (h200-prefill-wgmma.json, K = 64 / 128, "
-         "kv and vk, 1-128 heads, T = 256-8192): 32-column slabs 0.72-0.93 of prefill_scan's time from 64 heads "
-         "(K = 128, 128 heads, T = 8192: 1241.1 against 1398.5 us; K = 64: 868.6 against 1193.0), Gated "
-         "DeltaNet's 16-column slabs 0.92-0.98 (16 heads, T = 8192: 242.7 against 248.0), Comba's 16-column "
-         "ones over one head 0.91-1.02 (T = 8192 178.4 against 195.5) but over 16 heads 1.11 (289.9 against "
-         "261.5), which keeps prefill_scan."),
+         "K = 128 unless said, prefill_scan (mma.sync) first.  The prefill kernels cost a step every 64 tokens, the "
+         "16-token kernel every 16, so the thresholds fall on the latter's step boundaries: over 1-32 heads from "
+         "T = 49 (16 heads: T = 48 14.1 against 12.5 us for kv32tc16, T = 49 14.2 against 15.5, T = 65536 1865 "
+         "against 12879; K = 64: 12.8 against 14.4), 16-column slabs over 1-16 heads and 32-column ones over more "
+         "(32 heads, T = 49: 15.5 against 15.8); over 33-64 heads from T = 96 (64 heads: 24.1 against 24.3 for "
+         "kv64tc16, T = 64 20.0 against 17.5); over 65-128 heads from T = 113 (128 heads: 39.4 against 45.3, "
+         "T = 112 39.2 against 40.2; T = 65536 10988 against 20769), at K = 64 from T = 161 (T = 176 38.7 against "
+         "40.8, T = 128 31.1 against 30.6); at K = 256 over every head count from T = 16 (1 head: 15.8 against "
+         "18.8 us for kv32x16, 128 heads: 37.5 against 53.9), 6.6-33x the token loops from T = 256.  Where q, k, "
+         "p are bf16 with bf16 products on compute capability 9.0, the same slabs' scan on wgmma "
+         "(h200-prefill-wgmma.json, K = 64 / 128, kv and vk, 1-128 heads, T = 256-8192): 32-column slabs "
+         "0.72-0.93 of prefill_scan's time from 64 heads (K = 128, 128 heads, T = 8192: 1241.1 against 1398.5 us; "
+         "K = 64: 868.6 against 1193.0), Gated DeltaNet's 16-column slabs 0.92-0.98 (16 heads, T = 8192: 242.7 "
+         "against 248.0), Comba's 16-column ones over one head 0.91-1.02 (T = 8192 178.4 against 195.5) but over "
+         "16 heads 1.11 (289.9 against 261.5), which keeps prefill_scan; and over 65-128 heads from T = 97 at "
+         "both K (h200-prefill-lengths.json, 128 heads, T = 112: 34.8 against 40.2 us for kv64tc16, Comba 40.2 "
+         "against 42.2, K = 64 23.8 against 27.3; T = 96: 34.3 against 35.1, Comba 41.1 against 37.0)."),
     Rule("K = 256: the kv token loop",
          lambda c: c.K == 256 and c.layout == "kv",
          lambda c: "kv64x16" if c.wide and (c.heads is None or c.heads > 1024) else "kv32x16",

@@ -59,8 +59,8 @@ def test_wide_slab_at_k64_over_many_heads(layout):
             assert tiling.choose(layout, 64, 256, True, True, T, heads) == f"{layout}128tc16", (T, heads)
             assert tiling.choose(layout, 64, 192, False, True, T, heads) == f"{layout}64tc16", (T, heads)
             assert tiling.choose("kv", 128, 128, False, True, T, heads) == "kv64tc16", (T, heads)
-        # over 65-128 heads the prefill kernels take K = 64 passes from T = 177
-        assert tiling.choose(layout, 64, 128, False, True, T, 128) == f"{layout}{'32c64' if T >= 177 else '64tc16'}"
+        # over 65-128 heads the prefill kernels take K = 64 passes from T = 161
+        assert tiling.choose(layout, 64, 128, False, True, T, 128) == f"{layout}{'32c64' if T >= 161 else '64tc16'}"
     assert tiling.choose(layout, 64, 128, False, True, 24, 8192) == f"{layout}64tc"
 
 
@@ -123,7 +123,7 @@ def test_vk_verify_over_many_heads_on_eight_warps(heads, variant):
 def test_prefill_over_few_heads_and_long_prompts(layout, comba):
     """h200-prefill-tiling.json, h200-prefill-lengths.json: 64-token chunks at K = 64 and 128 from T = 49 over
     at most 32 heads (16-column slabs over at most 16), from T = 96 over at most 64, from T = 113 (K = 128) or
-    177 (K = 64) over at most 128 (the sweeps' most); at K = 256 from T = 16 over any number; the tensor-core
+    161 (K = 64) over at most 128 (the sweeps' most); at K = 256 from T = 16 over any number; the tensor-core
     kernel or the token loop otherwise."""
     def choose(T, heads, K=128, **kw):
         return tiling.choose(layout, K, 128, comba, True, T, heads, **kw)
@@ -132,8 +132,8 @@ def test_prefill_over_few_heads_and_long_prompts(layout, comba):
     assert choose(95, 33) == choose(95, 64) == choose(112, 65) == choose(255, None) == f"{layout}64tc16"
     assert choose(49, 1) == choose(8192, 16) == choose(49, 16, K=64) == f"{layout}16c64"
     assert choose(49, 17) == choose(49, 32, K=64) == choose(96, 64) == choose(96, 64, K=64) == f"{layout}32c64"
-    assert choose(113, 65) == choose(65536, 128) == choose(177, 128, K=64) == f"{layout}32c64"
-    assert choose(176, 65, K=64) == choose(48, 1, K=64) == f"{layout}64tc16"
+    assert choose(113, 65) == choose(65536, 128) == choose(161, 128, K=64) == f"{layout}32c64"
+    assert choose(160, 65, K=64) == choose(48, 1, K=64) == f"{layout}64tc16"
     assert choose(177, 129) == choose(65536, 8192) == choose(65536, None) == f"{layout}64tc16"  # beyond the sweeps
     assert choose(65536, 129, K=64) == choose(65536, None, K=64) == f"{layout}128tc16"
     assert choose(16, 16, K=256) == f"{layout}16c64" and not choose(15, 16, K=256).endswith("c64")
@@ -177,7 +177,24 @@ def test_the_forward_choice_is_within_5_percent_of_the_best_timed(name):
         chosen = tiling.choose(r["layout"], r["K"], r["V"], r["op"] == "comba", True, r["T"], r["B"] * r["H"],
                                wgmma=report.get("wgmma", False))
         assert r["us"][chosen] <= 1.05 * min(r["us"].values()), r
+        if report.get("wgmma", False):  # the choice of a GPU without it, among the kernels such a GPU has
+            chosen = tiling.choose(r["layout"], r["K"], r["V"], r["op"] == "comba", True, r["T"], r["B"] * r["H"])
+            us = {v: t for v, t in r["us"].items() if not v.endswith("wg")}
+            assert us[chosen] <= 1.05 * min(us.values()), r
     assert len(rows) >= 200  # the files are not stubs
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("comba", [True, False])
+def test_prefill_thresholds_on_wgmma(layout, comba):
+    """h200-prefill-lengths.json: where the scan runs on wgmma the prefill kernels take 65-128 heads from T = 97
+    at K = 64 and 128; the other thresholds stay."""
+    def choose(T, heads, K=128):
+        return tiling.choose(layout, K, 128, comba, True, T, heads, wgmma=True)
+
+    assert choose(96, 65) == choose(96, 128, K=64) == choose(95, 64) == f"{layout}64tc16"
+    assert choose(97, 65) == choose(97, 128, K=64) == choose(96, 64) == choose(49, 32) == f"{layout}32c64wg"
+    assert choose(48, 32) == f"{layout}32tc16" and choose(97, 129) == f"{layout}64tc16"  # beyond the sweeps
 
 
 def test_the_wgmma_scan_choice_is_within_5_percent_of_the_best_timed():
