@@ -88,7 +88,8 @@ def sweep_tiling(layouts, head_sizes, wgmma):
             for comba in (False, True) for heads in (1, 16, 32, 64, 128) for T in (256, 512, 1024, 4096)]
 
 
-#: ``--lengths``: T = 16-65536, with both sides of each of the tiling's prefill thresholds (tiling.PREFILL_MIN_T)
+#: ``--lengths``: T = 16-65536, with both sides of each of the tiling's prefill thresholds (tiling.PREFILL_MIN_T,
+#: tiling.PREFILL_MIN_T_WGMMA)
 LENGTHS = (16, 32, 48, 49, 64, 96, 97, 112, 113, 128, 160, 161, 176, 177, 192, 256, 1024, 8192, 65536)
 
 

@@ -88,8 +88,8 @@ PREFILL_MIN_T = {
     128: ((32, 49), (64, 96), (128, 113)),
     256: ((None, 16),),
 }
-#: The same where the scan runs on wgmma (:func:`_warpgroup`): two chunks of it cost less than the 16-token
-#: kernel's seventh step over 65-128 heads at both K, so from T = 97 there.
+#: The same where the scan runs on wgmma (:func:`_warpgroup`): over 65-128 heads at both K from T = 97, where
+#: its two chunks cost less than the 16-token kernel's seven steps (h200-prefill-lengths.json).
 PREFILL_MIN_T_WGMMA = {K: ((32, 49), (64, 96), (128, 97)) for K in (64, 128)}
 
 
