@@ -81,9 +81,9 @@ def report(shape):
         "launch: the plan's Launcher, same pointers (graph replay)": lambda: launch(kernel_ptrs, device),
         "launch: the plan's Launcher, new pointers (node update + replay)":
             lambda: launch(swapped if next(alternate) & 1 else kernel_ptrs, device),
-        "launch floor: the plan's kernel through cuLaunchKernel": lambda: launch._launch_kernel(stream),
+        "launch floor: the plan's kernel through cuLaunchKernel": lambda: launch._launch_kernels(stream),
         "launch floor: CuPy RawKernel call, same kernel and args":
-            lambda: launch.kernel((launch.grid,), (launch.block,), raw_args, shared_mem=launch.shared_bytes),
+            lambda: launch.kernel(launch.grid, (launch.block,), raw_args, shared_mem=launch.shared_bytes),
         "launch floor: driver launch of an empty 1-arg kernel":
             lambda: cupy.cuda.driver.launchKernel(empty.kernel.ptr, 1, 1, 1, 32, 1, 1, 0, stream,
                                                   ctypes.addressof(argv), 0),

@@ -43,14 +43,15 @@ PARAMS_FIELDS = (
     "q_sb", "q_sh", "q_sk", "k_sb", "k_sh", "k_sk", "p_sb", "p_sh", "p_sk",
     "v_sb", "v_sh", "v_sv", "beta_sb", "beta_sh", "g_sb", "g_sh", "o_sb", "o_sh", "o_sv",
     "q_t", "k_t", "p_t", "v_t", "beta_t", "g_t", "o_t",
-    "gate_linear", "l2norm",
+    "gate_linear", "l2norm", "grid3",
     "B", "T", "q_st", "k_st", "p_st", "v_st", "beta_st", "g_st", "o_st", "has_initial", "write_final",
     "N", "slot_t", "slot_s", "cu_t", "per_token", "slot_st", "na_t", "gate_softplus", "beta_sigmoid",
 )
 PARAMS = numpy.dtype([(name, numpy.int64) for name in PARAMS_FIELDS], align=True)
 
-def pack_params(sig):
-    """``struct Params`` of a signature, as a ``numpy.void`` scalar."""
+def pack_params(sig, grid3=False):
+    """``struct Params`` of a signature, as a ``numpy.void`` scalar; ``grid3``: the kernel's grid is (b, h, slab)
+    (``families.Kernel.grid3``)."""
     a, step = sig.arrays, sig.step
 
     def strides(s):  # element strides, with a length-1 T axis inserted for steps
@@ -69,7 +70,7 @@ def pack_params(sig):
         values.update(zip((f"{name}_sb", f"{name}_st", f"{name}_sh"), strides(a[name])))
         values[f"{name}_t"] = ACTIVATION_CODES[a[name].dtype]
     values.update(zip(("o_sb", "o_st", "o_sh", "o_sv"), o_es))
-    values.update(o_t=ACTIVATION_CODES[sig.o_dtype], gate_linear=sig.gate == "linear", l2norm=sig.l2norm,
+    values.update(o_t=ACTIVATION_CODES[sig.o_dtype], gate_linear=sig.gate == "linear", l2norm=sig.l2norm, grid3=grid3,
                   has_initial=a["state"] is not None, write_final=sig.write_final, N=sig.N,
                   slot_t=INDEX_CODES[a["state_indices"].dtype] if sig.pool else 0,
                   slot_s=a["state_indices"].element_strides()[0] if sig.pool else 0,
@@ -155,8 +156,10 @@ class Launcher:
     ----------
     kernel : cupy.RawKernel
         Compiled for the device that is current when the Launcher is made (kept alive here).
-    grid, block : int
-        One-dimensional launch geometry: CTAs, and threads a CTA.
+    grid : tuple
+        CTAs ``(x, y, z)``.
+    block : int
+        Threads a CTA (in x).
     params : numpy.void
         The packed ``struct Params`` (:func:`pack_params`).
     scale : numpy.float32
@@ -179,7 +182,7 @@ class Launcher:
     def __init__(self, kernel, grid, block, params, scale, shared_bytes=0, *, before=None, workspace=0, maps=None):
         self.kernel, self.grid, self.block, self.params, self.scale = kernel, grid, block, params, scale
         self.shared_bytes, self.workspace = shared_bytes, workspace
-        steps = ([before] if before is not None and before[1] > 0 else []) + [(kernel, grid, block, shared_bytes)]
+        steps = ([before] if before is not None and before[1][0] > 0 else []) + [(kernel, grid, block, shared_bytes)]
         self._steps = tuple((k.kernel.ptr, g, b, s) for k, g, b, s in steps)  # CUfunctions of the current device
         self._slots = (ctypes.c_uint64 * N_POINTERS)()
         self._written = None  # the pointers in the slots
@@ -193,7 +196,7 @@ class Launcher:
         self._maps = maps
         argv = (ctypes.c_void_p * len(args))(*args)
         self._argv = ctypes.addressof(argv)
-        nodes = [_KernelNodeParams(fn, (g, 1, 1), (b, 1, 1), s, self._argv, None, None, None)
+        nodes = [_KernelNodeParams(fn, g, (b, 1, 1), s, self._argv, None, None, None)
                  for fn, g, b, s in self._steps]
         self._node_params = tuple(ctypes.addressof(n) for n in nodes)
         self._keep = (params_buf, scale_buf, argv, nodes, [k for k, *_ in steps])  # read at every launch
@@ -252,7 +255,7 @@ class Launcher:
     def _launch_kernels(self, stream):
         # cuLaunchKernel copies the arguments before it returns: the slots are free again.
         for fn, grid, block, shared in self._steps:
-            cupy.cuda.driver.launchKernel(fn, grid, 1, 1, block, 1, 1, shared, stream, self._argv, 0)
+            cupy.cuda.driver.launchKernel(fn, *grid, block, 1, 1, shared, stream, self._argv, 0)
 
     def _capture(self, pointers):
         """A graph of the kernels with the slots' arguments, captured on a private stream; its kernel

@@ -16,7 +16,7 @@ import numpy
 
 from . import families, reference, tiling
 from ._backend import cupy
-from ._dtypes import float32
+from ._dtypes import ACTIVATION_CODES, float32
 from ._launcher import Launcher, pack_params
 from ._tma import StageMaps
 from . import _validate
@@ -57,6 +57,7 @@ class Plan:
         # token's state (speculative verify) is formed by the token loop only
         T = max(1, sig.T // max(sig.B, 1)) if sig.ragged else 1 if sig.per_token else sig.T
         f32_keys = any(a[n] is not None and a[n].dtype == float32 for n in ("q", "k", "p"))
+        act = _activation_build(sig)
         limit = shared_limit(self.device)
         cc = cupy.cuda.Device(self.device).compute_capability
         hopper = families.runs_wgmma(cc)
@@ -69,7 +70,7 @@ class Plan:
                                                     not sig.bf16_keys, limit, bool(sig.per_token), wgmma=wgmma)
         self.kernel = kernel = families.kernel(sig.layout, self.variant, K=sig.K, separate_p=sig.comba,
                                                multi=sig.multi, f32_keys=f32_keys, precision=sig.precision,
-                                               bf16_keys=sig.bf16_keys,
+                                               bf16_keys=sig.bf16_keys, act=act,
                                                serving=sig.pool or sig.gating or sig.beta_sigmoid or sig.ragged
                                                or bool(sig.per_token))
         needs = max(kernel.shared_bytes, kernel.prep_shared_bytes)
@@ -78,12 +79,12 @@ class Plan:
                              f"allows {limit}: leave variant=None to have one chosen that fits")
         if not sig.B * sig.H:
             return
-        grid = kernel.grid(sig.B * sig.H, sig.V)
-        _validate.check_grid(grid, sig.B, sig.H)
+        grid = kernel.grid(sig.B, sig.H, sig.V)
+        _validate.check_grid(grid, sig.B, sig.H, self.variant)
         before, workspace = None, 0
         if kernel.prep:  # the prefill family: every chunk's coefficients first, into a workspace
             slots = families.prefill_slots(sig.B, sig.T, sig.ragged)
-            _validate.check_grid(slots * sig.H, sig.B, sig.H)
+            _validate.check_grid((slots * sig.H, 1, 1), sig.B, sig.H, self.variant)
             workspace = slots * sig.H * kernel.record_words * 4
         with cupy.cuda.Device(self.device):
             from ._build import get_kernel
@@ -96,13 +97,25 @@ class Plan:
 
             maps = None
             if kernel.prep:
-                before = (compiled(kernel.prep, kernel.prep_shared_bytes), slots * sig.H, kernel.prep_block,
+                before = (compiled(kernel.prep, kernel.prep_shared_bytes), (slots * sig.H, 1, 1), kernel.prep_block,
                           kernel.prep_shared_bytes)
                 maps = StageMaps(a["q"], a["k"], a["p"] if a["p"] is not None else a["k"], a["v"], sig.ragged,
                                  2 if sig.bf16_keys else 4, kernel.slab, int(cc) >= 90, kernel.key_pad)
             self.launcher = Launcher(compiled(kernel.expression, kernel.shared_bytes), grid, kernel.block,
-                                     pack_params(sig), numpy.float32(sig.scale), kernel.shared_bytes, before=before,
+                                     pack_params(sig, kernel.grid3), numpy.float32(sig.scale), kernel.shared_bytes,
+                                     before=before,
                                      workspace=workspace, maps=maps)
+
+
+def _activation_build(sig):
+    """The dtype code the decode step is built for (``families.kernel``'s ``act``): where q, k, p, v and o share
+    a dtype and a unit stride along their last axis; else None."""
+    a = sig.arrays
+    rows = [a[n] for n in ("q", "k", "p", "v", "out") if a[n] is not None]
+    dtypes = {x.dtype for x in rows} | {numpy.dtype(sig.o_dtype)}
+    if len(dtypes) > 1 or any(x.element_strides()[-1] != 1 for x in rows):
+        return None
+    return ACTIVATION_CODES[dtypes.pop()]
 
 
 #: The opt-in shared memory a CTA may hold, by device (cudaDevAttrMaxSharedMemoryPerBlockOptin).

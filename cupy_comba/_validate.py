@@ -243,11 +243,19 @@ def check_head_sizes(K, V):
                          f"({INDEX_LIMIT}): V must be at most {INDEX_LIMIT // K}")
 
 
-def check_grid(ctas, B, H):
-    """The launch's CTAs and its B * H heads fit the kernels' 32-bit indices."""
+#: The most CTAs a launch grid holds in y and in z.
+GRID_YZ_LIMIT = 65535
+
+
+def check_grid(grid, B, H, variant):
+    """The launch's grid ``(x, y, z)`` and its B * H heads fit the kernels' 32-bit indices and CUDA's grid."""
+    ctas = grid[0] * grid[1] * grid[2]
     if B * H > INDEX_LIMIT or ctas > INDEX_LIMIT:
         raise ValueError(f"B * H = {B * H} heads need {ctas} CTAs; the kernels index at most {INDEX_LIMIT} of "
                          "either: split the batch")
+    if max(grid[1:]) > GRID_YZ_LIMIT:
+        raise ValueError(f"variant {variant!r} launches a grid of {grid} CTAs, at most {GRID_YZ_LIMIT} in y and z: "
+                         f"H = {H} heads is too many for it; leave variant=None")
 
 
 def _check_pool(sigs, B, N, T=None):

@@ -10,6 +10,8 @@ variant                   kernel (``comba::``)        a CTA holds
 ========================  ==========================  ============================================
 ``kv{COLS}x{RG}``         ``delta_rule_kv``           COLS value columns of a "kv" state, RG row
                           (``token_loop.cu``)         groups; one token at a time
+``kv{COLS}w``             ``delta_rule_kv_warp``      COLS value columns of a "kv" state in one warp;
+                          (``token_loop.cu``)         the decode step only
 ``vk{R}x{NW}``            ``delta_rule_vk``           R x NW x max(1, 128 / K) rows of V of a "vk"
                           (``token_loop.cu``)         state, NW warps; one token at a time (``vk4x2``:
                                                       the decode step only; ``vk8x8``: T-token passes
@@ -31,15 +33,17 @@ variant                   kernel (``comba::``)        a CTA holds
 ========================  ==========================  ============================================
 
 The token-loop kernels have two builds: the decode step (one token from a given state to a
-written state, no token loop) and the T-token build (``multi``).  Every build has a twin with the
-serving options (``serving``: a state pool, in-kernel gating), compiled when a call uses them.
+written state, no token loop) and the T-token build (``multi``).  The decode step is also built for
+one activation dtype (``act``: q, k, p, v and o all bf16, fp16 or fp32), which a call whose
+activations agree runs.  Every build has a twin with the serving options (``serving``: a state pool,
+in-kernel gating), compiled when a call uses them.
 
 >>> from cupy_comba import families
 >>> families.variants("kv", 128, 128)
-('kv64x8', 'kv64x4', 'kv32x8', 'kv32x16', 'kv16x32')
->>> k = families.kernel("kv", "kv64x8", K=128, separate_p=True, multi=False)
->>> k.expression, k.block, k.grid(heads=512, V=128)
-('comba::delta_rule_kv<128, 64, 8, true, false, false>', 128, 1024)
+('kv64x8', 'kv64x4', 'kv32x8', 'kv32x16', 'kv16x32', 'kv16w', 'kv8w')
+>>> k = families.kernel("kv", "kv64x8", K=128, separate_p=True, multi=False, act=2)
+>>> k.expression, k.block, k.grid(B=32, H=16, V=128)
+('comba::delta_rule_kv<128, 64, 8, true, false, 2, false>', 128, (1024, 1, 1))
 """
 
 import itertools
@@ -98,7 +102,7 @@ class Kernel(NamedTuple):
     """One specialisation: what NVRTC compiles and how it is launched."""
 
     source: str
-    expression: str     #: the name expression compiled, e.g. ``comba::delta_rule_kv<128, 64, 8, true, false>``
+    expression: str     #: the name expression compiled, e.g. ``comba::delta_rule_kv<128, 64, 8, true, false, 2, false>``
     slab: int
     block: int
     shared_bytes: int   #: dynamic shared memory a CTA
@@ -107,10 +111,13 @@ class Kernel(NamedTuple):
     prep_block: int = 0         #: its threads a CTA (its grid: a CTA a chunk slot and value head)
     record_words: int = 0       #: 32-bit words of its workspace a chunk slot and value head
     key_pad: int = 16           #: elements past the key axis in a staged key row (its bulk copies' box width)
+    grid3: bool = False         #: a grid of (b, h, slab) rather than of B * H * slabs CTAs in x (the tilings for a
+                                #: decode step over a few heads; Params::grid3)
 
-    def grid(self, heads, V):
-        """CTAs for ``heads`` = B * H heads of V value columns: one a slab of a head."""
-        return heads * (V // self.slab)
+    def grid(self, B, H, V):
+        """The launch's grid ``(x, y, z)`` for B x H heads of V value columns: one CTA a slab of a head."""
+        slabs = V // self.slab
+        return (B, H, slabs) if self.grid3 else (B * H * slabs, 1, 1)
 
 
 def prefill_slots(B, T, ragged):
@@ -127,6 +134,8 @@ KV_TILINGS = ((64, 8), (64, 4), (32, 8), (32, 16), (16, 32))
 KV256_TILINGS = ((64, 16), (32, 16), (16, 32))
 #: ``delta_rule_kv_chunked`` (COLS, RG): those whose state, column sums and staging fit the registers.
 KV_CHUNKED_TILINGS = ((64, 8), (32, 8))
+#: ``delta_rule_kv_warp`` value columns a CTA (one warp), by K: built for the decode step only, over a few heads.
+KV_WARP_COLS = {64: (16, 8), 128: (16, 8), 256: (8,)}
 #: ``delta_rule_vk`` (R, NW) by K: NW warps, R state rows a lane (at K = 256 two float4 of a row each, so
 #: that a lane holds 16 float4 of state at every K).
 VK_TILINGS = {64: ((8, 2), (16, 2)), 128: ((16, 2), (16, 4)), 256: ((8, 2), (8, 4))}
@@ -153,6 +162,8 @@ def _all_tilings():
     for K in SUPPORTED_K:
         out += [Tiling(f"kv{c}x{r}", "kv", K, "delta_rule_kv", "token_loop.cu", (c, r), c, c // 4 * r, 1, False)
                 for c, r in (KV256_TILINGS if K == 256 else KV_TILINGS)]
+        out += [Tiling(f"kv{c}w", "kv", K, "delta_rule_kv_warp", "token_loop.cu", (c,), c, 32, 1, False, True)
+                for c in KV_WARP_COLS[K]]
         out += [Tiling(f"vk{r}x{w}", "vk", K, "delta_rule_vk", "token_loop.cu", (r, w), r * w * max(1, 128 // K),
                        32 * w, 1, passes, decode)
                 for tilings, passes, decode in ((VK_TILINGS, False, False), (VK_DECODE_TILINGS, False, True),
@@ -203,7 +214,7 @@ def tiling(layout, K, variant):
 
 
 def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=False, precision="fp32",
-           bf16_keys=None):
+           bf16_keys=None, act=None):
     """The specialisation that runs ``variant``.
 
     ``separate_p``: Comba (a read key p apart from k); ``multi``: the T-token build (the chunked
@@ -214,7 +225,10 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
     family's last template flag, so that calls without them run code that holds none of them;
     ``precision``: the prefill family's products, "tf32", "bf16" or "fp32", or None (16-bit activations:
     "bf16"); the other families are fp32-accurate whatever it says; ``bf16_keys``: q, k, p all bf16,
-    which the prefill family stages as they are (others as fp32; default ``not f32_keys``).
+    which the prefill family stages as they are (others as fp32; default ``not f32_keys``); ``act``: the dtype
+    code (``_dtypes.ACTIVATION_CODES``) that q, k, p, v and o share, or None where they differ: the decode step
+    of the token loops is built for it (template argument ACT, kernels_cu/params.cuh), every other build reads
+    the dtypes at run time.
     """
     t = tiling(layout, K, variant)
     wide = f32_keys if bf16_keys is None else not bf16_keys  # the prefill family's keys staged as fp32
@@ -242,10 +256,26 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
         expression = (f"comba::delta_rule_mma<{K}, {slab}, {_flag(separate_p)}, {_flag(layout == 'vk')}, "
                       f"{tokens // 8}, {_flag(serving)}>")
         return Kernel(t.source, expression, slab, 2 * slab * K // 64, mma_stage_bytes(K, slab, separate_p, tokens))
-    flags = _flag(separate_p) if t.tokens > 1 else f"{_flag(separate_p)}, {_flag(multi or t.passes_only)}"
+    decode = t.tokens == 1 and not (multi or t.passes_only)
+    flags = _flag(separate_p)
+    if t.tokens == 1:
+        if t.family != "delta_rule_kv_warp":  # the one family with no T-token build has no MULTI flag
+            flags += f", {_flag(not decode)}"
+        flags += f", {act if decode and act is not None else -1}"
     flags += f", {_flag(serving)}"
     args = ", ".join(str(a) for a in (K, *t.args))
-    return Kernel(t.source, f"comba::{t.family}<{args}, {flags}>", t.slab, t.threads, 0)
+    return Kernel(t.source, f"comba::{t.family}<{args}, {flags}>", t.slab, t.threads, 0,
+                  grid3=t.family == "delta_rule_kv_warp" or (t.decode_only and decode))
+
+
+#: The activation dtype codes the decode builds are specialised for, and None (each dtype read at run time).
+ACT_CODES = (None, 0, 1, 2)
+
+
+def _builds(t):
+    """``(multi, act)`` of each build of a tiling: the T-token one, and the decode step for each of ACT_CODES."""
+    multis = (True,) if t.passes_only else (False,) if t.decode_only else (False, True)
+    return [(m, act) for m in multis for act in ((None,) if m or t.tokens > 1 else ACT_CODES)]
 
 
 def specialisations():
@@ -254,7 +284,7 @@ def specialisations():
     for serving in (False, True):
         for t in TILINGS:
             for separate_p in (True, False):
-                for multi in (True,) if t.passes_only else (False,) if t.decode_only else (False, True):
+                for multi, act in _builds(t):
                     prefill = t.family == "prefill_scan"  # its builds differ by numerics too
                     numerics = itertools.product(PRECISIONS, (False, True)) if prefill else \
                         (("bf16", False),) if t.family == "prefill_scan_wg" else (("fp32", False), ("fp32", True))
@@ -262,7 +292,7 @@ def specialisations():
                         if prefill and not prefill_fits(t.K, t.slab, separate_p, f32_keys):
                             continue
                         k = kernel(t.layout, t.variant, K=t.K, separate_p=separate_p, multi=multi, serving=serving,
-                                   precision=precision, f32_keys=f32_keys)
+                                   precision=precision, f32_keys=f32_keys, act=act)
                         exprs = out.setdefault(k.source, [])
                         for e in (k.prep, k.expression):
                             if e and e not in exprs:

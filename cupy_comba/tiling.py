@@ -23,6 +23,10 @@ from .families import MAX_SHARED, prefill_fits
 FEW_HEADS = 128
 #: At most this many heads the tensor-core kernel takes 32-column slabs at K = 128.
 NARROW_HEADS = 32
+#: At most this many heads a kv decode step at K = 128 runs in one warp a CTA (``kv16w``).
+ONE_WARP_HEADS = 256
+#: At most this many heads a vk decode step at K = 128 runs on 8-row slabs (``vk4x2``).
+NARROW_VK_HEADS = 512
 
 
 class Case(NamedTuple):
@@ -196,14 +200,15 @@ RULES = (
          lambda c: c.multi and c.layout == "kv" and not c.wide and c.K == 128 and c.T in range(3, 5),
          lambda c: "kv32x8c4",
          "the 64-column rule above, for V not a multiple of 64 (h200-forward-smallT.json)."),
-    Rule("kv decode step over very few heads",
-         lambda c: (c.layout == "kv" and c.K == 128 and c.wide and not c.multi and c.heads is not None
-                    and c.heads <= 64),
-         lambda c: "kv16x32" if c.heads <= 16 and not c.separate_p else "kv32x16",
-         "h200-decode-tiny.json: Gated DeltaNet on 16-column slabs (32 row groups, 4 float4 of state a thread) "
-         "over 1-16 heads in 2.72-2.93 against 3.05-3.34 us for kv64x8, on 32-column ones over 32 / 64 heads in "
-         "3.22 / 3.95 against 3.47 / 4.04 us; Comba on 32-column slabs over 1-64 heads in 2.78-3.89 against "
-         "3.01-4.03 us.  Over 128 heads kv64x8 leads (Comba 5.40 us; 5.42 on kv32x16, 6.73 on kv16x32)."),
+    Rule("kv decode step over a few heads",
+         lambda c: (c.layout == "kv" and c.K == 128 and not c.multi and c.heads is not None
+                    and c.heads <= ONE_WARP_HEADS and c.V % 16 == 0),
+         lambda c: "kv16w",
+         "h200-decode-tiny.json (K = V = 128, bf16, 1-512 heads): one warp a CTA on 16-column slabs, activations of "
+         "one dtype fixed at compile time, Gated DeltaNet over 1-256 heads in 2.16-7.12 us against 2.60-8.17 for the "
+         "best of the other kv tilings (1 head: 2.16 against 2.60 for kv32x16; 128: 4.83 against 5.47), Comba in "
+         "2.32-7.55 against 2.52-8.14 (64 heads: 3.75 against 3.67 for kv32x8); over 512 heads 22.8 against 20.9 "
+         "us for kv32x8 and 21.2 for kv64x8, which the rule after this keeps."),
     Rule("kv token loop",
          lambda c: c.layout == "kv",
          lambda c: "kv32x8" if not c.wide else "kv64x8" if c.K == 128 and not c.multi else "kv64x4",
@@ -218,11 +223,12 @@ RULES = (
          "the copy at 8192 heads against 0.796), B = 128, T = 16: 657.9 against 722.2; over 16 and 128 heads vk16x2 "
          "leads (8.0 against 9.0 us, 14.4 against 15.1, T = 16: 52.0 against 55.7)."),
     Rule("vk decode step over few heads",
-         lambda c: c.layout == "vk" and c.K == 128 and not c.multi and c.few and c.V % 8 == 0,
+         lambda c: (c.layout == "vk" and c.K == 128 and not c.multi and c.heads is not None
+                    and c.heads <= NARROW_VK_HEADS and c.V % 8 == 0),
          lambda c: "vk4x2",
-         "h200-decode-tiny.json: Gated DeltaNet on 8-row slabs (two warps of 4 rows a lane, 16 CTAs a head of "
-         "V = 128) over 1-32 heads in 2.52-3.19 against 2.78-3.29 us for vk16x2, over 128 in 5.19 against "
-         "5.52; over 64 heads 4.01 against 3.89."),
+         "h200-decode-tiny.json: 8-row slabs (two warps of 4 rows a lane, 16 CTAs a head of V = 128) over 1-512 heads, "
+         "Gated DeltaNet in 2.32-19.42 us against 2.78-21.01 for vk16x2 / vk16x4 (64 heads: 3.90 against 3.91; 512: "
+         "19.42 against 21.01), Comba in 2.36-19.71 against 2.79-21.08 (64 heads: 3.93 against 3.92)."),
     Rule("vk token loop",
          lambda c: True,
          lambda c: "vk16x2" if c.V % (16 * 2 * (128 // c.K)) == 0 else "vk8x2",

@@ -18,20 +18,32 @@ struct KvSlab {
     static constexpr int LC = COLS / 4, R = K / RG;
     int lc, rg, V, H, b, h, hk, col0, col;
     long long slot, head;
+    // A one-dimensional grid: CTA x is slab x % slabs of head x / slabs.
     __device__ __forceinline__ KvSlab(const Params& prm, int tid, const void* slots, const void* accepted) {
+        const int slabs = static_cast<int>(prm.V) / COLS, bh = static_cast<int>(blockIdx.x) / slabs;
+        const int b_ = bh / static_cast<int>(prm.H), h_ = bh - b_ * static_cast<int>(prm.H);
+        init(prm, tid, static_cast<int>(blockIdx.x) - bh * slabs, b_, h_, h_ / static_cast<int>(prm.group), bh, slots,
+             accepted);
+    }
+    // Slab `slab` of head h of row b, named by the caller (a grid of three dimensions).
+    __device__ __forceinline__ KvSlab(const Params& prm, int tid, int slab, int b_, int h_, const void* slots,
+                                      const void* accepted) {
+        init(prm, tid, slab, b_, h_, static_cast<int>(static_cast<unsigned>(h_) / static_cast<unsigned>(prm.group)),
+             static_cast<long long>(b_) * static_cast<int>(prm.H) + h_, slots, accepted);
+    }
+    __device__ __forceinline__ void init(const Params& prm, int tid, int slab, int b_, int h_, int hk_, long long bh,
+                                         const void* slots, const void* accepted) {
         lc = tid % LC;
         rg = tid / LC;
         V = static_cast<int>(prm.V);
         H = static_cast<int>(prm.H);
-        const int slabs = V / COLS;
-        const int bh = static_cast<int>(blockIdx.x) / slabs;
-        col0 = (static_cast<int>(blockIdx.x) - bh * slabs) * COLS;
+        b = b_;
+        h = h_;
+        hk = hk_;
+        col0 = slab * COLS;
         col = col0 + lc * 4;
-        b = bh / H;
-        h = bh - b * H;
-        hk = h / static_cast<int>(prm.group);
         slot = initial_slot<SERVING, VERIFY>(slots, accepted, prm, b);
-        head = SERVING ? (slot * H + h) * K * V : static_cast<long long>(bh) * K * V;
+        head = SERVING ? (slot * H + h) * K * V : bh * K * V;
     }
     // Every state load of the thread at once (zeros when there is no initial state).
     __device__ __forceinline__ void load(float4 (&s)[R], const float* state, bool has_initial) const {

@@ -29,6 +29,7 @@ struct Params {
     long long v_sb, v_sh, v_sv, beta_sb, beta_sh, g_sb, g_sh, o_sb, o_sh, o_sv;
     long long q_t, k_t, p_t, v_t, beta_t, g_t, o_t;  // dtype codes (common.cuh)
     long long gate_linear, l2norm;
+    long long grid3;                    // a decode step's grid: (b, h, slab) rather than B * H * slabs CTAs in x
     // T-token passes: the token axis
     long long B, T, q_st, k_st, p_st, v_st, beta_st, g_st, o_st, has_initial, write_final;
     // the serving options
@@ -40,14 +41,35 @@ struct Params {
 };
 
 // The arguments of every delta-rule kernel, in launch order (cupy_comba/_launcher.py packs them): the
-// fifteen pointers above, the Params, the query scale.
-#define COMBA_KERNEL_ARGS                                                                                   \
+// fifteen pointers above, the Params (named PRM), the query scale.
+#define COMBA_KERNEL_ARGS_NAMED(PRM)                                                                        \
     const float *state, float *state_out, const void *__restrict__ q, const void *__restrict__ k,            \
         const void *__restrict__ v, const void *__restrict__ p, const void *__restrict__ beta,               \
         const void *__restrict__ g, void *__restrict__ o, const void *__restrict__ slots,                    \
         const float *__restrict__ A_log, const float *__restrict__ dt_bias,                                  \
         const void *__restrict__ cu_seqlens, float *__restrict__ inter, const void *__restrict__ accepted,  \
-        const Params prm, const float scale
+        const Params PRM, const float scale
+#define COMBA_KERNEL_ARGS COMBA_KERNEL_ARGS_NAMED(prm)
+
+// The decode builds for one activation layout: ACT >= 0 is the dtype code (common.cuh) of q, k, p, v and
+// o, fixed at compile time together with their unit strides along the key and value axes, so that every
+// load, conversion and store of them is one instruction with no dtype branch and a constant offset from
+// its row (over a few heads a decode step is a chain of instructions, docs/design.md); ACT = -1 reads
+// them from Params.  beta and g keep their run-time codes (one scalar each a token).  A kernel that takes
+// ACT names its Params argument `launch` and works on `decltype(auto) prm = fix_activations<ACT>(launch)`:
+// the argument itself at ACT = -1 (the code is that of a kernel without ACT), a copy with the codes and
+// strides set otherwise.
+template <int ACT>
+__device__ __forceinline__ decltype(auto) fix_activations(const Params& launch) {
+    if constexpr (ACT < 0) {
+        return (launch);  // const Params&
+    } else {
+        Params fixed = launch;
+        fixed.q_t = fixed.k_t = fixed.p_t = fixed.v_t = fixed.o_t = ACT;
+        fixed.q_sk = fixed.k_sk = fixed.p_sk = fixed.v_sv = fixed.o_sv = 1;
+        return fixed;
+    }
+}
 
 constexpr float kL2NormEps = 1e-6f;
 

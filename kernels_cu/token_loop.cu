@@ -22,22 +22,29 @@
 // Two builds of each kernel (template flag MULTI): MULTI = false is the decode step -- one token,
 // from a given state, to a written state -- with no token loop at all, so it holds no registers for
 // a next token; MULTI = true takes T (and whether there is an initial state and a final state to
-// write) at run time, so one compiled kernel serves every T.
+// write) at run time, so one compiled kernel serves every T.  The decode step is also built for one
+// activation dtype with unit strides along K and V (template argument ACT, params.cuh).
 //
 // Launch geometry (cupy_comba/families.py builds the grid, block and name of each variant):
-// delta_rule_kv<K, COLS, RG, SEPARATE_P, MULTI> -- one CTA per (b, h, slab of COLS columns of V),
+// delta_rule_kv<K, COLS, RG, SEPARATE_P, MULTI, ACT> -- one CTA per (b, h, slab of COLS columns of V),
 //   NT = (COLS/4) x RG threads.  Thread (lc, rg) owns the float4 of columns 4lc .. 4lc+3 in rows
 //   rg, rg + RG, ... (R = K/RG registers; KvSlab in kv_slab.cuh); a warp-wide load covers 128/COLS
 //   rows of COLS*4 contiguous bytes.  The partial column sums of the row groups of a warp meet by
 //   shuffles, those of the warps in shared memory behind one barrier; every thread adds them in
 //   the same order (so every row of a column applies the same u).
-// delta_rule_vk<K, R, NW, SEPARATE_P, MULTI> -- one CTA per (b, h, slab of ROWS = R*NW*RPW rows of V),
+// delta_rule_kv_warp<K, COLS, SEPARATE_P, ACT> -- the decode step over a few heads: one warp a CTA, a grid of
+//   (b, h, slab of COLS columns) so that no division finds its coordinates.  Lane (lc, rg) owns the float4 of
+//   columns 4lc .. 4lc+3 in rows rg, rg + RG, ... (RG = 32 / (COLS/4), R = K/RG: 16 float4 at COLS = 16,
+//   K = 128), loads the keys of its own rows and the v of its own columns itself, and every sum meets by
+//   shuffles: no shared memory, no barrier -- over a few heads the step is a chain of latencies.
+// delta_rule_vk<K, R, NW, SEPARATE_P, MULTI, ACT> -- one CTA per (b, h, slab of ROWS = R*NW*RPW rows of V),
 //   NW warps.  A K-row is spread over LK = min(K/4, 32) lanes, C = K/(4 LK) float4 a lane (C = 2 at
 //   K = 256: keys 4 kg .. 4 kg + 3 and 128 on), so a warp-wide load covers RPW = 32/LK whole rows in
 //   512-byte runs; every lane owns R rows.  The per-row K-sums run as a transposing butterfly: the BW
 //   = 2 HALF lanes of a butterfly reduce HALF rows x {S p, S q} in BW - 1 shuffles, each ending with
 //   one finished sum.  HALF = min(LK/2, R): at K <= 128 a butterfly spans a whole row group; at
-//   K = 256 (R = 8) it spans 16 lanes and one more shuffle adds the two halves of the row.
+//   K = 256 (R = 8) it spans 16 lanes and one more shuffle adds the two halves of the row.  The decode
+//   step over a few heads (vk4x2) takes a grid of (b, h, slab) too (Params::grid3).
 //
 // Tokens: the CTA stages each token's q, k, p, its slab of v, beta and g in shared memory
 // (double-buffered by token parity, so one barrier per token suffices to publish them).  Every
@@ -124,9 +131,10 @@ struct VkStage {
     float gates[2];    // beta, e
 };
 
-template <int K, int COLS, int RG, bool SEPARATE_P, bool MULTI, bool SERVING>
+template <int K, int COLS, int RG, bool SEPARATE_P, bool MULTI, int ACT, bool SERVING>
 __global__ void __launch_bounds__(COLS / 4 * RG)
-delta_rule_kv(COMBA_KERNEL_ARGS) {
+delta_rule_kv(COMBA_KERNEL_ARGS_NAMED(launch)) {
+    decltype(auto) prm = fix_activations<ACT>(launch);
     constexpr int LC = COLS / 4, NT = LC * RG, R = K / RG, NW = NT / 32, E = TokenBits<K, NT, COLS>::E;
     static_assert(NT % 32 == 0 && K % RG == 0 && R >= 1, "bad kv tiling");
     __shared__ KvStage<K, COLS, NW> stage[2];
@@ -242,13 +250,97 @@ delta_rule_kv(COMBA_KERNEL_ARGS) {
     if (!MULTI || prm.write_final) slab.store(s, state_out, slots, prm);
 }
 
+template <int K, int COLS, bool SEPARATE_P, int ACT, bool SERVING>
+__global__ void __launch_bounds__(32)
+delta_rule_kv_warp(COMBA_KERNEL_ARGS_NAMED(launch)) {
+    constexpr int LC = COLS / 4, RG = 32 / LC, R = K / RG;
+    static_assert(LC * RG == 32 && RG >= 4 && K % RG == 0, "bad one-warp kv tiling");
+    decltype(auto) prm = fix_activations<ACT>(launch);
+    const int lane = threadIdx.x;
+    // A grid of (b, h, slab): no division finds the CTA's coordinates.
+    const KvSlab<K, COLS, RG, SERVING> slab(prm, lane, blockIdx.z, blockIdx.x, blockIdx.y, slots, accepted);
+    const int rg = slab.rg, b = slab.b, h = slab.h, hk = slab.hk;
+    if (SERVING && slab.slot < 0) {  // a padding row
+        zero_o(o, prm, b, h, slab.col0, COLS, 1, lane, 32);
+        return;
+    }
+    const HeadGating gating = head_gating<SERVING>(A_log, dt_bias, h);
+
+    // 1. Every load of the lane before anything else: its state, then as raw bits the keys of its rows
+    //    (rg, rg + RG, ...), the v of its four columns, beta and g.
+    float4 s[R];
+    slab.load(s, state, true);
+    unsigned xq[R], xk[R], xp[SEPARATE_P ? R : 1], xv[4];
+    const long long qo = b * prm.q_sb + hk * prm.q_sh + rg * prm.q_sk;
+    const long long ko = b * prm.k_sb + hk * prm.k_sh + rg * prm.k_sk;
+    const long long po = b * prm.p_sb + hk * prm.p_sh + rg * prm.p_sk, vo = b * prm.v_sb + h * prm.v_sh;
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+        xq[i] = load_bits(q, qo + i * RG * prm.q_sk, prm.q_t);
+        xk[i] = load_bits(k, ko + i * RG * prm.k_sk, prm.k_t);
+        if (SEPARATE_P) xp[i] = load_bits(p, po + i * RG * prm.p_sk, prm.p_t);
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) xv[c] = load_bits(v, vo + (slab.col + c) * prm.v_sv, prm.v_t);
+    const unsigned xb = load_bits(beta, b * prm.beta_sb + h * prm.beta_sh, prm.beta_t);
+    const unsigned xg = load_bits(g, b * prm.g_sb + h * prm.g_sh, prm.g_t);
+
+    // 2. One pass over the lane's rows: its parts of S^T p, S^T q, q.k and the squared norms.
+    float sp[4] = {0.f, 0.f, 0.f, 0.f}, sq[4] = {0.f, 0.f, 0.f, 0.f}, kr[R];
+    float4 d = make_float4(0.f, 0.f, 0.f, 0.f);  // q.k, |q|^2, |k|^2, |p|^2
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+        const float xq_i = bits_to_float(xq[i], prm.q_t);
+        kr[i] = bits_to_float(xk[i], prm.k_t);
+        const float xp_i = SEPARATE_P ? bits_to_float(xp[i], prm.p_t) : kr[i];
+        accumulate_pq(s[i], xp_i, xq_i, sp, sq);
+        d.x = fmaf(xq_i, kr[i], d.x);
+        d.y = fmaf(xq_i, xq_i, d.y);
+        d.z = fmaf(kr[i], kr[i], d.z);
+        d.w = fmaf(xp_i, xp_i, d.w);
+    }
+    // 3. The sums over the row groups (the lanes that differ in bits LC .. 16), in every lane.
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        sp[c] = lane_sum(sp[c], LC, 16);
+        sq[c] = lane_sum(sq[c], LC, 16);
+    }
+    float fq = 1.f, fk = 1.f, fp = 1.f;
+    if (prm.l2norm) {
+        fq = rsqrtf(lane_sum(d.y, LC, 16) + kL2NormEps);
+        fk = rsqrtf(lane_sum(d.z, LC, 16) + kL2NormEps);
+        fp = SEPARATE_P ? rsqrtf(lane_sum(d.w, LC, 16) + kL2NormEps) : fk;
+    }
+    const float qk = lane_sum(d.x, LC, 16) * fq * fk;
+    const float bt = beta_of(bits_to_float(xb, prm.beta_t), prm, gating);
+    const float e = gate_of(bits_to_float(xg, prm.g_t), prm, gating);
+    float u[4], uk[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        u[c] = bt * (bits_to_float(xv[c], prm.v_t) - e * fp * sp[c]);
+        uk[c] = u[c] * fk;  // the raw k rows, normalised
+    }
+
+    // 4. The rank-1 write with the decay folded in; o of column col + rg from the lanes of row groups 0-3.
+#pragma unroll
+    for (int i = 0; i < R; ++i) s[i] = decay_write(s[i], e, kr[i], uk);
+    if (rg < 4) {
+        const float oq = rg == 0 ? sq[0] : rg == 1 ? sq[1] : rg == 2 ? sq[2] : sq[3];
+        const float ou = rg == 0 ? u[0] : rg == 1 ? u[1] : rg == 2 ? u[2] : u[3];
+        store_act(o, b * prm.o_sb + h * prm.o_sh + (slab.col + rg) * prm.o_sv, prm.o_t,
+                  scale * fmaf(e * fq, oq, qk * ou));
+    }
+    slab.store(s, state_out, slots, prm);
+}
+
 __device__ __forceinline__ float dot4(float4 a, float4 b) {
     return fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, a.w * b.w)));
 }
 
-template <int K, int R, int NW, bool SEPARATE_P, bool MULTI, bool SERVING>
+template <int K, int R, int NW, bool SEPARATE_P, bool MULTI, int ACT, bool SERVING>
 __global__ void __launch_bounds__(NW * 32)
-delta_rule_vk(COMBA_KERNEL_ARGS) {
+delta_rule_vk(COMBA_KERNEL_ARGS_NAMED(launch)) {
+    decltype(auto) prm = fix_activations<ACT>(launch);
     constexpr int C = K > 128 ? K / 128 : 1, LK = K / 4 / C, RPW = 32 / LK;
     constexpr int HALF = LK / 2 < R ? LK / 2 : R, BW = 2 * HALF, NB = R / HALF;
     constexpr int ROWS = R * NW * RPW, NT = NW * 32, E = TokenBits<K, NT, ROWS>::E;
@@ -259,10 +351,24 @@ delta_rule_vk(COMBA_KERNEL_ARGS) {
     const int kg = lane % LK, hg = lane / LK;
     // 32-bit index math (the grid and the row offsets of one head fit), 64-bit addresses.
     const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H);
-    const int slabs = V / ROWS;
-    const int bh = static_cast<int>(blockIdx.x) / slabs;
-    const int slab0 = (static_cast<int>(blockIdx.x) - bh * slabs) * ROWS;
-    const int b = bh / H, h = bh - b * H, hk = h / static_cast<int>(prm.group);
+    // A grid of B * H * slabs CTAs in x, or for a decode step over a few heads of (b, h, slab): no division
+    // (Params::grid3; in x the slabs of a head are neighbours, which a decode step over many heads needs:
+    // 0.90 of the copy against 0.97 in the order of (b, h, slab), docs/design.md).
+    int b, h, slab0, hk, bh;  // bh = b * H + h
+    if (!MULTI && prm.grid3) {
+        b = blockIdx.x;
+        h = blockIdx.y;
+        slab0 = blockIdx.z * ROWS;
+        hk = static_cast<int>(static_cast<unsigned>(h) / static_cast<unsigned>(prm.group));
+        bh = b * H + h;
+    } else {
+        const int slabs = V / ROWS;
+        bh = static_cast<int>(blockIdx.x) / slabs;
+        slab0 = (static_cast<int>(blockIdx.x) - bh * slabs) * ROWS;
+        b = bh / H;
+        h = bh - b * H;
+        hk = h / static_cast<int>(prm.group);
+    }
     const int T = MULTI ? tokens<SERVING>(cu_seqlens, prm, b, q, k, v, p, beta, g, o) : 1;
     const long long slot = initial_slot<SERVING, SERVING && MULTI>(slots, accepted, prm, b);
     if (SERVING && slot < 0) {  // a padding row

@@ -32,25 +32,27 @@ def _expressions(kernel):
 
 def test_the_registry_lists_every_build_once():
     counts = {source: len(e) for source, e in SPECIALISATIONS.items()}
-    # token loop: 2 K x (5 kv + 2 vk tilings) + K = 256 x (3 kv + 2 vk tilings), x p or not x decode or T tokens,
-    # vk4x2 at K = 128 x p or not, decode only, and vk8x8 at K = 128 x p or not, T tokens only;
+    # token loop: 2 K x (5 kv + 2 vk tilings) + K = 256 x (3 kv + 2 vk tilings), x p or not x (T tokens + decode
+    # x 4 dtype builds), vk4x2 at K = 128 and the one-warp kv tilings (2 + 2 + 1 over the three K) x p or not,
+    # decode only (x 4), and vk8x8 at K = 128 x p or not, T tokens only;
     # chunked: 2 K x 2 kv + 2 vk at K = 128, x p or not; tensor cores: 9 builds (K, slab, tokens) x p or not x
     # layout; prefill: 3 K x 2 slabs x 2 layouts x p or not scans x 5 numerics (tf32 or fp32, bf16 or wider keys;
     # bf16 products) less the 24 whose stage does not fit (K = 256, wider keys), and 3 K x 5 preps; the wgmma
     # scan: 2 K x 2 slabs x 2 layouts x p or not, and 2 K x its prep (ACC 5); each with and without the serving
     # options
-    assert counts == {"token_loop.cu": 160, "chunked.cu": 24, "delta_rule_mma.cu": 72, "prefill.cu": 246,
+    assert counts == {"token_loop.cu": 480, "chunked.cu": 24, "delta_rule_mma.cu": 72, "prefill.cu": 246,
                       "prefill_wgmma.cu": 36,
                       "copy.cu": 1}
     for source, expressions in SPECIALISATIONS.items():
         assert len(set(expressions)) == len(expressions), source
     reached = {e for t in families.TILINGS for sep in (True, False) for multi in (False, True)
                for f32 in (False, True) for serving in (False, True) for precision in families.PRECISIONS
+               for act in families.ACT_CODES
                if (multi or not t.passes_only) and not (multi and t.decode_only)
                if t.family != "prefill_scan" or families.prefill_fits(t.K, t.slab, sep, f32)
                if t.family != "prefill_scan_wg" or (precision == "bf16" and not f32)
                for e in _expressions(families.kernel(t.layout, t.variant, K=t.K, separate_p=sep, multi=multi,
-                                                     f32_keys=f32, serving=serving, precision=precision))}
+                                                     f32_keys=f32, serving=serving, precision=precision, act=act))}
     assert reached == {e for s, exprs in SPECIALISATIONS.items() if s != "copy.cu" for e in exprs}
 
 
@@ -124,7 +126,9 @@ def _pre_hopper_spread():
             args = _template_args(e) if "<" in e else []
             family = e.split("<")[0]
             flags = tuple(a for a in args if a in ("true", "false")) + ((args[4],) if "mma" in family else ()) + \
-                ((args[4],) if "prefill_scan" in family else (args[1],) if "prefill_prep" in family else ())
+                ((args[4],) if "prefill_scan" in family else (args[1],) if "prefill_prep" in family else ()) + \
+                ((args[-2] != "-1",) if family.startswith(("comba::delta_rule_kv", "comba::delta_rule_vk"))
+                 and "chunked" not in family else ())  # the token loop's dtype builds
             if (family, flags) not in seen:
                 seen.add((family, flags))
                 picks.append((source, e))
@@ -134,9 +138,10 @@ def _pre_hopper_spread():
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89"])
 def test_every_family_also_builds_for_pre_hopper_gpus(arch):
     picks = _pre_hopper_spread()
-    # 8 + 8 token loop, 4 + 4 chunked, 16 tensor cores, 5 + 20 prefill (numerics, x p x layout), 4 wgmma scans
-    # (p x layout) and their prep (each with and without serving), the copy; the wgmma scan builds empty there
-    assert len(picks) == 101
+    # 12 + 12 token loop (the decode step for run-time dtypes and for one dtype), 8 one-warp decode steps, 4 + 4
+    # chunked, 16 tensor cores, 5 + 20 prefill (numerics, x p x layout), 4 wgmma scans (p x layout) and their prep
+    # (each with and without serving), the copy; the wgmma scan builds empty there
+    assert len(picks) == 117
     for source in SPECIALISATIONS:
         expressions = [e for s, e in picks if s == source]
         assert set(_build.compile_for_arch(source, expressions, arch)) == set(expressions)
@@ -181,6 +186,17 @@ def _compiles_with(source, lines):
             pytest.fail(nvrtc.getProgramLog(prog))
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def test_params_struct_is_the_packed_block():
+    """struct Params (kernels_cu/params.cuh) has the size and the field offsets of _launcher.PARAMS, which every
+    launch packs: a field out of place would hand every kernel wrong shapes."""
+    from cupy_comba._launcher import PARAMS, PARAMS_FIELDS
+    lines = [f'static_assert(sizeof(comba::Params) == {PARAMS.itemsize}, "sizeof");']
+    lines += [f'static_assert(__builtin_offsetof(comba::Params, {n}) == {PARAMS.fields[n][1]}, "{n}");'
+              for n in PARAMS_FIELDS]
+    _compiles_with("token_loop.cu", lines)
+    assert len(PARAMS_FIELDS) == PARAMS.itemsize // 8
 
 
 def test_prefill_shared_bytes_are_the_layouts():
@@ -241,3 +257,32 @@ def test_chunk_slots_of_a_ragged_batch_are_distinct():
         assert len(set(slots)) == len(slots)
         assert max(slots, default=-1) < families.prefill_slots(len(lens), int(lens.sum()), True)
     assert families.prefill_slots(3, 129, False) == 9 and families.prefill_slots(3, 0, False) == 0
+
+
+def test_the_decode_step_runs_the_build_for_its_activations():
+    """A decode step whose q, k, p, v and o share a dtype and a unit last stride runs the build for that dtype
+    (families.kernel's ``act``, the code of _dtypes.ACTIVATION_CODES); mixed dtypes or strided rows the build that
+    reads them at run time."""
+    from cupy_comba import _plan, bfloat16
+    from cupy_comba._dtypes import ACTIVATION_CODES
+    from cupy_comba.inputs import decode_inputs
+
+    def act(arrays, o_dtype=None, out=None):
+        state, q, k, v, p, beta, g = arrays
+        plan = _plan._new_plan(True, (q, k, v, p, beta, g, state, out, None) + (None,) * 6, None, True, o_dtype,
+                               "kv", "log", False, None, False, None, None)
+        return _plan._activation_build(plan.signature)
+
+    for dtype in (numpy.float32, numpy.float16, bfloat16):
+        arrays = decode_inputs(2, 4, 64, 64, dtype=dtype, seed=1)
+        assert act(arrays) == ACTIVATION_CODES[numpy.dtype(arrays[1].dtype)]
+        assert act(arrays, o_dtype="float32" if dtype != numpy.float32 else "float16") is None  # o apart
+    state, q, k, v, p, beta, g = decode_inputs(2, 4, 64, 64, seed=1)
+    assert act((state, q, k, v, None, beta, g)) == 2  # Gated DeltaNet: no p
+    assert act((state, q, k, v, p.astype(numpy.float32), beta, g)) is None
+    assert act((state, q, k, v, p, beta.astype(numpy.float32), g.astype(numpy.float16))) == 2  # gates apart: read
+    wide = numpy.zeros(q.shape[:-1] + (2 * q.shape[-1],), q.dtype)
+    wide[..., ::2] = q
+    assert act((state, wide[..., ::2], k, v, p, beta, g)) is None  # a strided row
+    out = numpy.zeros((2, 4, 2 * 64), q.dtype)[..., ::2]
+    assert act((state, q, k, v, p, beta, g), out=out) is None

@@ -21,7 +21,7 @@ def _gpu_inputs(B, H, K, V, seed=0, **kw):
     return list(decode_inputs(B, H, K, V, xp=cupy, seed=seed, **kw))
 
 
-KV_VARIANTS = tuple(f"kv{c}x{r}" for c, r in families.KV_TILINGS)
+KV_VARIANTS = tuple(f"kv{c}x{r}" for c, r in families.KV_TILINGS) + tuple(f"kv{c}w" for c in families.KV_WARP_COLS[128])
 
 
 def _decode_step(state, q, k, v, p, beta, g, scale, out, state_out, o_dtype, variant, layout="kv", comba=True):
@@ -291,6 +291,16 @@ def test_gpu_argument_errors():
         _decode_step(*args, None, None, None, None, "warp7")
     with pytest.raises(ValueError, match="cannot run"):
         _decode_step(*_gpu_inputs(2, 2, 128, 96), None, None, None, None, "kv64x8")
+
+
+def test_a_grid_of_heads_refuses_more_than_it_holds():
+    """The one-warp decode step launches a grid of (B, H, slabs) CTAs (families.Kernel.grid3): at most 65535 heads,
+    refused with an error naming the limit before any work."""
+    args = _gpu_inputs(1, 65536, 64, 32, seed=5)
+    with pytest.raises(ValueError, match="at most 65535 in y and z"):
+        _decode_step(*args, None, None, None, None, "kv16w")
+    assert _decode_step(*_gpu_inputs(1, 64, 64, 32, seed=5), None, None, None, None, "kv16w")[0].shape == \
+        (1, 64, 64, 32)
 
 
 def test_empty_batch():

@@ -145,6 +145,31 @@ def test_every_forward_tiling_strided_activations(layout, dtype):
         assert reference.relative_error(out, o_ref) <= O_TOL[numpy.dtype(dtype)], variant
 
 
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("dtype", [bfloat16, F16, F32], ids=lambda d: numpy.dtype(d).name)
+def test_every_decode_tiling_strided_activations(layout, dtype):
+    """Every decode build with q, k, p, v and o as odd-offset, stride-2 views: the build that reads dtypes and strides
+    at run time (a build for one dtype assumes unit strides along K and V), against the one for contiguous rows."""
+    B, H, Hk, K, V = 5, 4, 2, 128, 64
+    q, k, v, p, beta, g, S = forward_inputs(B, 1, H, K, V, Hk=Hk, state_layout=layout, seed=7, dtype=dtype, xp=cupy)
+    q, k, v, p, beta, g = (a[:, 0] for a in (q, k, v, p, beta, g))
+
+    def strided(a):
+        wide = _poisoned(a.shape[:-1] + (2 * a.shape[-1] + 1,), a.dtype)
+        wide[..., 1::2] = a
+        return wide[..., 1::2]
+
+    views = [strided(a) for a in (q, k, v, p)]
+    S_ref, o_ref = reference.comba_step(S, q, k, v, p, beta, g, state_layout=layout)
+    for variant in families.variants(layout, K, V):
+        for args, out in ((views, strided(_poisoned((B, H, V), dtype))), ((q, k, v, p), _poisoned((B, H, V), dtype))):
+            state_out = _poisoned(S.shape, F32)
+            _op(True, *args[:3], args[3], beta, g, S, out=out, state_out=state_out, state_layout=layout,
+                variant=variant)
+            assert reference.relative_error(state_out, S_ref) <= 1e-6, variant
+            assert reference.relative_error(out, o_ref) <= O_TOL[numpy.dtype(dtype)], variant
+
+
 @pytest.mark.parametrize("shape", [(1, 1, 1, 64, 32), (2, 3, 5, 128, 96), (3, 2, 3, 64, 256), (257, 2, 3, 128, 32),
                                    (2, 7, 8, 128, 128)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("layout", ["kv", "vk"])

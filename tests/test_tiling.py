@@ -86,17 +86,19 @@ def test_vk_k64_tensor_core_from_three_tokens_over_few_heads(V, loop, tc):
         assert [tiling.choose("vk", 64, V, False, True, T, heads) for T in (2, 3, 4)] == [loop, loop, many], heads
 
 
-@pytest.mark.parametrize("heads,variant", [(1, "kv16x32"), (16, "kv16x32"), (17, "kv32x16"), (64, "kv32x16"),
-                                           (65, "kv64x8"), (None, "kv64x8")])
-def test_gated_deltanet_decode_over_very_few_heads(heads, variant):
-    """h200-decode-tiny.json: narrower kv slabs (more CTAs) where the step is a chain of latencies."""
-    assert tiling.choose("kv", 128, 128, False, heads=heads) == variant
-    comba = "kv64x8" if heads is None or heads > 64 else "kv32x16"
-    assert tiling.choose("kv", 128, 128, True, heads=heads) == comba
+@pytest.mark.parametrize("heads,variant", [(1, "kv16w"), (16, "kv16w"), (128, "kv16w"), (256, "kv16w"),
+                                           (257, "kv64x8"), (None, "kv64x8")])
+def test_kv_decode_over_few_heads_in_one_warp(heads, variant):
+    """h200-decode-tiny.json: one warp a CTA on 16-column slabs where the step is a chain of latencies, both ops."""
+    for comba in (False, True):
+        assert tiling.choose("kv", 128, 128, comba, heads=heads) == variant
+        assert tiling.choose("kv", 128, 96, comba, heads=heads) == ("kv16w" if variant == "kv16w" else "kv32x8")
     assert tiling.choose("kv", 128, 128, False, multi=True, T=1, heads=heads) == "kv64x4"  # T-token build
+    assert tiling.choose("kv", 64, 128, False, heads=heads) == "kv64x4"  # measured at K = 128 only
 
 
-@pytest.mark.parametrize("heads,variant", [(1, "vk4x2"), (128, "vk4x2"), (129, "vk16x2"), (None, "vk16x2")])
+@pytest.mark.parametrize("heads,variant", [(1, "vk4x2"), (128, "vk4x2"), (512, "vk4x2"), (513, "vk16x2"),
+                                           (None, "vk16x2")])
 def test_vk_decode_over_few_heads_on_eight_row_slabs(heads, variant):
     """h200-decode-tiny.json: 16 CTAs a head of V = 128 where the step is a chain of latencies."""
     for comba in (False, True):
