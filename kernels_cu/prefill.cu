@@ -292,6 +292,17 @@ __device__ __forceinline__ bool rows_copyable(const void* base, long long sb, lo
            reinterpret_cast<unsigned long long>(base) % 16 == 0;
 }
 
+// rows_copyable for q, k and p, staged as elements of es bytes.
+struct KeyCopies {
+    bool q, k, p;
+};
+__device__ __forceinline__ KeyCopies key_copies(const void* q, const void* k, const void* p, const Params& prm,
+                                                int es) {
+    return {rows_copyable(q, prm.q_sb, prm.q_st, prm.q_sh, prm.q_sk, prm.q_t, es),
+            rows_copyable(k, prm.k_sb, prm.k_st, prm.k_sh, prm.k_sk, prm.k_t, es),
+            rows_copyable(p, prm.p_sb, prm.p_st, prm.p_sh, prm.p_sk, prm.p_t, es)};
+}
+
 // Rows t0 .. t0 + C - 1 of one key array into a stage (zeros from row n on), KP elements a row: 16-byte copies,
 // or plain loads stored as ES-byte elements (bf16 bits -- the 16-bit stages hold bf16 keys only -- or floats).
 template <int K, int ES, int NTHREADS, int KP = K + 16>
@@ -701,6 +712,10 @@ prefill_prep(COMBA_PREFILL_ARGS) {
 struct ScanRow {
     int b, h, hk, col0, T, chunks;
     long long first, slot, head;
+    // The o of a padding row (pool slot -1), every token of the slab, zeroed by the `threads` threads of the CTA.
+    __device__ __forceinline__ void zero_padding(void* o, const Params& prm, int slab, int tid, int threads) const {
+        zero_o(o, prm, b, h, col0, slab, T, tid, threads);
+    }
 };
 template <int K, int VT, bool SERVING, class In, class Out>
 __device__ __forceinline__ ScanRow scan_row(const void* cu, const void* slots, const Params& prm, In& q, In& k,
@@ -850,14 +865,9 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_PREFILL_AR
     const ScanRow row = scan_row<K, VT, SERVING>(cu_seqlens, slots, prm, q, k, v, p, beta, g, o);
     const int b = row.b, h = row.h, hk = row.hk, col0 = row.col0, T = row.T, chunks = row.chunks;
     const long long first = row.first, head = row.head;
-    if (SERVING && row.slot < 0) {  // a padding row
-        zero_o(o, prm, b, h, col0, VT, T, tid, kScanThreads);
-        return;
-    }
+    if (SERVING && row.slot < 0) return row.zero_padding(o, prm, VT, tid, kScanThreads);
 
-    const bool q_copy = rows_copyable(q, prm.q_sb, prm.q_st, prm.q_sh, prm.q_sk, prm.q_t, ES);
-    const bool k_copy = rows_copyable(k, prm.k_sb, prm.k_st, prm.k_sh, prm.k_sk, prm.k_t, ES);
-    const bool p_copy = rows_copyable(p, prm.p_sb, prm.p_st, prm.p_sh, prm.p_sk, prm.p_t, ES);
+    const KeyCopies copies = key_copies(q, k, p, prm, ES);
     const int v_bytes = prm.v_t == F32 ? 4 : 2;
     const bool v_copy = prm.v_sv == 1 && (prm.v_sb * v_bytes) % 16 == 0 && (prm.v_st * v_bytes) % 16 == 0 &&
                         (prm.v_sh * v_bytes) % 16 == 0 && reinterpret_cast<unsigned long long>(v) % 16 == 0;
@@ -867,13 +877,13 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_PREFILL_AR
         const long long t0 = static_cast<long long>(c) * C;
         const int n = static_cast<int>(min(static_cast<long long>(C), T - t0));
         stage_keys<K, ES, kScanThreads>(at, q, b * prm.q_sb + t0 * prm.q_st + hk * prm.q_sh, prm.q_st, prm.q_sk,
-                                        prm.q_t, n, q_copy, tid);
+                                        prm.q_t, n, copies.q, tid);
         stage_keys<K, ES, kScanThreads>(at + Stage::KEY_BYTES, k, b * prm.k_sb + t0 * prm.k_st + hk * prm.k_sh,
-                                        prm.k_st, prm.k_sk, prm.k_t, n, k_copy, tid);
+                                        prm.k_st, prm.k_sk, prm.k_t, n, copies.k, tid);
         if (SEPARATE_P)
             stage_keys<K, ES, kScanThreads>(at + 2 * Stage::KEY_BYTES, p,
                                             b * prm.p_sb + t0 * prm.p_st + hk * prm.p_sh, prm.p_st, prm.p_sk, prm.p_t,
-                                            n, p_copy, tid);
+                                            n, copies.p, tid);
         const long long v0 = b * prm.v_sb + t0 * prm.v_st + h * prm.v_sh + col0 * prm.v_sv;
         if (v_copy) {
             auto copy_v = [&](auto vb) {  // VB bytes an element: PER, a power of two, pieces a row
@@ -907,7 +917,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_PREFILL_AR
     // fixed for the whole pass: one source pointer per input, stepped a chunk at a time, and the row guards only
     // in a sequence's last, short chunk -- a chunk's staging is then its cp.async and little else, where the
     // general path above forms every address from the strides.
-    const bool fast = q_copy && k_copy && (p_copy || !SEPARATE_P) && v_copy;
+    const bool fast = copies.q && copies.k && (copies.p || !SEPARATE_P) && v_copy;
     constexpr int PER = 16 / ES, KROW = K / PER, KROWS = kScanThreads / KROW;  // pieces a key row; rows a pass
     const int kt = tid / KROW, ke = (tid - kt * KROW) * PER;
     const int v_per = VT * v_bytes / 16, vt = tid / v_per, vrows = kScanThreads / v_per;  // the same for v

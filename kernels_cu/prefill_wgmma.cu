@@ -142,14 +142,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
     const ScanRow row = scan_row<K, VT, SERVING>(cu_seqlens, slots, prm, q, k, v, p, beta, g, o);
     const int b = row.b, h = row.h, hk = row.hk, col0 = row.col0, T = row.T, chunks = row.chunks;
     const long long first = row.first, head = row.head;
-    if (SERVING && row.slot < 0) {  // a padding row
-        zero_o(o, prm, b, h, col0, VT, T, tid, kWgThreads);
-        return;
-    }
+    if (SERVING && row.slot < 0) return row.zero_padding(o, prm, VT, tid, kWgThreads);
 
-    const bool q_copy = rows_copyable(q, prm.q_sb, prm.q_st, prm.q_sh, prm.q_sk, prm.q_t, 2);
-    const bool k_copy = rows_copyable(k, prm.k_sb, prm.k_st, prm.k_sh, prm.k_sk, prm.k_t, 2);
-    const bool p_copy = rows_copyable(p, prm.p_sb, prm.p_st, prm.p_sh, prm.p_sk, prm.p_t, 2);
+    const KeyCopies copies = key_copies(q, k, p, prm, 2);
     const int v_bytes = prm.v_t == F32 ? 4 : 2, v_row = VT * v_bytes;
     const bool bulk = maps.use != 0;
     const long long t_first = row_start<SERVING>(cu_seqlens, prm, b);
@@ -170,12 +165,12 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
         const long long t0 = static_cast<long long>(c) * C;
         const int n = static_cast<int>(min(static_cast<long long>(C), T - t0));
         stage_keys<K, 2, kWgThreads, KP>(at, q, b * prm.q_sb + t0 * prm.q_st + hk * prm.q_sh, prm.q_st, prm.q_sk,
-                                         prm.q_t, n, q_copy, tid);
+                                         prm.q_t, n, copies.q, tid);
         stage_keys<K, 2, kWgThreads, KP>(at + L::KEY_BYTES, k, b * prm.k_sb + t0 * prm.k_st + hk * prm.k_sh,
-                                         prm.k_st, prm.k_sk, prm.k_t, n, k_copy, tid);
+                                         prm.k_st, prm.k_sk, prm.k_t, n, copies.k, tid);
         if (SEPARATE_P)
             stage_keys<K, 2, kWgThreads, KP>(at + 2 * L::KEY_BYTES, p, b * prm.p_sb + t0 * prm.p_st + hk * prm.p_sh,
-                                             prm.p_st, prm.p_sk, prm.p_t, n, p_copy, tid);
+                                             prm.p_st, prm.p_sk, prm.p_t, n, copies.p, tid);
         const long long v0 = b * prm.v_sb + t0 * prm.v_st + h * prm.v_sh + col0 * prm.v_sv;
         for (int i = tid; i < C * VT; i += kWgThreads) {
             const int t = i / VT, e = i - t * VT;
