@@ -1,6 +1,7 @@
 """Per-call microseconds of a function replayed from a CUDA graph, for CuPy and for torch: the two timers the
-side-by-side benchmarks (decode_few_heads.py, decode_dtype_builds.py) put beside each other.  ``iters`` calls
-are captured into one graph; the median over ``samples`` timed replays, divided by ``iters``, is returned."""
+benchmarks that put flash-linear-attention beside the library use (decode_few_heads.py, decode_dtype_builds.py,
+sweep_prefill.py --fla).  ``iters`` calls are captured into one graph; the median over ``samples`` timed replays,
+divided by ``iters``, is returned."""
 
 import cupy as cp
 import numpy as np

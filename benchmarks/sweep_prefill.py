@@ -129,29 +129,7 @@ def sweep_fla():
     import torch
     from fla.ops.comba import chunk_comba
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-    def torch_graph(fn, iters=5):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(iters):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(3):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b) * 1e3 / iters)
-        return float(numpy.median(ts))
+    from graph_replay import torch_graph
 
     T_ = lambda a: torch.from_dlpack(a)  # noqa: E731 - the same memory, no copy
     rows = []
@@ -163,10 +141,11 @@ def sweep_fla():
             variant = tiling.choose("kv", K, V, comba, True, T, B * H, wgmma=hopper)
             ours = time_graph(_call(comba, args), iters=5).median_us
             if comba:
-                fla = torch_graph(lambda: chunk_comba(q, k, v, p, g, beta, initial_state=S, output_final_state=True))
+                fla = torch_graph(lambda: chunk_comba(q, k, v, p, g, beta, initial_state=S, output_final_state=True),
+                                  iters=5, samples=3)
             else:
                 fla = torch_graph(lambda: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=S,
-                                                                 output_final_state=True))
+                                                                 output_final_state=True), iters=5, samples=3)
             row = dict(op="comba" if comba else "gdn", B=B, T=T, H=H, K=K, V=V, dtype="bfloat16", ours_us=ours,
                        fla_us=fla, ours_variant=variant)
             rows.append(row)

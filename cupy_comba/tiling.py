@@ -122,6 +122,12 @@ def _warpgroup(c):
     return c.wgmma and c.K in (64, 128) and (_prefill_slab(c) == 32 or not c.separate_p or c.heads == 1)
 
 
+def _decode_over_few(c, layout, most, slab):
+    """A decode step on a ``layout`` state at K = 128 over at most ``most`` heads, V a multiple of ``slab``."""
+    return c.layout == layout and c.K == 128 and not c.multi and c.heads is not None and c.heads <= most and \
+        c.V % slab == 0
+
+
 def _tensor_cores(c):
     return c.multi and c.T >= c.mma_min_t and (c.few or c.wide)
 
@@ -201,8 +207,7 @@ RULES = (
          lambda c: "kv32x8c4",
          "the 64-column rule above, for V not a multiple of 64 (h200-forward-smallT.json)."),
     Rule("kv decode step over a few heads",
-         lambda c: (c.layout == "kv" and c.K == 128 and not c.multi and c.heads is not None
-                    and c.heads <= ONE_WARP_HEADS and c.V % 16 == 0),
+         lambda c: _decode_over_few(c, "kv", ONE_WARP_HEADS, 16),
          lambda c: "kv16w",
          "h200-decode-tiny.json (K = V = 128, bf16, 1-512 heads): one warp a CTA on 16-column slabs, activations of "
          "one dtype fixed at compile time, Gated DeltaNet over 1-256 heads in 2.16-7.12 us against 2.60-8.17 for the "
@@ -223,8 +228,7 @@ RULES = (
          "the copy at 8192 heads against 0.796), B = 128, T = 16: 657.9 against 722.2; over 16 and 128 heads vk16x2 "
          "leads (8.0 against 9.0 us, 14.4 against 15.1, T = 16: 52.0 against 55.7)."),
     Rule("vk decode step over few heads",
-         lambda c: (c.layout == "vk" and c.K == 128 and not c.multi and c.heads is not None
-                    and c.heads <= NARROW_VK_HEADS and c.V % 8 == 0),
+         lambda c: _decode_over_few(c, "vk", NARROW_VK_HEADS, 8),
          lambda c: "vk4x2",
          "h200-decode-tiny.json: 8-row slabs (two warps of 4 rows a lane, 16 CTAs a head of V = 128) over 1-512 heads, "
          "Gated DeltaNet in 2.32-19.42 us against 2.78-21.01 for vk16x2 / vk16x4 (64 heads: 3.90 against 3.91; 512: "
