@@ -103,8 +103,7 @@ class Plan:
                                  2 if sig.bf16_keys else 4, kernel.slab, int(cc) >= 90, kernel.key_pad)
             self.launcher = Launcher(compiled(kernel.expression, kernel.shared_bytes), grid, kernel.block,
                                      pack_params(sig, kernel.grid3), numpy.float32(sig.scale), kernel.shared_bytes,
-                                     before=before,
-                                     workspace=workspace, maps=maps)
+                                     before=before, workspace=workspace, maps=maps)
 
 
 def _activation_build(sig):

@@ -102,7 +102,7 @@ class Kernel(NamedTuple):
     """One specialisation: what NVRTC compiles and how it is launched."""
 
     source: str
-    expression: str     #: the name expression compiled, e.g. ``comba::delta_rule_kv<128, 64, 8, true, false, 2, false>``
+    expression: str     #: the name expression compiled: ``comba::delta_rule_kv<128, 64, 8, true, false, 2, false>``
     slab: int
     block: int
     shared_bytes: int   #: dynamic shared memory a CTA
