@@ -135,7 +135,7 @@ KV256_TILINGS = ((64, 16), (32, 16), (16, 32))
 #: ``delta_rule_kv_chunked`` (COLS, RG): those whose state, column sums and staging fit the registers.
 KV_CHUNKED_TILINGS = ((64, 8), (32, 8))
 #: ``delta_rule_kv_warp`` value columns a CTA (one warp), by K: built for the decode step only, over a few heads.
-KV_WARP_COLS = {64: (16, 8), 128: (16, 8), 256: (8,)}
+KV_WARP_COLS = {64: (16, 8), 128: (16, 8)}
 #: ``delta_rule_vk`` (R, NW) by K: NW warps, R state rows a lane (at K = 256 two float4 of a row each, so
 #: that a lane holds 16 float4 of state at every K).
 VK_TILINGS = {64: ((8, 2), (16, 2)), 128: ((16, 2), (16, 4)), 256: ((8, 2), (8, 4))}
@@ -163,7 +163,7 @@ def _all_tilings():
         out += [Tiling(f"kv{c}x{r}", "kv", K, "delta_rule_kv", "token_loop.cu", (c, r), c, c // 4 * r, 1, False)
                 for c, r in (KV256_TILINGS if K == 256 else KV_TILINGS)]
         out += [Tiling(f"kv{c}w", "kv", K, "delta_rule_kv_warp", "token_loop.cu", (c,), c, 32, 1, False, True)
-                for c in KV_WARP_COLS[K]]
+                for c in KV_WARP_COLS.get(K, ())]
         out += [Tiling(f"vk{r}x{w}", "vk", K, "delta_rule_vk", "token_loop.cu", (r, w), r * w * max(1, 128 // K),
                        32 * w, 1, passes, decode)
                 for tilings, passes, decode in ((VK_TILINGS, False, False), (VK_DECODE_TILINGS, False, True),

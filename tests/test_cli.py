@@ -38,7 +38,7 @@ def test_info(runner):
         assert "CuPy       not installed (NumPy backend only)" in lines
         return
     counts = {line.split()[0]: int(line.split()[1]) for line in lines if line.startswith("  ")}
-    assert counts == {"token_loop.cu": 480, "chunked.cu": 24, "delta_rule_mma.cu": 72, "prefill.cu": 246,
+    assert counts == {"token_loop.cu": 464, "chunked.cu": 24, "delta_rule_mma.cu": 72, "prefill.cu": 246,
                       "prefill_wgmma.cu": 36, "copy.cu": 1}
 
 
