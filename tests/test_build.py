@@ -286,3 +286,22 @@ def test_the_decode_step_runs_the_build_for_its_activations():
     assert act((state, wide[..., ::2], k, v, p, beta, g)) is None  # a strided row
     out = numpy.zeros((2, 4, 2 * 64), q.dtype)[..., ::2]
     assert act((state, q, k, v, p, beta, g), out=out) is None
+
+
+def test_the_few_heads_decode_tilings_launch_a_grid_of_heads():
+    """kv16w / kv8w and vk4x2's decode step launch a grid of (b, h, slab) (families.Kernel.grid3, Params::grid3);
+    every other build B * H * slabs CTAs in x; a grid over 65535 in y or z is refused with the variant named."""
+    from cupy_comba import _validate
+
+    def grid(layout, variant, multi=False):
+        return families.kernel(layout, variant, K=128, separate_p=False, multi=multi, act=2).grid(3, 5, 128)
+
+    assert grid("kv", "kv16w") == (3, 5, 8) and grid("kv", "kv8w") == (3, 5, 16)
+    assert grid("vk", "vk4x2") == (3, 5, 16)
+    assert grid("kv", "kv64x8") == (30, 1, 1) and grid("vk", "vk16x2") == (60, 1, 1)
+    assert grid("kv", "kv16x32", multi=True) == (120, 1, 1)
+    _validate.check_grid((1, 65535, 8), 1, 65535, "kv16w")
+    with pytest.raises(ValueError, match=r"variant 'kv16w' launches a grid of \(1, 65536, 8\) CTAs, at most 65535"):
+        _validate.check_grid((1, 65536, 8), 1, 65536, "kv16w")
+    with pytest.raises(ValueError, match="split the batch"):
+        _validate.check_grid((2 ** 31, 1, 1), 2 ** 24, 128, "kv64x8")
