@@ -66,21 +66,26 @@ def _inputs(layout, K, heads, T):
     return B, H, forward_inputs(B, T, H, K, V, xp=cupy, state_layout=layout, warm_steps=0, seed=T)
 
 
-def _point(layout, K, comba, heads, T, wgmma):
-    """One row: the times of the tiling's choice, both 64-token slabs (of both scans with ``wgmma``) and the
-    kernel the rules after the prefill rule choose."""
+def _timed(layout, K, comba, heads, T, variants, chosen):
+    """One row: the times of ``variants`` (``chosen`` among them) on one shape, printed with the best and the
+    chosen one's ratio to it."""
     B, H, args = _inputs(layout, K, heads, T)
-    chosen = tiling.choose(layout, K, V, comba, True, T, heads, wgmma=wgmma)
-    scans = ("c64", "c64wg") if wgmma and K in families.FAMILY_K else ("c64",)
-    times = {}
-    for variant in dict.fromkeys((chosen, _without_prefill(layout, K, V, comba, T, heads),
-                                  *(f"{layout}{slab}{scan}" for scan in scans for slab in (16, 32)))):
-        times[variant] = time_graph(_call(comba, args, state_layout=layout, variant=variant), iters=5).median_us
+    times = {variant: time_graph(_call(comba, args, state_layout=layout, variant=variant), iters=5).median_us
+             for variant in dict.fromkeys((chosen, *variants))}
     best = min(times, key=times.get)
     op = "comba" if comba else "gdn"
     print(f"{op:5s} {layout} K={K} heads={heads:4d} T={T:6d} " + " ".join(f"{v}={t:9.1f}" for v, t in times.items())
           + f"  best {best}, chosen {chosen} ({times[chosen] / times[best]:.3f})", flush=True)
     return dict(op=op, layout=layout, B=B, T=T, H=H, K=K, V=V, us=times)
+
+
+def _point(layout, K, comba, heads, T, wgmma):
+    """One row: the times of the tiling's choice, both 64-token slabs (of both scans with ``wgmma``) and the
+    kernel the rules after the prefill rule choose."""
+    scans = ("c64", "c64wg") if wgmma and K in families.FAMILY_K else ("c64",)
+    return _timed(layout, K, comba, heads, T, (_without_prefill(layout, K, V, comba, T, heads),
+                                               *(f"{layout}{slab}{scan}" for scan in scans for slab in (16, 32))),
+                  tiling.choose(layout, K, V, comba, True, T, heads, wgmma=wgmma))
 
 
 def sweep_tiling(layouts, head_sizes, wgmma):
@@ -107,20 +112,10 @@ WGMMA_GRID = tuple((K, layout, comba, heads, T) for K in (128, 64) for layout in
 
 def sweep_wgmma():
     """The 64-token scans on both slabs, mma.sync (``c64``) and wgmma (``c64wg``), over WGMMA_GRID."""
-    rows = []
-    for K_, layout, comba, heads, T in WGMMA_GRID:
-        B, H, args = _inputs(layout, K_, heads, T)
-        times = {}
-        for variant in (f"{layout}{slab}{scan}" for scan in ("c64", "c64wg") for slab in (16, 32)):
-            times[variant] = round(time_graph(_call(comba, args, state_layout=layout, variant=variant),
-                                              iters=5).median_us, 2)
-        chosen = tiling.choose(layout, K_, V, comba, True, T, heads, wgmma=True)
-        best = min(times, key=times.get)
-        print(f"{'comba' if comba else 'gdn'} {layout} K={K_} heads={heads} T={T} "
-              + " ".join(f"{a}={b}" for a, b in times.items())
-              + f" best {best} chosen {chosen} ({times[chosen] / times[best]:.3f})", flush=True)
-        rows.append(dict(op="comba" if comba else "gdn", layout=layout, K=K_, V=V, B=B, T=T, H=H, us=times))
-    return rows
+    return [_timed(layout, K_, comba, heads, T, [f"{layout}{slab}{scan}" for scan in ("c64", "c64wg")
+                                                 for slab in (16, 32)],
+                   tiling.choose(layout, K_, V, comba, True, T, heads, wgmma=True))
+            for K_, layout, comba, heads, T in WGMMA_GRID]
 
 
 def sweep_fla():
