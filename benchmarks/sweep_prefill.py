@@ -5,6 +5,7 @@ flash-linear-attention's chunked kernels in the same process (bf16, K = V = 128,
     PYTHONPATH=. python benchmarks/sweep_prefill.py --lengths benchmarks/results/h200-prefill-lengths.json
     PYTHONPATH=.:/tmp/site python benchmarks/sweep_prefill.py --fla benchmarks/results/h200-prefill.json
     PYTHONPATH=.:/tmp/site python benchmarks/sweep_prefill.py --wgmma benchmarks/results/h200-prefill-wgmma.json
+    PYTHONPATH=. python benchmarks/sweep_prefill.py --transposed benchmarks/results/h200-prefill-transposed.json
 
 ``--tiling``: Gated DeltaNet and Comba, "kv" and "vk", over 1-128 heads (H = 16; H = 32 from 32 heads
 on) and T = 256-4096, at each K of ``--head-sizes``: both 64-token slabs and the kernel the rules
@@ -18,6 +19,8 @@ say so in the file (``"wgmma": true``).
 ``chunk_gated_delta_rule`` / ``chunk_comba``, as rows ``{op, B, T, H, K, V, dtype, ours_us, fla_us}``;
 and the relative errors of o and of the final state of both against the float64 reference at B = 1,
 T = 1024, H = 4 (each library's bf16 default).
+``--transposed`` (compute capability 9.0): ``prefill_scan_wt`` (``{layout}64c64wt``) against the variant the rules
+choose without it, over 32-128 heads, T = 256-4096 (TRANSPOSED_GRID), rows as ``--wgmma``'s.
 ``--wgmma`` (compute capability 9.0; the FLA rows need torch and fla-core): Gated DeltaNet and Comba, "kv" and
 "vk", K = 64 / 128, 1-128 heads, T = 256 / 1024 / 8192: both slabs of ``prefill_scan`` (``c64``) and of its
 wgmma form (``c64wg``), as rows ``{op, layout, K, V, B, T, H, us}``; then the ``--fla`` shapes.
@@ -118,6 +121,22 @@ def sweep_wgmma():
             for K_, layout, comba, heads, T in WGMMA_GRID]
 
 
+#: ``--transposed``: the transposed wgmma scan (``{layout}64c64wt``) against the other scans' choice, 32-128 heads
+TRANSPOSED_GRID = tuple((K, layout, comba, heads, T) for K, layout, comba in ((128, "kv", False), (128, "kv", True),
+                                                                              (128, "vk", False), (64, "kv", False))
+                        for heads in (32, 64, 128) for T in (256, 1024, 4096))
+
+
+def sweep_transposed():
+    """``prefill_scan_wt`` against what the rules choose without it, over TRANSPOSED_GRID."""
+    rows = []
+    for K_, layout, comba, heads, T in TRANSPOSED_GRID:
+        without = tiling.choose(layout, K_, V, comba, True, T, heads, wgmma=True, transposed=False)
+        rows.append(_timed(layout, K_, comba, heads, T, (without, f"{layout}64c64wt"),
+                           tiling.choose(layout, K_, V, comba, True, T, heads, wgmma=True)))
+    return rows
+
+
 def sweep_fla():
     """The shapes of FLA_SHAPES against flash-linear-attention, ours on the library's choice (the wgmma scan's
     rule on compute capability 9.0)."""
@@ -166,6 +185,8 @@ def main():
     ap.add_argument("--layouts", default="kv,vk")
     ap.add_argument("--head-sizes", default="128", help="K values for --tiling, comma-separated (V = 128)")
     ap.add_argument("--fla", metavar="JSON")
+    ap.add_argument("--transposed", metavar="JSON", help="the transposed wgmma scan against the other scans' choice "
+                                                         "(TRANSPOSED_GRID)")
     ap.add_argument("--lengths", metavar="JSON", help="the tiling's choice against the best, T = 16 - 65536 (kv, "
                                                       "--head-sizes)")
     ap.add_argument("--wgmma", metavar="JSON", help="the wgmma scan against prefill_scan (WGMMA_GRID), and against "
@@ -184,6 +205,10 @@ def main():
         rows = sweep_tiling(a.layouts.split(","), [int(k) for k in a.head_sizes.split(",")], _hopper())
         with open(a.tiling, "w") as f:
             json.dump({"environment": environment(), "wgmma": _hopper(), "rows": rows}, f, indent=1)
+    if a.transposed:
+        rows = sweep_transposed()
+        with open(a.transposed, "w") as f:
+            json.dump({"environment": environment(), "rows": rows}, f, indent=1)
     if a.fla:
         rows, errors = sweep_fla()
         with open(a.fla, "w") as f:

@@ -61,7 +61,8 @@ class Plan:
         limit = shared_limit(self.device)
         cc = cupy.cuda.Device(self.device).compute_capability
         hopper = families.runs_wgmma(cc)
-        if sig.variant and families.tiling(sig.layout, sig.K, sig.variant).family == "prefill_scan_wg" and not hopper:
+        if sig.variant and families.tiling(sig.layout, sig.K, sig.variant).family in families.WGMMA_FAMILIES and \
+                not hopper:
             raise ValueError(f"variant {sig.variant!r} runs on wgmma, on GPUs of compute capability 9.0 only; GPU "
                              f"{self.device} has {cc}")
         # the prefill scan on wgmma: bf16 q, k, p with bf16 products on compute capability 9.0
@@ -85,7 +86,7 @@ class Plan:
         if kernel.prep:  # the prefill family: every chunk's coefficients first, into a workspace
             slots = families.prefill_slots(sig.B, sig.T, sig.ragged)
             _validate.check_grid((slots * sig.H, 1, 1), sig.B, sig.H, self.variant)
-            workspace = slots * sig.H * kernel.record_words * 4
+            workspace = slots * sig.H * (kernel.record_words + kernel.record_words_v * sig.V) * 4
         with cupy.cuda.Device(self.device):
             from ._build import get_kernel
 

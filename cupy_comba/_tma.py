@@ -32,6 +32,7 @@ _PAD = 16   # elements past the key axis in a staged key row
 # cuda.h's CUtensorMapDataType (the copy moves bits: unsigned types of the element's size) and options
 _DATA_TYPE = {2: 1, 4: 2}  # UINT16, UINT32
 _INTERLEAVE_NONE = _SWIZZLE_NONE = _OOB_FILL_ZEROS = 0
+_SWIZZLE_128B = 3
 _L2_PROMOTION_128B = 2
 
 
@@ -81,17 +82,25 @@ class StageMaps:
     capable : bool
         Whether the GPU has the bulk tensor copy (compute capability 9.0 or higher).
     pad : int
-        Elements past the key axis in a staged key row: 16 for ``prefill_scan``, 8 for ``prefill_scan_wg``.
+        Elements past the key axis in a staged key row: 16 for ``prefill_scan``, 8 for ``prefill_scan_wg``; 0 for
+        ``prefill_scan_wt``, whose maps are q's and k's alone, boxes of 64 keys (128 bytes) by 64 token rows
+        swizzled as wgmma reads them (128-byte swizzle), none of p and v.
     """
 
-    __slots__ = ("_raw", "address", "_maps", "_encoded", "_pointers")
+    __slots__ = ("_raw", "address", "_maps", "_encoded", "_pointers", "_swizzle")
 
     def __init__(self, q, k, p, v, ragged, key_itemsize, slab, capable, pad=_PAD):
         self._raw = ctypes.create_string_buffer(STAGE_MAPS_BYTES + 64)
         self.address = (ctypes.addressof(self._raw) + 63) & ~63  # the driver writes maps at 64-byte alignment
         self._maps, self._encoded, self._pointers = None, False, None
+        self._swizzle = _SWIZZLE_128B if pad == 0 else _SWIZZLE_NONE
         if not capable or len(q.shape) != 4 or _driver() is None:
             return  # a decode step's one token ([B, H, K]) is staged by cp.async
+        if pad == 0:
+            maps = [_geometry(a, ragged, 2, 64) if key_itemsize == 2 else None for a in (q, k)]
+            if all(maps):
+                self._maps = (*maps, None, None)
+            return
         K = q.shape[3]
         maps = [_geometry(a, ragged, key_itemsize, K + pad) for a in (q, k, p)]
         maps.append(_geometry(v, ragged, v.itemsize, slab))
@@ -104,14 +113,17 @@ class StageMaps:
             return
         encode, replace = _driver()
         use = 1
-        for i, (ptr, (dtype, dims, strides, box)) in enumerate(zip(pointers, self._maps)):
+        for i, (ptr, geometry) in enumerate(zip(pointers, self._maps)):
+            if geometry is None:
+                continue
+            dtype, dims, strides, box = geometry
             at = self.address + i * _MAP_BYTES
             if self._encoded:
                 status = replace(at, ptr)
             else:
                 status = encode(at, dtype, 4, ptr, (ctypes.c_uint64 * 4)(*dims), (ctypes.c_uint64 * 3)(*strides),
                                 (ctypes.c_uint32 * 4)(*box), (ctypes.c_uint32 * 4)(1, 1, 1, 1), _INTERLEAVE_NONE,
-                                _SWIZZLE_NONE, _L2_PROMOTION_128B, _OOB_FILL_ZEROS)
+                                self._swizzle, _L2_PROMOTION_128B, _OOB_FILL_ZEROS)
             if status:
                 use = 0
                 break

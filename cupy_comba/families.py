@@ -30,6 +30,9 @@ variant                   kernel (``comba::``)        a CTA holds
 ``{layout}{SLAB}c64wg``   ``prefill_prep``, then      the same on Hopper's warpgroup MMA (bf16
                           ``prefill_scan_wg``         q, k, p and products; compute capability 9.0)
                           (``prefill_wgmma.cu``)
+``{layout}64c64wt``       ``prefill_prep`` (ACC 6),   64 value columns as the rows of S^T, the state
+                          then ``prefill_scan_wt``    and the chunk's corrections kept in registers
+                          (``prefill_wgmma.cu``)      from chunk to chunk (bf16, compute cap. 9.0)
 ========================  ==========================  ============================================
 
 The token-loop kernels have two builds: the decode step (one token from a given state to a
@@ -66,6 +69,10 @@ PREFILL_CHUNK, PREFILL_RECORD, PREFILL_RECORD_BF16 = 64, 2 * 20 * 32 * 4 + 256, 
 
 #: The compute capability whose arch-specific target (sm_90a) holds the wgmma scan (``{layout}{SLAB}c64wg``).
 WGMMA_CAPABILITY = "90"
+
+
+#: The families built for that target only: the wgmma scans.
+WGMMA_FAMILIES = ("prefill_scan_wg", "prefill_scan_wt")
 
 
 def runs_wgmma(compute_capability):
@@ -110,9 +117,11 @@ class Kernel(NamedTuple):
     prep_shared_bytes: int = 0  #: its dynamic shared memory a CTA
     prep_block: int = 0         #: its threads a CTA (its grid: a CTA a chunk slot and value head)
     record_words: int = 0       #: 32-bit words of its workspace a chunk slot and value head
-    key_pad: int = 16           #: elements past the key axis in a staged key row (its bulk copies' box width)
+    key_pad: int = 16           #: elements past the key axis in a staged key row (its bulk copies' box width;
+                                #: 0: q's and k's rows in 128-byte swizzled boxes of 64 keys, prefill_scan_wt's)
     grid3: bool = False         #: a grid of (b, h, slab) rather than of B * H * slabs CTAs in x (the tilings for a
                                 #: decode step over a few heads; Params::grid3)
+    record_words_v: int = 0     #: and more words a value column (the u' slabs of prefill_scan_wt's records)
 
     def grid(self, B, H, V):
         """The launch's grid ``(x, y, z)`` for B x H heads of V value columns: one CTA a slab of a head."""
@@ -186,6 +195,8 @@ def _all_tilings():
     for K in FAMILY_K:
         out += [Tiling(f"{layout}{slab}c64wg", layout, K, "prefill_scan_wg", "prefill_wgmma.cu", (slab,), slab, 128,
                        PREFILL_CHUNK, True) for layout in ("kv", "vk") for slab in PREFILL_SLABS]
+        out += [Tiling(f"{layout}64c64wt", layout, K, "prefill_scan_wt", "prefill_wgmma.cu", (), 64, 128,
+                       PREFILL_CHUNK, True) for layout in ("kv", "vk")]
     return tuple(out)
 
 
@@ -240,6 +251,14 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
                                 f"{_flag(serving)}>", t.slab, t.threads, prefill_wg_bytes(K, t.slab, separate_p),
                       f"comba::prefill_prep<{K}, 5, {_flag(serving)}>", prefill_prep_bytes(K, False), 128,
                       PREFILL_RECORD_BF16, 8)
+    if t.family == "prefill_scan_wt":
+        if wide or precision not in (None, "bf16"):
+            raise ValueError(f"variant {variant!r} runs bf16 q, k, p with precision 'bf16' only; got "
+                             f"{'wider keys' if wide else f'precision {precision!r}'}")
+        return Kernel(t.source, f"comba::prefill_scan_wt<{K}, {_flag(layout == 'vk')}, {_flag(serving)}>", t.slab,
+                      t.threads, prefill_wt_bytes(K), f"comba::prefill_prep<{K}, 6, {_flag(serving)}>",
+                      prefill_prep_bytes(K, False), 128, record_words=wy_record(K), key_pad=0,
+                      record_words_v=WY_WORDS_PER_V)
     if t.family == "prefill_scan":
         if precision is None:  # 16-bit activations: bf16 products, the fastest (docs/design.md)
             precision = "bf16"
@@ -287,7 +306,8 @@ def specialisations():
                 for multi, act in _builds(t):
                     prefill = t.family == "prefill_scan"  # its builds differ by numerics too
                     numerics = itertools.product(PRECISIONS, (False, True)) if prefill else \
-                        (("bf16", False),) if t.family == "prefill_scan_wg" else (("fp32", False), ("fp32", True))
+                        (("bf16", False),) if t.family in WGMMA_FAMILIES else \
+                        (("fp32", False), ("fp32", True))
                     for precision, f32_keys in numerics:
                         if prefill and not prefill_fits(t.K, t.slab, separate_p, f32_keys):
                             continue
@@ -347,6 +367,22 @@ def prefill_wg_bytes(K, slab, separate_p):
     tiles = 2 * slab * K + 3 * 2 * slab * PREFILL_CHUNK
     stage = (3 if separate_p else 2) * PREFILL_CHUNK * (K + 8) * 2 + PREFILL_CHUNK * slab * 4 + 4 * PREFILL_RECORD_BF16
     return -(-tiles // 128) * 128 + 2 * (-(-stage // 128) * 128) + 16
+
+
+#: Words a value column of a prefill_scan_wt record past WyRecord<K>::SIZE (u', kernels_cu/prefill.cu).
+WY_WORDS_PER_V = 32
+
+
+def wy_record(K):
+    """32-bit words of ``WyRecord<K>`` (kernels_cu/prefill.cu) before u': W' (64 x K bf16), Mq (64 x 64 bf16), G fp,
+    scale G fq, w (64 each) and G_63."""
+    return 32 * K + 2048 + 256
+
+
+def prefill_wt_bytes(K):
+    """Bytes of ``WtLayout<K>`` (kernels_cu/prefill_wgmma.cu): room to align to 1 KB, two stages of a chunk's Q and
+    Kc (64 rows of K bf16), record and u' slab (64 x 64 bf16), four warps' o transposes and two mbarriers."""
+    return 1024 + 2 * (2 * PREFILL_CHUNK * K * 2 + 4 * wy_record(K) + PREFILL_CHUNK * 64 * 2) + 4 * 2048 + 16
 
 
 def mma_stage_bytes(K, slab, separate_p, tokens):

@@ -43,6 +43,7 @@ class Case(NamedTuple):
     max_shared: int = MAX_SHARED  #: bytes of shared memory the GPU allows a CTA (the H200's 227 KB)
     verify: bool = False  #: speculative verify: the state after every token stored (the token loop only)
     wgmma: bool = False  #: bf16 products of bf16 q, k, p on a GPU of compute capability 9.0 (``prefill_scan_wg``)
+    transposed: bool = True  #: with ``wgmma``, the transposed scan may be chosen (False: the rules before it)
 
     @property
     def few(self):
@@ -122,6 +123,26 @@ def _warpgroup(c):
     return c.wgmma and c.K in (64, 128) and (_prefill_slab(c) == 32 or not c.separate_p or c.heads == 1)
 
 
+#: From this many heads on, at K = 128 with V a multiple of 64, the prefill pass takes the transposed wgmma scan
+#: (``{layout}64c64wt``): two CTAs a head of V = 128, each tensor-bound on its chunk's products, which over fewer
+#: heads leave most SMs idle.
+TRANSPOSED_MIN_HEADS = 64
+#: ... and from this many tokens (the shortest its sweep measured).
+TRANSPOSED_MIN_T = 256
+
+
+def _transposed(c):
+    return c.transposed and c.wgmma and c.K == 128 and c.wide and c.heads is not None and \
+        c.heads >= TRANSPOSED_MIN_HEADS and c.T >= TRANSPOSED_MIN_T
+
+
+def prefill_variant(c):
+    """The prefill rule's variant for a Case it applies to."""
+    if _transposed(c):
+        return f"{c.layout}64c64wt"
+    return f"{c.layout}{_prefill_slab(c)}c64{'wg' if _warpgroup(c) else ''}"
+
+
 def _decode_over_few(c, layout, most, slab):
     """A decode step on a ``layout`` state at K = 128 over at most ``most`` heads, V a multiple of ``slab``."""
     return c.layout == layout and c.K == 128 and not c.multi and c.heads is not None and c.heads <= most and \
@@ -135,7 +156,7 @@ def _tensor_cores(c):
 RULES = (
     Rule("prefill: 64-token chunks on the tensor cores",
          _prefill,
-         lambda c: f"{c.layout}{_prefill_slab(c)}c64{'wg' if _warpgroup(c) else ''}",
+         prefill_variant,
          "h200-prefill-tiling.json (kv and vk, K = 64 / 128 / 256, 1-128 heads, T = 256-4096) and "
          "h200-prefill-lengths.json (kv, T = 16-65536 and either side of each threshold), Gated DeltaNet at "
          "K = 128 unless said, prefill_scan (mma.sync) first.  The prefill kernels cost a step every 64 tokens, the "
@@ -256,12 +277,13 @@ def _decide(case):
 
 
 def choose(layout, K, V, separate_p, multi=False, T=1, heads=None, wide_keys=False, max_shared=MAX_SHARED,
-           verify=False, wgmma=False):
+           verify=False, wgmma=False, transposed=True):
     """The variant for a shape: ``multi`` for T-token passes (T of them), ``heads`` = B * H; ``wide_keys``
     not all of q, k, p bf16; ``max_shared`` the bytes of shared memory the GPU allows a CTA (a prefill
     build that needs more leaves the shape to the rules after it: on an A100, 163 KB, Comba's and the
     fp32 keys' scans at K = 128; on sm_86 / sm_89 GPUs, 99 KB, every prefill build); ``verify``: the state after
     every token stored (speculative verify), which only the token loop does (T is then 1); ``wgmma``: bf16 q, k,
-    p with bf16 products on a GPU of compute capability 9.0, where the prefill scan also runs on wgmma."""
+    p with bf16 products on a GPU of compute capability 9.0, where the prefill scan also runs on wgmma;
+    ``transposed=False`` leaves out the transposed wgmma scan (the sweeps that predate it)."""
     return _decide(Case(layout, K, V, bool(separate_p), bool(multi), T, heads, bool(wide_keys), max_shared,
-                        bool(verify), bool(wgmma)))[1]
+                        bool(verify), bool(wgmma), bool(transposed)))[1]

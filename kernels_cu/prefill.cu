@@ -29,7 +29,8 @@
 // keys as they are staged, the state published as bf16 for the read, Y, U and w U rounded to bf16 by the warp
 // that forms them, A and Mq stored as bf16 fragments by the prep -- half the mma.sync and half the record of
 // the TF32 forms, at bf16's rounding.  The scan stages bf16 keys as they are and fp16 / fp32 ones as floats
-// (ACC 2 and 3).
+// (ACC 2 and 3).  ACC 5 and 6 are the "bf16" records of the two wgmma scans (prefill_wgmma.cu): ACC 5 the same
+// products with its fragments in wgmma's natural order, ACC 6 the WY form of the transposed scan (WyRecord).
 //
 // Workspace (the `inter` pointer slot, which these kernels never hold as intermediate_states): one
 // record of Record<ACC>::SIZE words a (chunk slot, value head): A and Mq as mma.sync A fragments of the
@@ -72,6 +73,35 @@ struct Record {
     static constexpr int TILES = bf16_products(ACC) ? 10 : 20, FRAG = TILES * 32 * 4;
     static constexpr int A = 0, MQ = FRAG, GP = 2 * FRAG, GQ = GP + 64, W = GQ + 64, G = W + 64, SIZE = GP + 256;
 };
+
+// The record of prefill_scan_wt (ACC 6, prefill_wgmma.cu), in 32-bit words: W' = A diag(G fp) P (64 x K) and Mq
+// (64 x 64) as that scan's bf16 B tiles -- element (t, j) of a 64-row matrix at 16-byte row t of block j / 8 (1 KB
+// a block of 8 columns): wgmma's K-major layout with no swizzle -- then G fp, scale G fq, w (64 each) and G_63, then
+// u' = A Vc (64 x V), 8 KB a slab of 64 value columns in the same layout (SIZE + 32 V words a record).
+template <int K>
+struct WyRecord {
+    static constexpr int WP = 0, MQ = 32 * K, GP = MQ + 2048, GQ = GP + 64, W = GQ + 64, G = W + 64, SIZE = GP + 256;
+    static constexpr int WORDS_PER_V = 32;  // u' past SIZE: 64 tokens of two bytes a value column
+};
+
+// The record layout of prefill_prep<K, ACC>.
+template <int K, int ACC>
+struct PrepRecordOf {
+    using type = Record<ACC>;
+};
+template <int K>
+struct PrepRecordOf<K, 6> {
+    using type = WyRecord<K>;
+};
+template <int K, int ACC>
+using PrepRecord = typename PrepRecordOf<K, ACC>::type;
+
+// 32-bit words a (chunk slot, value head) of the workspace: the record, and u' with ACC 6.
+template <int K, int ACC>
+__device__ __forceinline__ long long record_words(const Params& prm) {
+    if constexpr (ACC == 6) return WyRecord<K>::SIZE + WyRecord<K>::WORDS_PER_V * prm.V;
+    return Record<ACC>::SIZE;
+}
 
 // x rounded to TF32 (the hi of split).
 __device__ __forceinline__ unsigned tf32(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
@@ -393,6 +423,126 @@ struct GramTiles {
     static constexpr int M1 = W == 0 ? 3 : 2, C1 = 0, N1 = 5 - N0;
 };
 
+__device__ __forceinline__ void ldsm4_trans(unsigned (&r)[4], const void* at) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(at))
+                 : "memory");
+}
+
+// The rest of prefill_prep's ACC 6 record (WyRecord), once X = (I + L)^-1 (xs), the gates (bt, and the record's
+// G fp) and Mq (gram_q) are formed: Mq, W' = A diag(G fp) P and u' = A Vc with A = X diag(beta), on mma.sync
+// m16n8k16 with bf16 operands (A rounded once, as the other bf16 records) and fp32 sums, as prefill_scan_wt's B
+// tiles.  P's rows are staged again where L was (gram_p) and each 64-column block of Vc (as bf16) where Mq was,
+// at K + 8 and 72 elements a row, so that the eight rows of an ldmatrix.trans fall in distinct banks.  Warp w
+// forms token rows 16 w .. 16 w + 15, over the k-steps 0 .. w on or below the diagonal of A.
+template <int K>
+__device__ __forceinline__ void wy_record(float* rec, const float* xs, float* gram_p, const float* gram_q,
+                                          const float* bt, const void* p, const void* v, const Params& prm, int b,
+                                          int h, int hk, long long t0, int n, int tid) {
+    using R = WyRecord<K>;
+    constexpr int C = kPrefillChunk, S = C + 4, PP = K + 8, VP = 64 + 8;
+    const int lane = tid & 31, warp = tid >> 5, lg = lane >> 2, lj = lane & 3;
+    unsigned char* const sp = reinterpret_cast<unsigned char*>(gram_p);
+    unsigned short* const sv = reinterpret_cast<unsigned short*>(const_cast<float*>(gram_q));
+    unsigned* const words = reinterpret_cast<unsigned*>(rec);
+    stage_keys<K, 2, kPrefillThreads, PP>(sp, p, b * prm.p_sb + t0 * prm.p_st + hk * prm.p_sh, prm.p_st, prm.p_sk,
+                                          prm.p_t, n, rows_copyable(p, prm.p_sb, prm.p_st, prm.p_sh, prm.p_sk,
+                                                                    prm.p_t, 2), tid);
+    copy_async_commit();
+    // Mq: word (block jb, row t, pair i) holds columns 8 jb + 2 i, + 1 of row t; zeros above the diagonal
+    for (int i = tid; i < 2048; i += kPrefillThreads) {
+        const int t = (i >> 2) & 63, j = 8 * (i >> 8) + 2 * (i & 3);
+        const float* m = gram_q + t * S + j;
+        words[R::MQ + i] = bf16_pair(j <= t ? m[0] : 0.f, j < t ? m[1] : 0.f);
+    }
+    // this warp's row tile of A and of A diag(G fp) as A fragments, k-steps 0 .. warp (zeros past it)
+    const int r0 = 16 * warp + lg;
+    unsigned au[4][4], aw[4][4];
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        const int c0 = 16 * ks + 2 * lj;
+        const float* x0 = xs + r0 * S + c0;
+        const float* x1 = x0 + 8 * S;
+        const float b0 = bt[c0], b1 = bt[c0 + 1], b2 = bt[c0 + 8], b3 = bt[c0 + 9];
+        const float g0 = b0 * rec[R::GP + c0], g1 = b1 * rec[R::GP + c0 + 1], g2 = b2 * rec[R::GP + c0 + 8],
+                    g3 = b3 * rec[R::GP + c0 + 9];
+        const bool in = ks <= warp;
+        au[ks][0] = in ? bf16_pair(x0[0] * b0, x0[1] * b1) : 0u;
+        au[ks][1] = in ? bf16_pair(x1[0] * b0, x1[1] * b1) : 0u;
+        au[ks][2] = in ? bf16_pair(x0[8] * b2, x0[9] * b3) : 0u;
+        au[ks][3] = in ? bf16_pair(x1[8] * b2, x1[9] * b3) : 0u;
+        aw[ks][0] = in ? bf16_pair(x0[0] * g0, x0[1] * g1) : 0u;
+        aw[ks][1] = in ? bf16_pair(x1[0] * g0, x1[1] * g1) : 0u;
+        aw[ks][2] = in ? bf16_pair(x0[8] * g2, x0[9] * g3) : 0u;
+        aw[ks][3] = in ? bf16_pair(x1[8] * g2, x1[9] * g3) : 0u;
+    }
+    // ldmatrix.trans: lane l gives row (l & 7) + 8 ((l >> 3) & 1) of the k-step, column block l >> 4 of the pair
+    const int lrow = (lane & 7) + 8 * ((lane >> 3) & 1), lcol = 8 * (lane >> 4);
+    // a 64-column block of rows (k) by columns (n) at `at`, `pitch` elements a row, times this warp's fragments a,
+    // into words from `out` (block of 8 columns nb at 256 nb, row r at 4 r)
+    auto product = [&](const unsigned char* at, int pitch, const unsigned (&a)[4][4], unsigned* out) {
+        float acc[8][4];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+            if (ks > warp) break;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                unsigned bq[4];
+                ldsm4_trans(bq, at + ((16 * ks + lrow) * pitch + 16 * q + lcol) * 2);
+                mma_bf16(acc[2 * q], a[ks][0], a[ks][1], a[ks][2], a[ks][3], bq[0], bq[1]);
+                mma_bf16(acc[2 * q + 1], a[ks][0], a[ks][1], a[ks][2], a[ks][3], bq[2], bq[3]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            out[256 * i + 4 * r0 + lj] = bf16_pair(acc[i][0], acc[i][1]);
+            out[256 * i + 4 * (r0 + 8) + lj] = bf16_pair(acc[i][2], acc[i][3]);
+        }
+    };
+    copy_async_wait<0>();
+    __syncthreads();  // P staged; Mq read from gram_q
+#pragma unroll 1
+    for (int half = 0; half < K / 64; ++half) product(sp + 128 * half, PP, aw, words + R::WP + 2048 * half);
+    const int V = static_cast<int>(prm.V);
+    const long long v0 = b * prm.v_sb + t0 * prm.v_st + h * prm.v_sh;
+    const bool v_copies = rows_copyable(v, prm.v_sb, prm.v_st, prm.v_sh, prm.v_sv, prm.v_t, 2);
+    for (int vb = 0; vb < V / 64; ++vb) {
+        if (v_copies) {  // 16-byte pieces: thread tid the piece tid % 8 of rows tid / 8 + 16 j
+            const int t = tid >> 3, e = 8 * (tid & 7);
+            const char* first = static_cast<const char*>(v) + 2 * (v0 + 64 * vb + e);
+#pragma unroll
+            for (int j = 0; j < C / 16; ++j) {
+                const bool in = t + 16 * j < n;
+                copy_async16(sv + (t + 16 * j) * VP + e, in ? first + 2 * (t + 16 * j) * prm.v_st : first, in);
+            }
+            copy_async_commit();
+            copy_async_wait<0>();
+        } else {  // eight loads in flight before any is used
+#pragma unroll 1
+            for (int j0 = 0; j0 < C * 64 / kPrefillThreads; j0 += 8) {
+                unsigned bits[8];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const int i = tid + kPrefillThreads * (j0 + j), t = i >> 6, c = i & 63;
+                    bits[j] = t < n ? load_bits(v, v0 + t * prm.v_st + (64 * vb + c) * prm.v_sv, prm.v_t) : 0u;
+                }
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const int i = tid + kPrefillThreads * (j0 + j), t = i >> 6, c = i & 63;
+                    sv[t * VP + c] = static_cast<unsigned short>(
+                        prm.v_t == BF16 ? bits[j] : bf16_pair(bits_to_float(bits[j], prm.v_t), 0.f) & 0xffffu);
+                }
+            }
+        }
+        __syncthreads();
+        product(reinterpret_cast<const unsigned char*>(sv), VP, au, words + R::SIZE + 2048 * vb);
+        __syncthreads();  // the block read before the next is staged
+    }
+}
+
 // Four CTAs an SM where they fit: with bf16 keys (ACC 0, 1 and 4) at K <= 128 a CTA needs at most 128
 // registers and 57.6 KB of shared memory, four of which are within the SM's 228 KB; wider keys stage twice the
 // bytes.
@@ -401,7 +551,7 @@ __global__ void __launch_bounds__(kPrefillThreads, (ACC <= 1 || ACC >= 4) && K <
 prefill_prep(COMBA_PREFILL_ARGS) {
     // keys as they are (bf16), split or rounded; A and Mq rounded for a scan that reads them as they are
     constexpr bool K32 = ACC == 2 || ACC == 3;
-    using R = Record<ACC>;
+    using R = PrepRecord<K, ACC>;
     constexpr int KM = ACC == 2 ? kSplit : ACC == 3 ? kRound : kExact, CM = ACC == 1 || ACC == 2 ? kSplit : kExact;
     constexpr bool KL = KM == kSplit;
     using Layout = PrepLayout<K, K32>;
@@ -430,7 +580,7 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     if (chunk < 0 || chunk * C >= T) return;  // a slot of no chunk (ragged batches)
     const long long t0 = chunk * C;
     const int n = static_cast<int>(min(static_cast<long long>(C), T - t0));
-    float* rec = work + (slot * H + h) * R::SIZE;
+    float* rec = work + (slot * H + h) * record_words<K, ACC>(prm);
 
     stage_keys<K, ES, kPrefillThreads>(sq, q, b * prm.q_sb + t0 * prm.q_st + hk * prm.q_sh, prm.q_st, prm.q_sk,
                                        prm.q_t, n,
@@ -667,7 +817,10 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     // rows 16 m + lg, + 8 by columns (16 ks + lj, + 4), then (+ 8, + 12): k-slots 2 lj, 2 lj + 1, 2 lj + 8,
     // 2 lj + 9 stand for tokens lj, lj + 4, lj + 8, lj + 12 of the step, the order of the scan's token quads
     // (ACC 4); with ACC 5 for tokens 2 lj, 2 lj + 1, 2 lj + 8, 2 lj + 9 (the natural order of wgmma's B tiles).
-    if constexpr (bf16_products(ACC)) {
+    if constexpr (ACC == 6) {
+        wy_record<K>(rec, xs, gram_p, gram_q, bt, p, v, prm, b, h, hk, t0, n, tid);
+        return;
+    } else if constexpr (bf16_products(ACC)) {
         constexpr int D = ACC == 5 ? 1 : 4, E = ACC == 5 ? 2 : 1;  // the second token of a pair; lane's step
         unsigned* const words = reinterpret_cast<unsigned*>(rec);
         for (int i = tid; i < R::TILES * 32; i += kPrefillThreads) {
@@ -687,7 +840,7 @@ prefill_prep(COMBA_PREFILL_ARGS) {
                            bf16_pair(m1[8], m1[8 + D]));
         }
         return;
-    }
+    } else {
     for (int i = tid; i < R::TILES * 32; i += kPrefillThreads) {
         const int f = i >> 5, l = i & 31;
         const int m = f < 2 ? 0 : f < 6 ? 1 : f < 12 ? 2 : 3, ks = f - m * (m + 1);
@@ -699,6 +852,7 @@ prefill_prep(COMBA_PREFILL_ARGS) {
         *reinterpret_cast<float4*>(rec + R::MQ + 4 * i) =
             make_float4(produced<CM>(gram_q[r0 * S + c0]), produced<CM>(gram_q[(r0 + 8) * S + c0]),
                         produced<CM>(gram_q[r0 * S + c0 + 4]), produced<CM>(gram_q[(r0 + 8) * S + c0 + 4]));
+    }
     }
 }
 

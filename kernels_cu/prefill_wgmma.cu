@@ -64,6 +64,8 @@ __device__ __forceinline__ unsigned long long wg_desc(const void* at, unsigned l
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// All but the last committed group retired.
+__device__ __forceinline__ void wg_wait_but_one() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 
 // d (+)= a b: a this warp's 16 x 16 A fragment (mma.sync's), b a BTile descriptor; d = a b where !acc.
 template <int N>
@@ -90,14 +92,59 @@ __device__ __forceinline__ void wgmma<32>(float (&d)[16], const unsigned (&a)[4]
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(acc)));
 }
 
+// d (+)= a b with b N-major (wgmma's transposed B): prefill_scan_wt's state update.
+template <int N>
+__device__ __forceinline__ void wgmma_t(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long b, bool acc);
+
+// m64n64k16, B N-major where TB (the instruction's imm-trans-b).
+template <int TB>
+__device__ __forceinline__ void wgmma_n64(float (&d)[32], const unsigned (&a)[4], unsigned long long b, bool acc) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31 "
+        "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(acc)), "n"(TB));
+}
+
+template <>
+__device__ __forceinline__ void wgmma<64>(float (&d)[32], const unsigned (&a)[4], unsigned long long b, bool acc) {
+    wgmma_n64<0>(d, a, b, acc);
+}
+
+template <>
+__device__ __forceinline__ void wgmma_t<64>(float (&d)[32], const unsigned (&a)[4], unsigned long long b, bool acc) {
+    wgmma_n64<1>(d, a, b, acc);
+}
+
+template <>
+__device__ __forceinline__ void wgmma_t<128>(float (&d)[64], const unsigned (&a)[4], unsigned long long b, bool acc) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 "
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(acc)));
+}
+
 __device__ __forceinline__ void ldsm4(unsigned (&r)[4], const void* at) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(shared_address(at))
-                 : "memory");
-}
-__device__ __forceinline__ void ldsm4_trans(unsigned (&r)[4], const void* at) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(shared_address(at))
                  : "memory");
@@ -363,6 +410,288 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
                     store_state(dst + kb * V + cc, make_float2(d[2], d[3]));
                 }
             }
+    }
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------------
+// prefill_scan_wt: the scan transposed, so that the chain from chunk to chunk never leaves the registers.
+//
+// Math (prefill.cu's header, in the WY form that prefill_prep<K, 6> prepares): with W' = A diag(G fp) P and
+// u' = A Vc, the chunk's corrections are U = u' - W' S.  The CTA holds S^T (its 64 value columns by K keys, fp32)
+// as the accumulators of one wgmma m64nK, and per chunk
+//   Rw^T = S^T W'^T,  Rq^T = S^T Q^T                  A = S^T (bf16 fragments of the accumulators)
+//   U^T  = u'^T - Rw^T
+//   O^T  = Rq^T diag(scale G fq) + U^T Mq^T            A = U^T
+//   S^T  = G_63 S^T + (U^T diag(w)) Kc                 A = U^T diag(w), Kc N-major
+// Every A operand is an accumulator of the step before it, converted in registers (an m64nN accumulator's
+// 16 x 16 blocks are wgmma's A fragments); every B operand is staged as it arrives: the rows of Q and Kc by tensor
+// map in boxes of 64 keys (128 bytes) by 64 tokens, 128-byte swizzled -- K-major for Q, N-major for Kc --, W' and
+// Mq as the prep wrote them (WyRecord: no swizzle, K-major), u' a slab of 64 columns in the same layout.  No
+// shared-memory round trip and no CTA barrier lies between two chunks' states: one barrier a chunk frees the
+// other stage.  o leaves through a per-warp transpose in shared memory, 32 bytes a token row.
+//
+// Launch geometry: one 128-thread CTA (one warpgroup) a (row, value head, slab of 64 value columns); warp w
+// holds value columns 16 w .. 16 w + 15 of the slab (rows of S^T, U^T and O^T).  Numerics: bf16 operands (S^T,
+// U^T, W', Mq, the keys) and fp32 sums, the state fp32 from the first chunk to the last -- the "bf16" precision.
+template <int K>
+struct WtLayout {
+    using R = WyRecord<K>;
+    static constexpr int BOX = kPrefillChunk * 128, TILE = K / 64 * BOX;  // Q or Kc: K / 64 swizzled boxes
+    static constexpr int REC_AT = 2 * TILE, REC_BYTES = 4 * R::SIZE;
+    static constexpr int U_AT = REC_AT + REC_BYTES, U_BYTES = kPrefillChunk * 64 * 2;
+    static constexpr int STAGE_BYTES = (U_AT + U_BYTES + 1023) / 1024 * 1024;
+    static constexpr int OT_AT = 2 * STAGE_BYTES, OT_BYTES = kPrefillChunk * 16 * 2;  // a warp's o transpose
+    static constexpr int BAR_AT = OT_AT + 4 * OT_BYTES, BYTES = 1024 + BAR_AT + 16;  // 1 KB to align the boxes
+    static_assert(BYTES <= 232448, "prefill_scan_wt: two stages do not fit");
+};
+
+#if COMBA_WGMMA
+// A descriptor of the 128-byte swizzle (the tensor maps' boxes): bits 62-63 = 1.
+constexpr unsigned long long kSwizzle128 = 1ull << 62;
+
+// Rows t0 .. t0 + 63 of one key array into K / 64 boxes of 64 rows of 128 bytes, swizzled as the tensor map's
+// (16-byte piece j of row r at r 128 + 16 (j ^ (r % 8))), zeros from row n on: cp.async pieces where the rows
+// allow, else plain loads.
+template <int K>
+__device__ __forceinline__ void stage_swizzled(unsigned char* dst, const void* src, long long row0, long long st,
+                                               long long sk, long long dtype, int n, bool copyable, int tid) {
+    for (int i = tid; i < kPrefillChunk * K / 8; i += kWgThreads) {
+        const int t = i / (K / 8), piece = i % (K / 8), half = piece >> 3, j = piece & 7;
+        unsigned char* to = dst + half * WtLayout<K>::BOX + 128 * t + 16 * (j ^ (t & 7));
+        if (copyable) {
+            const char* from = static_cast<const char*>(src) + 2 * (row0 + 8 * piece);
+            copy_async16(to, t < n ? from + 2 * t * st : from, t < n);
+            continue;
+        }
+        unsigned short e[8];
+#pragma unroll
+        for (int x = 0; x < 8; ++x)
+            e[x] = t < n ? static_cast<unsigned short>(load_bits(src, row0 + t * st + (8 * piece + x) * sk, dtype)) : 0;
+        *reinterpret_cast<uint4*>(to) = make_uint4(e[0] | e[1] << 16, e[2] | e[3] << 16, e[4] | e[5] << 16,
+                                                   e[6] | e[7] << 16);
+    }
+}
+
+#endif
+
+template <int K, bool VK, bool SERVING>
+__global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_ARGS) {
+#if COMBA_WGMMA
+    using R = WyRecord<K>;
+    using L = WtLayout<K>;
+    constexpr int C = kPrefillChunk, KS = K / 16;
+    static_assert(K == 64 || K == 128, "bad prefill_scan_wt tiling");
+    extern __shared__ __align__(128) unsigned char prefill_smem[];
+    // the swizzled boxes want 1 KB alignment (their pattern repeats every 1024 bytes)
+    unsigned char* const smem = prefill_smem + ((1024 - (shared_address(prefill_smem) & 1023)) & 1023);
+    const float* work = inter;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, lg = lane >> 2, lj = lane & 3;
+    const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H);
+    const ScanRow row = scan_row<K, 64, SERVING>(cu_seqlens, slots, prm, q, k, v, p, beta, g, o);
+    const int b = row.b, h = row.h, hk = row.hk, col0 = row.col0, T = row.T, chunks = row.chunks;
+    const long long first = row.first, head = row.head;
+    if (SERVING && row.slot < 0) return row.zero_padding(o, prm, 64, tid, kWgThreads);
+
+    const long long words = record_words<K, 6>(prm);
+    const int slab = col0 / 64;
+    const KeyCopies copies = key_copies(q, k, p, prm, 2);
+    const bool bulk = maps.use != 0;
+    const long long t_first = row_start<SERVING>(cu_seqlens, prm, b);
+    const int b_map = SERVING && prm.cu_t ? 0 : b;
+    unsigned long long* const bars = reinterpret_cast<unsigned long long*>(smem + L::BAR_AT);
+    init_stage_barriers(bars, true, tid);
+    // Chunk c's Q and Kc rows, record and u' slab into stage s: bulk copies from thread 0 on the stage's mbarrier
+    // (the rows by tensor map where the host made one, else cp.async pieces from every thread)
+    auto stage_next = [&](int c, int s) {
+        unsigned char* const at = smem + s * L::STAGE_BYTES;
+        const float* rec = work + ((first + c) * H + h) * words;
+        if (tid == 0) {
+            mbarrier_expect(bars + s, L::REC_BYTES + L::U_BYTES + (bulk ? 2 * L::TILE : 0));
+            bulk_copy(at + L::REC_AT, rec, L::REC_BYTES, bars + s);
+            bulk_copy(at + L::U_AT, rec + R::SIZE + 2048 * slab, L::U_BYTES, bars + s);
+            if (bulk) {
+                const int t = static_cast<int>(t_first + static_cast<long long>(c) * C);
+#pragma unroll
+                for (int half = 0; half < K / 64; ++half) {
+                    bulk_rows(at + half * L::BOX, maps.q, 64 * half, hk, t, b_map, bars + s);
+                    bulk_rows(at + L::TILE + half * L::BOX, maps.k, 64 * half, hk, t, b_map, bars + s);
+                }
+            }
+        }
+        if (bulk) return;
+        const long long t0 = static_cast<long long>(c) * C;
+        const int n = static_cast<int>(min(static_cast<long long>(C), T - t0));
+        stage_swizzled<K>(at, q, b * prm.q_sb + t0 * prm.q_st + hk * prm.q_sh, prm.q_st, prm.q_sk, prm.q_t, n,
+                          copies.q, tid);
+        stage_swizzled<K>(at + L::TILE, k, b * prm.k_sb + t0 * prm.k_st + hk * prm.k_sh, prm.k_st, prm.k_sk,
+                          prm.k_t, n, copies.k, tid);
+        copy_async_commit();
+    };
+    if (chunks > 0) stage_next(0, 0);
+
+    // S^T: rows ca = col0 + 16 warp + lg (accumulators 4 j, 4 j + 1) and cb = ca + 8 (4 j + 2, 4 j + 3), keys
+    // 8 j + 2 lj, + 1
+    float st[K / 2];
+    const int ca = col0 + 16 * warp + lg, cb = ca + 8;
+#pragma unroll
+    for (int j = 0; j < K / 8; ++j) {
+        const int key = 8 * j + 2 * lj;
+        float* d = st + 4 * j;
+        if (!prm.has_initial) {
+            d[0] = d[1] = d[2] = d[3] = 0.f;
+            continue;
+        }
+        const float* src = state + head;
+        if constexpr (VK) {
+            const float2 x = *reinterpret_cast<const float2*>(src + ca * K + key);
+            const float2 z = *reinterpret_cast<const float2*>(src + cb * K + key);
+            d[0] = x.x, d[1] = x.y, d[2] = z.x, d[3] = z.y;
+        } else {
+            d[0] = src[key * V + ca], d[1] = src[(key + 1) * V + ca];
+            d[2] = src[key * V + cb], d[3] = src[(key + 1) * V + cb];
+        }
+    }
+    // u' rows by ldmatrix.trans: lane l gives token row l & 7 of matrix l >> 3 = (column block 2 warp + (l >> 3 & 1),
+    // token block j + (l >> 4)); the o transpose by stmatrix.trans, the same matrices into [64 tokens][16 columns]
+    const int u_lane = (2 * warp + ((lane >> 3) & 1)) * 1024 + 16 * ((lane & 7) + 8 * (lane >> 4));
+    unsigned char* const ot = smem + L::OT_AT + warp * L::OT_BYTES;
+    unsigned char* const ot_lane = ot + 32 * ((lane & 7) + 8 * (lane >> 4)) + 16 * ((lane >> 3) & 1);
+    // o rows: 16 bytes (8 columns) a piece where o is bf16 with unit, 16-byte aligned columns, else value by value
+    const long long o_row = b * prm.o_sb + h * prm.o_sh + static_cast<long long>(col0 + 16 * warp) * prm.o_sv;
+    const bool o_pieces = prm.o_t == BF16 && prm.o_sv == 1 && prm.o_st % 8 == 0 && (o_row & 7) == 0 &&
+                          (reinterpret_cast<unsigned long long>(o) & 15) == 0;
+    const unsigned long long d_base = wg_desc(smem, 0, 0);
+    auto desc = [&](int at, unsigned lbo, unsigned sbo) {  // a descriptor at byte `at` of the aligned smem
+        return d_base + (static_cast<unsigned long long>(at >> 4) | static_cast<unsigned long long>(lbo >> 4) << 16 |
+                         static_cast<unsigned long long>(sbo >> 4) << 32);
+    };
+
+    for (int c = 0; c < chunks; ++c) {
+        const int s = c & 1, sg_at = s * L::STAGE_BYTES;
+        mbarrier_wait(bars + s, (c >> 1) & 1);
+        if (!bulk) copy_async_wait<0>();
+        __syncthreads();  // chunk c staged, every warp's reads of the other stage retired
+        if (c + 1 < chunks) stage_next(c + 1, s ^ 1);
+        unsigned char* const sg = smem + sg_at;
+        const float* f = reinterpret_cast<const float*>(sg + L::REC_AT);
+        const long long t0 = static_cast<long long>(c) * C;
+        const int n = static_cast<int>(min(static_cast<long long>(C), T - t0));
+        if (bulk && SERVING && prm.cu_t && n < C) {  // the boxes' rows n on hold the next sequence: zero them
+            for (int i = tid; i < 2 * (K / 64) * (C - n) * 8; i += kWgThreads) {
+                const int box = i / ((C - n) * 8), r = i % ((C - n) * 8);
+                *reinterpret_cast<uint4*>(sg + box * L::BOX + 128 * n + 16 * r) = make_uint4(0, 0, 0, 0);
+            }
+            fence_async_shared();
+            __syncthreads();
+        }
+
+        // Rw^T = S^T W'^T, Rq^T = S^T Q^T
+        unsigned sa[KS][4];
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            const float* d = st + 8 * ks;
+            sa[ks][0] = bf16_pair(d[0], d[1]), sa[ks][1] = bf16_pair(d[2], d[3]);
+            sa[ks][2] = bf16_pair(d[4], d[5]), sa[ks][3] = bf16_pair(d[6], d[7]);
+        }
+        float rw[32], rq[32];
+        wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks)
+            wgmma<64>(rw, sa[ks], desc(sg_at + L::REC_AT + 4 * R::WP + 2048 * ks, 1024, 128), ks > 0);
+        wg_commit();  // the chain's product first: U waits on it alone
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks)
+            wgmma<64>(rq, sa[ks], desc(sg_at + (ks >> 2) * L::BOX + 32 * (ks & 3), 16, 1024) | kSwizzle128, ks > 0);
+        wg_commit();
+        unsigned uq[16];  // u' as bf16 pairs: token block j's rows ca (2 j) and cb (2 j + 1)
+#pragma unroll
+        for (int j = 0; j < 8; j += 2) {
+            unsigned r[4];
+            ldsm4_trans(r, sg + L::U_AT + u_lane + 128 * j);
+            uq[2 * j] = r[0], uq[2 * j + 1] = r[1], uq[2 * j + 2] = r[2], uq[2 * j + 3] = r[3];
+        }
+        const float G = f[R::G];
+#pragma unroll
+        for (int i = 0; i < K / 2; ++i) st[i] *= G;
+        wg_wait_but_one();
+
+        // U^T = u'^T - Rw^T; the A fragments of U^T and U^T diag(w); O^T = Rq^T diag(scale G fq)
+        unsigned ua[4][4], uw[4][4];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int t = 8 * j + 2 * lj;
+            const float2 x = staged2<2>(reinterpret_cast<const unsigned char*>(uq + 2 * j));
+            const float2 z = staged2<2>(reinterpret_cast<const unsigned char*>(uq + 2 * j + 1));
+            const float u0 = x.x - rw[4 * j], u1 = x.y - rw[4 * j + 1], u2 = z.x - rw[4 * j + 2],
+                        u3 = z.y - rw[4 * j + 3];
+            const float2 w = *reinterpret_cast<const float2*>(f + R::W + t);
+            const int ks = j >> 1, hi = 2 * (j & 1);
+            ua[ks][hi] = bf16_pair(u0, u1), ua[ks][hi + 1] = bf16_pair(u2, u3);
+            uw[ks][hi] = bf16_pair(u0 * w.x, u1 * w.y), uw[ks][hi + 1] = bf16_pair(u2 * w.x, u3 * w.y);
+        }
+        // S^T = G_63 S^T + (U^T diag(w)) Kc;  O^T += U^T Mq^T
+        wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks)
+            wgmma_t<K>(st, uw[ks], desc(sg_at + L::TILE + 2048 * ks, L::BOX, 1024) | kSwizzle128, true);
+        wg_commit();
+        wg_wait_but_one();  // Rq retired
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float2 gq = *reinterpret_cast<const float2*>(f + R::GQ + 8 * j + 2 * lj);
+            rq[4 * j] *= gq.x, rq[4 * j + 1] *= gq.y, rq[4 * j + 2] *= gq.x, rq[4 * j + 3] *= gq.y;
+        }
+        wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks)
+            wgmma<64>(rq, ua[ks], desc(sg_at + L::REC_AT + 4 * R::MQ + 2048 * ks, 1024, 128), true);
+        wg_commit();
+        wg_wait();
+
+        // o: this warp's 16 columns of tokens 8 j + 2 lj (+ 1)
+        if (o_pieces) {
+#pragma unroll
+            for (int j = 0; j < 8; j += 2)
+                stsm4_trans(ot_lane + 256 * j, bf16_pair(rq[4 * j], rq[4 * j + 1]), bf16_pair(rq[4 * j + 2], rq[4 * j + 3]),
+                            bf16_pair(rq[4 * j + 4], rq[4 * j + 5]), bf16_pair(rq[4 * j + 6], rq[4 * j + 7]));
+            __syncwarp();
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int piece = lane + 32 * r, t = piece >> 1;
+                if (t < n)
+                    *reinterpret_cast<uint4*>(static_cast<unsigned short*>(o) + o_row + (t0 + t) * prm.o_st +
+                                              8 * (piece & 1)) = *reinterpret_cast<const uint4*>(ot + 16 * piece);
+            }
+            __syncwarp();
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int t = 8 * j + 2 * lj + (e & 1);
+                    if (t < n)
+                        store_act(o, o_row + (t0 + t) * prm.o_st + (lg + 8 * (e >> 1)) * prm.o_sv, prm.o_t,
+                                  rq[4 * j + e]);
+                }
+        }
+    }
+
+    if (prm.write_final) {
+        float* dst = state_out + (SERVING ? pool_head<K>(slots, prm, b, h) : head);
+#pragma unroll
+        for (int j = 0; j < K / 8; ++j) {
+            const int key = 8 * j + 2 * lj;
+            const float* d = st + 4 * j;
+            if constexpr (VK) {
+                store_state(dst + ca * K + key, make_float2(d[0], d[1]));
+                store_state(dst + cb * K + key, make_float2(d[2], d[3]));
+            } else {
+                dst[key * V + ca] = d[0], dst[(key + 1) * V + ca] = d[1];
+                dst[key * V + cb] = d[2], dst[(key + 1) * V + cb] = d[3];
+            }
+        }
     }
 #endif
 }

@@ -8,11 +8,11 @@ from cupy_comba import families
 
 def runnable(layout, K, V, multi=False, token_loop=False, exact=False):
     """``families.variants(layout, K, V, multi, token_loop)`` that this GPU runs (the wgmma scan on compute
-    capability 9.0 only); ``exact``: only those with an fp32-accurate build (the wgmma scan has bf16 products
-    only: test_prefill_gpu.py holds it to their bounds)."""
+    capability 9.0 only); ``exact``: only those with an fp32-accurate build (the wgmma scans have bf16 products
+    only: test_prefill_gpu.py holds them to their bounds)."""
     hopper = families.runs_wgmma(cupy.cuda.Device().compute_capability)
     return tuple(v for v in families.variants(layout, K, V, multi, token_loop)
-                 if families.tiling(layout, K, v).family != "prefill_scan_wg" or (hopper and not exact))
+                 if families.tiling(layout, K, v).family not in families.WGMMA_FAMILIES or (hopper and not exact))
 
 
 def exact(variant):

@@ -2,8 +2,6 @@
 with the serving options (a ragged batch from a pool), in "bf16" and "fp32", and the wgmma scan's builds on compute
 capability 9.0: run under compute-sanitizer's racecheck and memcheck by test_sanitizer_gpu.py."""
 
-import itertools
-
 import cupy
 import numpy
 
@@ -13,10 +11,13 @@ from cupy_comba.inputs import forward_inputs
 T = 150
 
 
-def _scans(precision, K):
-    """The prefill scans' variant suffixes this GPU builds for ``precision`` at head size ``K``."""
+def _scans(layout, precision, K):
+    """The prefill scans' variants this GPU builds for ``precision`` at head size ``K``."""
     hopper = families.runs_wgmma(cupy.cuda.Device().compute_capability)
-    return ("c64", "c64wg") if precision == "bf16" and K in families.FAMILY_K and hopper else ("c64",)
+    wgmma = precision == "bf16" and K in families.FAMILY_K and hopper
+    return [f"{layout}{slab}{scan}" for slab in families.PREFILL_SLABS for scan in (("c64", "c64wg") if wgmma
+                                                                                   else ("c64",))] + \
+        ([f"{layout}64c64wt"] if wgmma else [])
 
 
 def main():
@@ -29,10 +30,10 @@ def main():
                 packed = [a.reshape((1, 2 * T) + a.shape[2:]) for a in (q, k, v, p, beta, g)]
                 cu = cupy.asarray(numpy.array([0, 70, 2 * T], numpy.int32))
                 slots = cupy.asarray(numpy.array([2, 0], numpy.int32))
-                for slab, scan in itertools.product(families.PREFILL_SLABS, _scans(precision, K)):
-                    variant = f"{layout}{slab}{scan}"
+                for variant in _scans(layout, precision, K):
+                    slab = families.tiling(layout, K, variant).slab
                     for comba in (False, True):
-                        if not families.prefill_fits(K, slab, comba, False):
+                        if V % slab or (slab < 64 and not families.prefill_fits(K, slab, comba, False)):
                             continue
                         pool = cupy.concatenate([S, S[:1]])
                         if comba:

@@ -38,10 +38,10 @@ def test_the_registry_lists_every_build_once():
     # chunked: 2 K x 2 kv + 2 vk at K = 128, x p or not; tensor cores: 9 builds (K, slab, tokens) x p or not x
     # layout; prefill: 3 K x 2 slabs x 2 layouts x p or not scans x 5 numerics (tf32 or fp32, bf16 or wider keys;
     # bf16 products) less the 24 whose stage does not fit (K = 256, wider keys), and 3 K x 5 preps; the wgmma
-    # scan: 2 K x 2 slabs x 2 layouts x p or not, and 2 K x its prep (ACC 5); each with and without the serving
-    # options
+    # scans: 2 K x 2 slabs x 2 layouts x p or not, and 2 K x its prep (ACC 5); the transposed one 2 K x 2 layouts
+    # (p folded into the prep's W') and 2 K x its prep (ACC 6); each with and without the serving options
     assert counts == {"token_loop.cu": 464, "chunked.cu": 24, "delta_rule_mma.cu": 72, "prefill.cu": 246,
-                      "prefill_wgmma.cu": 36,
+                      "prefill_wgmma.cu": 48,
                       "copy.cu": 1}
     for source, expressions in SPECIALISATIONS.items():
         assert len(set(expressions)) == len(expressions), source
@@ -50,7 +50,7 @@ def test_the_registry_lists_every_build_once():
                for act in families.ACT_CODES
                if (multi or not t.passes_only) and not (multi and t.decode_only)
                if t.family != "prefill_scan" or families.prefill_fits(t.K, t.slab, sep, f32)
-               if t.family != "prefill_scan_wg" or (precision == "bf16" and not f32)
+               if t.family not in families.WGMMA_FAMILIES or (precision == "bf16" and not f32)
                for e in _expressions(families.kernel(t.layout, t.variant, K=t.K, separate_p=sep, multi=multi,
                                                      f32_keys=f32, serving=serving, precision=precision, act=act))}
     assert reached == {e for s, exprs in SPECIALISATIONS.items() if s != "copy.cu" for e in exprs}
@@ -126,7 +126,8 @@ def _pre_hopper_spread():
             args = _template_args(e) if "<" in e else []
             family = e.split("<")[0]
             flags = tuple(a for a in args if a in ("true", "false")) + ((args[4],) if "mma" in family else ()) + \
-                ((args[4],) if "prefill_scan" in family else (args[1],) if "prefill_prep" in family else ()) + \
+                ((args[4],) if family in ("comba::prefill_scan", "comba::prefill_scan_wg") else
+                 (args[1],) if "prefill_prep" in family else ()) + \
                 ((args[-2] != "-1",) if family.startswith(("comba::delta_rule_kv", "comba::delta_rule_vk"))
                  and "chunked" not in family else ())  # the token loop's dtype builds
             if (family, flags) not in seen:
@@ -139,9 +140,10 @@ def _pre_hopper_spread():
 def test_every_family_also_builds_for_pre_hopper_gpus(arch):
     picks = _pre_hopper_spread()
     # 12 + 12 token loop (the decode step for run-time dtypes and for one dtype), 8 one-warp decode steps, 4 + 4
-    # chunked, 16 tensor cores, 5 + 20 prefill (numerics, x p x layout), 4 wgmma scans (p x layout) and their prep
-    # (each with and without serving), the copy; the wgmma scan builds empty there
-    assert len(picks) == 117
+    # chunked, 16 tensor cores, 5 + 20 prefill (numerics, x p x layout), 4 wgmma scans (p x layout) and their prep,
+    # 2 transposed scans (layout) and their prep (each with and without serving), the copy; the wgmma scans build
+    # empty there
+    assert len(picks) == 123
     for source in SPECIALISATIONS:
         expressions = [e for s, e in picks if s == source]
         assert set(_build.compile_for_arch(source, expressions, arch)) == set(expressions)
@@ -209,16 +211,23 @@ def test_prefill_shared_bytes_are_the_layouts():
         args = _template_args(expression)
         if expression.startswith("comba::prefill_prep"):
             K, acc, _ = args
-            assert acc == "5" and families.prefill_record(5) == families.PREFILL_RECORD_BF16
+            assert acc in ("5", "6") and families.prefill_record(5) == families.PREFILL_RECORD_BF16
             wg_checks.append(f'static_assert(comba::PrepLayout<{K}, false>::BYTES == '
                              f'{families.prefill_prep_bytes(int(K), False)}, "{expression}");')
+            if acc == "6":
+                wg_checks.append(f'static_assert(comba::WyRecord<{K}>::SIZE == {families.wy_record(int(K))} && '
+                                 f'comba::WyRecord<{K}>::WORDS_PER_V == {families.WY_WORDS_PER_V}, "{expression}");')
+        elif expression.startswith("comba::prefill_scan_wt"):
+            K = args[0]
+            wg_checks.append(f'static_assert(comba::WtLayout<{K}>::BYTES == {families.prefill_wt_bytes(int(K))}, '
+                             f'"{expression}");')
         else:
             K, slab, sep, _, _ = args
             n = families.prefill_wg_bytes(int(K), int(slab), sep == "true")
             layout = f"comba::WgLayout<{K}, {slab}, {sep}, {families.PREFILL_RECORD_BF16}>"
             wg_checks.append(f'static_assert({layout}::BYTES == {n}, "{expression}");')
     wg_checks.append(f'static_assert(comba::Record<5>::SIZE == {families.PREFILL_RECORD_BF16}, "ACC 5");')
-    assert len(wg_checks) == 37
+    assert len(wg_checks) == 53
     _compiles_with("prefill_wgmma.cu", wg_checks)
     for expression in SPECIALISATIONS["prefill.cu"]:
         args = _template_args(expression)

@@ -82,13 +82,13 @@ def test_matches_reference(K, V, layout, comba, gate, l2norm, T, precision):
 @pytest.mark.parametrize("gate,l2norm", [("log", False), ("linear", True)], ids=["log", "linear-l2norm"])
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 200, 1000])
 def test_the_wgmma_scan_matches_reference(K, V, layout, comba, gate, l2norm, T):
-    """``prefill_scan_wg`` (bf16 products on wgmma) on both slabs, to the bf16 products' bounds."""
+    """``prefill_scan_wg`` (bf16 products on wgmma) on both slabs and ``prefill_scan_wt`` (the transposed scan,
+    64-column slabs), to the bf16 products' bounds."""
     args = forward_inputs(2, T, 4, K, V, Hk=2, state_layout=layout, gate=gate, seed=K + T + V, dtype=bfloat16,
                           normalize_keys=not l2norm, xp=cupy, warm_steps=8 if T == 1000 else 0)
-    for slab in families.PREFILL_SLABS:
-        if V % slab == 0:
-            _check(comba, args, "bf16", state_layout=layout, gate=gate, use_qk_l2norm=l2norm,
-                   variant=f"{layout}{slab}c64wg")
+    for variant in [f"{layout}{slab}c64wg" for slab in families.PREFILL_SLABS] + [f"{layout}64c64wt"]:
+        if V % families.tiling(layout, K, variant).slab == 0:
+            _check(comba, args, "bf16", state_layout=layout, gate=gate, use_qk_l2norm=l2norm, variant=variant)
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
@@ -127,7 +127,8 @@ def test_strided_activations(layout, dtype):
     g = cupy.asarray(-rng.random((B, T, H)).astype(F32) / 4)
     S0 = cupy.asarray(rng.standard_normal((B, H, K, V) if layout == "kv" else (B, H, V, K)).astype(F32) / 8)
     S_ref, o_ref = reference.comba_loop(S0, q, k, v, p, beta, g, state_layout=layout)
-    runs = [(f"{layout}32c64", "fp32")] + ([(f"{layout}32c64wg", "bf16")] if dtype == bfloat16 and _wgmma() else [])
+    runs = [(f"{layout}32c64", "fp32")] + ([(f"{layout}32c64wg", "bf16"), (f"{layout}64c64wt", "bf16")]
+                                           if dtype == bfloat16 and _wgmma() else [])
     for variant, precision in runs:
         o_buf = cupy.full((B, T, H, V + 8), cupy.nan, dtype)
         o, S = comba_forward(q, k, v, p, beta, g, initial_state=S0, out=o_buf[..., :V], state_layout=layout,
@@ -140,10 +141,11 @@ def test_strided_activations(layout, dtype):
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
-@pytest.mark.parametrize("precision,scan", [("fp32", "c64"), ("tf32", "c64"), ("bf16", "c64wg")])
+@pytest.mark.parametrize("precision,scan", [("fp32", "32c64"), ("tf32", "32c64"), ("bf16", "32c64wg"),
+                                             ("bf16", "64c64wt")])
 def test_ragged_pool_gating(layout, comba, precision, scan):
     """Packed sequences of many lengths (empty ones too) from a pool with padding rows, in-kernel gating."""
-    if scan == "c64wg" and not _wgmma():
+    if scan.endswith(("wg", "wt")) and not _wgmma():
         pytest.skip("the wgmma scan needs compute capability 9.0")
     lens = [0, 70, 1, 0, 200, 64, 128, 5]
     N, H, Hk, K, V = len(lens), 4, 2, 128, 64
@@ -158,7 +160,7 @@ def test_ragged_pool_gating(layout, comba, precision, scan):
     dt_bias = cupy.asarray(rng.standard_normal(H).astype(F32) / 2)
     out = cupy.full(v.shape, cupy.nan, v.dtype)
     kw = dict(state_layout=layout, state_indices=cupy.asarray(idx), cu_seqlens=cupy.asarray(cu), A_log=A_log,
-              dt_bias=dt_bias, use_beta_sigmoid=True, variant=f"{layout}32{scan}", precision=precision)
+              dt_bias=dt_bias, use_beta_sigmoid=True, variant=f"{layout}{scan}", precision=precision)
     if comba:
         o, S = comba_forward(q, k, v, p, beta, g, initial_state=pool, out=out, **kw)
     else:
@@ -197,11 +199,11 @@ def test_a_packed_sequence_sees_none_of_its_neighbours_tokens(layout, comba, pre
                                             state_layout=layout, cu_seqlens=cu)
     tol_s, tol_o = TOL[precision, "bfloat16"]
     scans = ("c64", "c64wg") if precision == "bf16" and _wgmma() else ("c64",)
-    for slab, scan in itertools.product(families.PREFILL_SLABS, scans):
-        if V % slab:
-            continue
+    variants = [f"{layout}{slab}{scan}" for slab, scan in itertools.product(families.PREFILL_SLABS, scans)] + \
+        ([f"{layout}64c64wt"] if precision == "bf16" and _wgmma() else [])
+    for variant in variants:
         o, S = _forward(comba, q, k, v, p, beta, g, S0, state_layout=layout, cu_seqlens=cupy.asarray(cu),
-                        variant=f"{layout}{slab}{scan}", precision=precision)
+                        variant=variant, precision=precision)
         for n in (0, 2):
             rows = slice(int(cu[n]), int(cu[n + 1]))
             assert reference.relative_error(o[:, rows], o_ref[:, rows]) <= tol_o

@@ -1,0 +1,70 @@
+"""The two kernels of a long forward pass apart: the whole pass, the prep alone and the scan alone (each launch
+graph-replayed by itself, the workspace as the pass left it), for the variant the rules choose without the
+transposed scan and for ``--variant``, on the shapes of flash-linear-attention's table and over 64 heads (bf16,
+K = V = 128, "kv", compute capability 9.0).
+
+    PYTHONPATH=. python benchmarks/prefill_parts.py --variant kv64c64wt --json benchmarks/results/h200-prefill-parts.json
+
+Rows ``{op, B, T, H, <variant>: us, <variant>:prep: us, <variant>:scan: us, ...}``, the rules' choice first.
+"""
+
+import argparse
+import json
+
+import cupy
+
+from cupy_comba import _plan, bfloat16, comba_forward, gated_delta_forward, tiling
+from cupy_comba.bench import environment, time_graph
+from cupy_comba.inputs import forward_inputs
+
+SHAPES = ((1, 1024, 16), (1, 4096, 16), (1, 8192, 16), (1, 32768, 32), (8, 2048, 16), (4, 4096, 32), (2, 1024, 64))
+
+
+def _parts(fn):
+    """``(variant, whole pass, prep, scan)`` of the plan ``fn`` runs, in us."""
+    fn()
+    cupy.cuda.Device().synchronize()
+    plan = list(_plan.PLANS.values())[-1]
+    launcher = plan.launcher
+    whole = time_graph(fn, iters=5).median_us
+    steps, parts = launcher._steps, []
+    for part in (steps[:1], steps[1:]):  # the prep, the scan: a graph of the one launch
+        launcher._steps = part
+        parts.append(time_graph(fn, iters=5).median_us)
+    launcher._steps = steps
+    _plan.PLANS.clear()
+    return plan.variant, whole, *parts
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variant", default="kv64c64wt", help="timed beside the library's choice")
+    ap.add_argument("--json", metavar="JSON")
+    a = ap.parse_args()
+    rows = []
+    for comba in (False, True):
+        for B, T, H in SHAPES:
+            q, k, v, p, beta, g, S = forward_inputs(B, T, H, 128, 128, xp=cupy, warm_steps=0, seed=T, dtype=bfloat16)
+            out, state_out = cupy.empty(v.shape, bfloat16), cupy.empty_like(S)
+            row = dict(op="comba" if comba else "gdn", B=B, T=T, H=H)
+            for variant in (tiling.choose("kv", 128, 128, comba, True, T, B * H, wgmma=True, transposed=False),
+                            a.variant):
+                if comba:
+                    def fn():
+                        comba_forward(q, k, v, p, beta, g, initial_state=S, out=out, state_out=state_out,
+                                      variant=variant)
+                else:
+                    def fn():
+                        gated_delta_forward(q, k, v, beta, g, initial_state=S, out=out, state_out=state_out,
+                                            variant=variant)
+                name, whole, prep, scan = _parts(fn)
+                row.update({name: whole, f"{name}:prep": prep, f"{name}:scan": scan})
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"environment": environment(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
