@@ -123,16 +123,17 @@ def _warpgroup(c):
     return c.wgmma and c.K in (64, 128) and (_prefill_slab(c) == 32 or not c.separate_p or c.heads == 1)
 
 
-#: From this many heads on, at K = 128 with V a multiple of 64, the prefill pass takes the transposed wgmma scan
-#: (``{layout}64c64wt``): two CTAs a head of V = 128, each tensor-bound on its chunk's products, which over fewer
-#: heads leave most SMs idle.
+#: From this many heads on, on a "kv" state at K = 128 with V a multiple of 64, the prefill pass takes the
+#: transposed wgmma scan (``kv64c64wt``): two CTAs a head of V = 128, each bound by the tensor cores' rate on
+#: its chunk's products, which over fewer heads leave most SMs idle (h200-prefill-parts.json).
 TRANSPOSED_MIN_HEADS = 64
-#: ... and from this many tokens (the shortest its sweep measured).
-TRANSPOSED_MIN_T = 256
+#: ... and from this many tokens, the shortest that file measured ("vk" and shorter passes keep the other scans
+#: until a sweep says otherwise).
+TRANSPOSED_MIN_T = 1024
 
 
 def _transposed(c):
-    return c.transposed and c.wgmma and c.K == 128 and c.wide and c.heads is not None and \
+    return c.transposed and c.wgmma and c.layout == "kv" and c.K == 128 and c.wide and c.heads is not None and \
         c.heads >= TRANSPOSED_MIN_HEADS and c.T >= TRANSPOSED_MIN_T
 
 
@@ -175,7 +176,12 @@ RULES = (
          "against 248.0), Comba's 16-column ones over one head 0.91-1.02 (T = 8192 178.4 against 195.5) but over "
          "16 heads 1.11 (289.9 against 261.5), which keeps prefill_scan; and over 65-128 heads from T = 97 at "
          "both K (h200-prefill-lengths.json, 128 heads, T = 112: 34.8 against 40.2 us for kv64tc16, Comba 40.2 "
-         "against 42.2, K = 64 23.8 against 27.3; T = 96: 34.3 against 35.1, Comba 41.1 against 37.0)."),
+         "against 42.2, K = 64 23.8 against 27.3; T = 96: 34.3 against 35.1, Comba 41.1 against 37.0).  On a kv "
+         "state at K = 128 from 64 heads and T = 1024 the transposed wgmma scan (h200-prefill-parts.json, whole "
+         "passes, V = 128): 64 heads, T = 1024 156.2 against 179.5 us for kv32c64wg (Comba 161.8 against 199.7), "
+         "128 heads, T = 2048 278.7 against 330.2 (284.5 against 353.2) and T = 4096 524.0 against 633.7 (537.9 "
+         "against 682.4); over 32 heads it loses (T = 32768: 1435.7 against 1230.9), over 16 too (T = 8192: "
+         "322.3 against 240.5 for kv16c64wg)."),
     Rule("K = 256: the kv token loop",
          lambda c: c.K == 256 and c.layout == "kv",
          lambda c: "kv64x16" if c.wide and (c.heads is None or c.heads > 1024) else "kv32x16",
