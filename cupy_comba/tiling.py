@@ -123,18 +123,19 @@ def _warpgroup(c):
     return c.wgmma and c.K in (64, 128) and (_prefill_slab(c) == 32 or not c.separate_p or c.heads == 1)
 
 
-#: From this many heads on, on a "kv" state at K = 128 with V a multiple of 64, the prefill pass takes the
-#: transposed wgmma scan (``kv64c64wt``): two CTAs a head of V = 128, each bound by the tensor cores' rate on
-#: its chunk's products, which over fewer heads leave most SMs idle (h200-prefill-parts.json).
-TRANSPOSED_MIN_HEADS = 64
-#: ... and from this many tokens, the shortest that file measured ("vk" and shorter passes keep the other scans
-#: until a sweep says otherwise).
-TRANSPOSED_MIN_T = 1024
+#: The heads from which the prefill pass takes the transposed wgmma scan (``{layout}64c64wt``), by K, from
+#: TRANSPOSED_MIN_T tokens with V a multiple of 64 (h200-prefill-transposed.json): two CTAs a head of V = 128, each
+#: bound by the tensor cores' rate on its chunk's products, which over fewer heads leave most SMs idle; at K = 64
+#: the other scan's chunks are cheaper still, and over 64 heads it keeps T = 1024 and 4096.
+TRANSPOSED_MIN_HEADS = {128: 64, 64: 128}
+#: ... the shortest pass its sweep measured (shorter ones keep the other scans until a sweep says otherwise).
+TRANSPOSED_MIN_T = 256
 
 
 def _transposed(c):
-    return c.transposed and c.wgmma and c.layout == "kv" and c.K == 128 and c.wide and c.heads is not None and \
-        c.heads >= TRANSPOSED_MIN_HEADS and c.T >= TRANSPOSED_MIN_T
+    most = TRANSPOSED_MIN_HEADS.get(c.K)
+    return c.transposed and c.wgmma and c.wide and most is not None and c.heads is not None and c.heads >= most \
+        and c.T >= TRANSPOSED_MIN_T
 
 
 def prefill_variant(c):
@@ -176,12 +177,13 @@ RULES = (
          "against 248.0), Comba's 16-column ones over one head 0.91-1.02 (T = 8192 178.4 against 195.5) but over "
          "16 heads 1.11 (289.9 against 261.5), which keeps prefill_scan; and over 65-128 heads from T = 97 at "
          "both K (h200-prefill-lengths.json, 128 heads, T = 112: 34.8 against 40.2 us for kv64tc16, Comba 40.2 "
-         "against 42.2, K = 64 23.8 against 27.3; T = 96: 34.3 against 35.1, Comba 41.1 against 37.0).  On a kv "
-         "state at K = 128 from 64 heads and T = 1024 the transposed wgmma scan (h200-prefill-parts.json, whole "
-         "passes, V = 128): 64 heads, T = 1024 156.2 against 179.5 us for kv32c64wg (Comba 161.8 against 199.7), "
-         "128 heads, T = 2048 278.7 against 330.2 (284.5 against 353.2) and T = 4096 524.0 against 633.7 (537.9 "
-         "against 682.4); over 32 heads it loses (T = 32768: 1435.7 against 1230.9), over 16 too (T = 8192: "
-         "322.3 against 240.5 for kv16c64wg)."),
+         "against 42.2, K = 64 23.8 against 27.3; T = 96: 34.3 against 35.1, Comba 41.1 against 37.0).  From T = 256 the "
+         "transposed wgmma scan over 64-128 heads at K = 128 and over 128 at K = 64 (h200-prefill-transposed.json, "
+         "32-128 heads, T = 256-4096, against the choice without it): 64 heads, T = 256 26.4 against 30.0 us for "
+         "kv32c64wg, T = 4096 277.7 against 325.7 (Comba 28.3 against 34.8, 284.2 against 356.2; vk 26.9 against "
+         "30.2, 276.4 against 325.1), 128 heads T = 4096 523.1 against 632.5; K = 64, 128 heads 33.6 against 35.5 "
+         "(T = 256) to 402.1 against 443.8 (T = 4096), but 64 heads at T = 1024 68.4 against 61.1; over 32 heads "
+         "it loses (T = 4096: 199.1 against 169.6)."),
     Rule("K = 256: the kv token loop",
          lambda c: c.K == 256 and c.layout == "kv",
          lambda c: "kv64x16" if c.wide and (c.heads is None or c.heads > 1024) else "kv32x16",
