@@ -1,5 +1,6 @@
-// prefill_wgmma.cu -- prefill_scan_wg: the scan of prefill.cu on Hopper's warpgroup MMA (wgmma, sm_90a),
-// bf16 products (ACC 5: prefill_prep's bf16 record with its fragments in the natural k order).
+// prefill_wgmma.cu -- the scans of prefill.cu on Hopper's warpgroup MMA (wgmma, sm_90a), bf16 products:
+// prefill_scan_wg, the scan as prefill.cu writes it (ACC 5: prefill_prep's bf16 record with its fragments in the
+// natural k order), and prefill_scan_wt, the scan transposed (ACC 6; its own header further down).
 //
 // Math: prefill.cu's header, chunk after chunk of 64 tokens from the state S (K x VT, fp32 in the
 // accumulators):  Rp = P S,  Rq = Q S,  Y = V - diag(G fp) Rp,  U = A Y,  O = diag(scale G fq) Rq + Mq U,
