@@ -243,18 +243,15 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
     """
     t = tiling(layout, K, variant)
     wide = f32_keys if bf16_keys is None else not bf16_keys  # the prefill family's keys staged as fp32
+    if t.family in WGMMA_FAMILIES and (wide or precision not in (None, "bf16")):
+        raise ValueError(f"variant {variant!r} runs bf16 q, k, p with precision 'bf16' only; got "
+                         f"{'wider keys' if wide else f'precision {precision!r}'}")
     if t.family == "prefill_scan_wg":
-        if wide or precision not in (None, "bf16"):
-            raise ValueError(f"variant {variant!r} runs bf16 q, k, p with precision 'bf16' only; got "
-                             f"{'wider keys' if wide else f'precision {precision!r}'}")
         return Kernel(t.source, f"comba::prefill_scan_wg<{K}, {t.slab}, {_flag(separate_p)}, {_flag(layout == 'vk')}, "
                                 f"{_flag(serving)}>", t.slab, t.threads, prefill_wg_bytes(K, t.slab, separate_p),
                       f"comba::prefill_prep<{K}, 5, {_flag(serving)}>", prefill_prep_bytes(K, False), 128,
                       PREFILL_RECORD_BF16, 8)
     if t.family == "prefill_scan_wt":
-        if wide or precision not in (None, "bf16"):
-            raise ValueError(f"variant {variant!r} runs bf16 q, k, p with precision 'bf16' only; got "
-                             f"{'wider keys' if wide else f'precision {precision!r}'}")
         return Kernel(t.source, f"comba::prefill_scan_wt<{K}, {_flag(layout == 'vk')}, {_flag(serving)}>", t.slab,
                       t.threads, prefill_wt_bytes(K), f"comba::prefill_prep<{K}, 6, {_flag(serving)}>",
                       prefill_prep_bytes(K, False), 128, record_words=wy_record(K), key_pad=0,
