@@ -101,7 +101,8 @@ class Plan:
                 before = (compiled(kernel.prep, kernel.prep_shared_bytes), (slots * sig.H, 1, 1), kernel.prep_block,
                           kernel.prep_shared_bytes)
                 maps = StageMaps(a["q"], a["k"], a["p"] if a["p"] is not None else a["k"], a["v"], sig.ragged,
-                                 2 if sig.bf16_keys else 4, kernel.slab, int(cc) >= 90, kernel.key_pad)
+                                 2 if sig.bf16_keys else 4, kernel.slab, int(cc) >= 90, kernel.key_pad,
+                                 kernel.swizzled_keys)
             self.launcher = Launcher(compiled(kernel.expression, kernel.shared_bytes), grid, kernel.block,
                                      pack_params(sig, kernel.grid3), numpy.float32(sig.scale), kernel.shared_bytes,
                                      before=before, workspace=workspace, maps=maps)

@@ -66,6 +66,17 @@ def _geometry(a, ragged, itemsize, width):
     return _DATA_TYPE[itemsize], (n, heads, T, B), strides, (width, 1, _ROWS, 1)
 
 
+def stage_geometries(q, k, p, v, ragged, key_itemsize, slab, pad=_PAD, swizzled=False):
+    """The four maps' ``_geometry`` (q, k, p, v; None for a map the scan does not take) of a prefill plan, or None
+    where the copy cannot take one it needs (StageMaps' arguments)."""
+    if swizzled:
+        maps = [_geometry(a, ragged, 2, 64) if key_itemsize == 2 else None for a in (q, k)]
+        return (*maps, None, None) if all(maps) else None
+    maps = [_geometry(a, ragged, key_itemsize, q.shape[3] + pad) for a in (q, k, p)]
+    maps.append(_geometry(v, ragged, v.itemsize, slab))
+    return tuple(maps) if all(maps) else None
+
+
 class StageMaps:
     """The ``StageMaps`` argument of one prefill plan, kept pointing at the launch's arrays.
 
@@ -83,30 +94,22 @@ class StageMaps:
     capable : bool
         Whether the GPU has the bulk tensor copy (compute capability 9.0 or higher).
     pad : int
-        Elements past the key axis in a staged key row: 16 for ``prefill_scan``, 8 for ``prefill_scan_wg``; 0 for
-        ``prefill_scan_wt``, whose maps are q's and k's alone, boxes of 64 keys (128 bytes) by 64 token rows
-        swizzled as wgmma reads them (128-byte swizzle), none of p and v.
+        Elements past the key axis in a staged key row: 16 for ``prefill_scan``, 8 for ``prefill_scan_wg``.
+    swizzled : bool
+        ``prefill_scan_wt``'s maps: q's and k's alone, boxes of 64 keys (128 bytes) by 64 token rows swizzled as
+        wgmma reads them (128-byte swizzle), none of p and v (``pad`` unused).
     """
 
     __slots__ = ("_raw", "address", "_maps", "_encoded", "_pointers", "_swizzle")
 
-    def __init__(self, q, k, p, v, ragged, key_itemsize, slab, capable, pad=_PAD):
+    def __init__(self, q, k, p, v, ragged, key_itemsize, slab, capable, pad=_PAD, swizzled=False):
         self._raw = ctypes.create_string_buffer(STAGE_MAPS_BYTES + 64)
         self.address = (ctypes.addressof(self._raw) + 63) & ~63  # the driver writes maps at 64-byte alignment
         self._maps, self._encoded, self._pointers = None, False, None
-        self._swizzle = _SWIZZLE_128B if pad == 0 else _SWIZZLE_NONE
+        self._swizzle = _SWIZZLE_128B if swizzled else _SWIZZLE_NONE
         if not capable or len(q.shape) != 4 or _driver() is None:
             return  # a decode step's one token ([B, H, K]) is staged by cp.async
-        if pad == 0:
-            maps = [_geometry(a, ragged, 2, 64) if key_itemsize == 2 else None for a in (q, k)]
-            if all(maps):
-                self._maps = (*maps, None, None)
-            return
-        K = q.shape[3]
-        maps = [_geometry(a, ragged, key_itemsize, K + pad) for a in (q, k, p)]
-        maps.append(_geometry(v, ragged, v.itemsize, slab))
-        if all(maps):
-            self._maps = tuple(maps)
+        self._maps = stage_geometries(q, k, p, v, ragged, key_itemsize, slab, pad, swizzled)
 
     def update(self, pointers):
         """Point the maps at q, k, p and v (``pointers``, in that order); ``use`` 0 where the driver refuses one."""

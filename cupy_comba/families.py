@@ -117,11 +117,11 @@ class Kernel(NamedTuple):
     prep_shared_bytes: int = 0  #: its dynamic shared memory a CTA
     prep_block: int = 0         #: its threads a CTA (its grid: a CTA a chunk slot and value head)
     record_words: int = 0       #: 32-bit words of its workspace a chunk slot and value head
-    key_pad: int = 16           #: elements past the key axis in a staged key row (its bulk copies' box width;
-                                #: 0: q's and k's rows in 128-byte swizzled boxes of 64 keys, prefill_scan_wt's)
+    key_pad: int = 16           #: elements past the key axis in a staged key row (its bulk copies' box width)
     grid3: bool = False         #: a grid of (b, h, slab) rather than of B * H * slabs CTAs in x (the tilings for a
                                 #: decode step over a few heads; Params::grid3)
     record_words_v: int = 0     #: and more words a value column (the u' slabs of prefill_scan_wt's records)
+    swizzled_keys: bool = False  #: q's and k's rows in 128-byte swizzled boxes of 64 keys (prefill_scan_wt's maps)
 
     def grid(self, B, H, V):
         """The launch's grid ``(x, y, z)`` for B x H heads of V value columns: one CTA a slab of a head."""
@@ -254,8 +254,8 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
     if t.family == "prefill_scan_wt":
         return Kernel(t.source, f"comba::prefill_scan_wt<{K}, {_flag(layout == 'vk')}, {_flag(serving)}>", t.slab,
                       t.threads, prefill_wt_bytes(K), f"comba::prefill_prep<{K}, 6, {_flag(serving)}>",
-                      prefill_prep_bytes(K, False), 128, record_words=wy_record(K), key_pad=0,
-                      record_words_v=WY_WORDS_PER_V)
+                      prefill_prep_bytes(K, False), 128, record_words=wy_record(K),
+                      record_words_v=WY_WORDS_PER_V, swizzled_keys=True)
     if t.family == "prefill_scan":
         if precision is None:  # 16-bit activations: bf16 products, the fastest (docs/design.md)
             precision = "bf16"

@@ -138,7 +138,7 @@ def _transposed(c):
         and c.T >= TRANSPOSED_MIN_T
 
 
-def prefill_variant(c):
+def _prefill_variant(c):
     """The prefill rule's variant for a Case it applies to."""
     if _transposed(c):
         return f"{c.layout}64c64wt"
@@ -158,7 +158,7 @@ def _tensor_cores(c):
 RULES = (
     Rule("prefill: 64-token chunks on the tensor cores",
          _prefill,
-         prefill_variant,
+         _prefill_variant,
          "h200-prefill-tiling.json (kv and vk, K = 64 / 128 / 256, 1-128 heads, T = 256-4096) and "
          "h200-prefill-lengths.json (kv, T = 16-65536 and either side of each threshold), Gated DeltaNet at "
          "K = 128 unless said, prefill_scan (mma.sync) first.  The prefill kernels cost a step every 64 tokens, the "

@@ -12,7 +12,7 @@ T = 150
 
 
 def _scans(layout, precision, K):
-    """The prefill scans' variants this GPU builds for ``precision`` at head size ``K``."""
+    """The prefill scans' ``layout`` variants this GPU builds for ``precision`` at head size ``K``."""
     hopper = families.runs_wgmma(cupy.cuda.Device().compute_capability)
     wgmma = precision == "bf16" and K in families.FAMILY_K and hopper
     return [f"{layout}{slab}{scan}" for slab in families.PREFILL_SLABS for scan in (("c64", "c64wg") if wgmma
@@ -31,9 +31,10 @@ def main():
                 cu = cupy.asarray(numpy.array([0, 70, 2 * T], numpy.int32))
                 slots = cupy.asarray(numpy.array([2, 0], numpy.int32))
                 for variant in _scans(layout, precision, K):
-                    slab = families.tiling(layout, K, variant).slab
+                    t = families.tiling(layout, K, variant)
                     for comba in (False, True):
-                        if V % slab or (slab < 64 and not families.prefill_fits(K, slab, comba, False)):
+                        if V % t.slab or (t.family == "prefill_scan" and
+                                          not families.prefill_fits(K, t.slab, comba, False)):
                             continue
                         pool = cupy.concatenate([S, S[:1]])
                         if comba:

@@ -32,6 +32,16 @@ def test_a_v_box_is_one_slab_of_64_rows():
     assert _tma._geometry(v, False, 4, 16) == (2, (64, 8, 100, 2), (256, 2048, 204800), (16, 1, 64, 1))
 
 
+def test_the_transposed_scan_takes_q_and_k_in_boxes_of_64_keys():
+    """prefill_scan_wt's maps (``swizzled``): q and k alone, 64 keys (128 bytes) by 64 token rows, none of p and v;
+    none at all for keys staged as fp32."""
+    q, v = _sig((2, 100, 4, 128)), _sig((2, 100, 8, 128), F32)
+    qm, km, pm, vm = _tma.stage_geometries(q, q, q, v, False, 2, 64, swizzled=True)
+    assert qm == km == (1, (128, 4, 100, 2), (256, 1024, 102400), (64, 1, 64, 1)) and pm is vm is None
+    assert _tma.stage_geometries(q, q, q, v, False, 4, 64, swizzled=True) is None
+    assert _tma.stage_geometries(q, q, q, v, False, 2, 16)[0][3] == (144, 1, 64, 1)  # prefill_scan's, padded
+
+
 def test_a_packed_batch_is_one_row():
     k = _sig((1, 300, 4, 64))
     _, dims, strides, _ = _tma._geometry(k, True, 2, 80)
