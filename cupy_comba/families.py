@@ -334,10 +334,10 @@ def _prefill_layout(K, slab, separate_p, wide_keys, record):
 
 
 def prefill_prep_bytes(K, wide_keys):
-    """Bytes of ``PrepLayout<K, K32>`` (kernels_cu/prefill.cu): a chunk's q, k, p rows, then in their
-    place its Gram matrices and X = (I + L)^-1, rows of 68 floats."""
-    keys = 3 * PREFILL_CHUNK * (K + 16) * (4 if wide_keys else 2)
-    return max(keys, 4 * 3 * PREFILL_CHUNK * (PREFILL_CHUNK + 4))
+    """Bytes of ``PrepLayout<K, K32>`` (kernels_cu/prefill.cu): a chunk's q, k, p rows; over q's and k's, once
+    read, L (then X = (I + L)^-1) and Mq, rows of 68 floats, and the solve's scratch (2 KB); p's rows last."""
+    key = PREFILL_CHUNK * (K + 16) * (4 if wide_keys else 2)
+    return max(2 * key, 4 * 2 * PREFILL_CHUNK * (PREFILL_CHUNK + 4) + 2048) + key
 
 
 def prefill_fits(K, slab, separate_p, wide_keys, max_shared=MAX_SHARED):

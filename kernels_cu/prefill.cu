@@ -400,18 +400,32 @@ __device__ __forceinline__ float2 staged_f16x2(const unsigned char* at) {
 // memory, the 20 tiles on or below the diagonal of each shared out evenly, five a warp over all the
 // keys (GramTiles), each written once.
 //
+// Shared memory: q's rows at 0, k's at KEY_BYTES, p's at P_AT (Gated DeltaNet's k, handed over as p, staged
+// once, at P_AT); once the Gram products are in registers, L (then X = (I + L)^-1, which takes L's place:
+// x_entry) and Mq at 0 and GRAM_BYTES / 2, and the off-diagonal solve's 16 x 8 scratch a warp at ZW_AT, over q and
+// k.  P's rows outlive the Gram products, for the record of the transposed scan (wy_record), and the Mq region
+// takes its blocks of v once Mq is in the record.
+//
 // Gram rows are 68 floats: S = 4 (mod 32) makes the solve's A-operand reads and the fragments' output (rows
 // lg, columns lj of a tile) and the column walks of the decay products free of bank conflicts, and the
-// transposed reads (rows lj, columns lg) and the Gram products' 8-byte stores two-way at most; three 64 x 68
-// matrices are the staged bf16 keys' 55.3 KB at K = 128, four CTAs an SM.
+// transposed reads (rows lj, columns lg) and the Gram products' 8-byte stores two-way at most; at K = 128 the
+// three staged bf16 key arrays are 55.3 KB, four CTAs an SM.
 template <int K, bool K32>
 struct PrepLayout {
     static constexpr int KP = K + 16, ES = K32 ? 4 : 2, S = kPrefillChunk + 4;
     static constexpr int KEY_BYTES = kPrefillChunk * KP * ES;
-    static constexpr int GRAM_BYTES = 4 * 3 * kPrefillChunk * S;  // L, Mq and X
-    // the staged keys are dead once the Gram products are in registers: the matrices reuse them
-    static constexpr int BYTES = 3 * KEY_BYTES > GRAM_BYTES ? 3 * KEY_BYTES : GRAM_BYTES;
+    static constexpr int GRAM_BYTES = 4 * 2 * kPrefillChunk * S;  // L (then X) and Mq
+    static constexpr int ZW_AT = GRAM_BYTES, ZW_BYTES = 4 * 4 * 16 * 8;
+    static constexpr int P_AT = 2 * KEY_BYTES > ZW_AT + ZW_BYTES ? 2 * KEY_BYTES : ZW_AT + ZW_BYTES;
+    static constexpr int BYTES = P_AT + KEY_BYTES;
 };
+
+// Entry (r, c) of X = (I + L)^-1, r on or below c's block: the diagonal blocks stand where L's did, those below
+// the diagonal transposed into the blocks above it (which L never uses).
+__device__ __forceinline__ float x_entry(const float* xs, int r, int c) {
+    constexpr int S = kPrefillChunk + 4;
+    return (r >> 4) == (c >> 4) ? xs[r * S + c] : xs[c * S + r];
+}
 
 // Warp w's Gram tiles (16 x 8, on or below the diagonal): row tile M0's column tiles 0 .. N0 - 1, then
 // row tile M1's C1 .. C1 + 4 - N0 -- five a warp: {0: 0-1, 3: 0-2}, {3: 3-7}, {1: 0-3, 2: 0}, {2: 1-5}.
@@ -430,58 +444,96 @@ __device__ __forceinline__ void ldsm4_trans(unsigned (&r)[4], const void* at) {
                  : "memory");
 }
 
-// The rest of prefill_prep's ACC 6 record (WyRecord), once X = (I + L)^-1 (xs), the gates (bt, and the record's
-// G fp) and Mq (gram_q) are formed: Mq, W' = A diag(G fp) P and u' = A Vc with A = X diag(beta), on mma.sync
-// m16n8k16 with bf16 operands (A rounded once, as the other bf16 records) and fp32 sums, as prefill_scan_wt's B
-// tiles.  P's rows are staged again where L was (gram_p) and each 64-column block of Vc (as bf16) where Mq was,
-// at K + 8 and 72 elements a row, so that the eight rows of an ldmatrix.trans fall in distinct banks.  Warp w
-// forms token rows 16 w .. 16 w + 15, over the k-steps 0 .. w on or below the diagonal of A.
+// Mq into prefill_prep's ACC 6 record (WyRecord) from gram_q: word (block jb, row t, pair i) holds columns
+// 8 jb + 2 i, + 1 of row t; zeros above the diagonal.
 template <int K>
-__device__ __forceinline__ void wy_record(float* rec, const float* xs, float* gram_p, const float* gram_q,
-                                          const float* bt, const void* p, const void* v, const Params& prm, int b,
-                                          int h, int hk, long long t0, int n, int tid) {
-    using R = WyRecord<K>;
-    constexpr int C = kPrefillChunk, S = C + 4, PP = K + 8, VP = 64 + 8;
-    const int lane = tid & 31, warp = tid >> 5, lg = lane >> 2, lj = lane & 3;
-    unsigned char* const sp = reinterpret_cast<unsigned char*>(gram_p);
-    unsigned short* const sv = reinterpret_cast<unsigned short*>(const_cast<float*>(gram_q));
-    unsigned* const words = reinterpret_cast<unsigned*>(rec);
-    stage_keys<K, 2, kPrefillThreads, PP>(sp, p, b * prm.p_sb + t0 * prm.p_st + hk * prm.p_sh, prm.p_st, prm.p_sk,
-                                          prm.p_t, n, rows_copyable(p, prm.p_sb, prm.p_st, prm.p_sh, prm.p_sk,
-                                                                    prm.p_t, 2), tid);
-    copy_async_commit();
-    // Mq: word (block jb, row t, pair i) holds columns 8 jb + 2 i, + 1 of row t; zeros above the diagonal
+__device__ __forceinline__ void wy_mq(float* rec, const float* gram_q, int tid) {
+    constexpr int S = kPrefillChunk + 4;
+    unsigned* const words = reinterpret_cast<unsigned*>(rec) + WyRecord<K>::MQ;
     for (int i = tid; i < 2048; i += kPrefillThreads) {
         const int t = (i >> 2) & 63, j = 8 * (i >> 8) + 2 * (i & 3);
         const float* m = gram_q + t * S + j;
-        words[R::MQ + i] = bf16_pair(j <= t ? m[0] : 0.f, j < t ? m[1] : 0.f);
+        words[i] = bf16_pair(j <= t ? m[0] : 0.f, j < t ? m[1] : 0.f);
     }
+}
+
+// Block vb of the chunk's 64 value columns (as bf16, zeros from row n on) into `buf`: rows of 128 bytes, the
+// 16-byte piece c of row t at c ^ (t & 7), so that the eight rows of an ldmatrix.trans fall in distinct banks.  By
+// cp.async as one commit group where v's rows copy as 16-byte pieces, else by loads.
+__device__ __forceinline__ void stage_v_block(unsigned char* buf, const void* v, long long v0, bool copies,
+                                              const Params& prm, int vb, int n, int tid) {
+    constexpr int C = kPrefillChunk;
+    if (copies) {  // thread tid the piece tid % 8 of rows tid / 8 + 16 j
+        const int t = tid >> 3, e = tid & 7;
+        const char* first = static_cast<const char*>(v) + 2 * (v0 + 64 * vb + 8 * e);
+#pragma unroll
+        for (int j = 0; j < C / 16; ++j) {
+            const int r = t + 16 * j;
+            const bool in = r < n;
+            copy_async16(buf + 128 * r + 16 * (e ^ (t & 7)), in ? first + 2 * r * prm.v_st : first, in);
+        }
+        copy_async_commit();
+        return;
+    }
+    unsigned short* const sv = reinterpret_cast<unsigned short*>(buf);
+#pragma unroll 1
+    for (int j0 = 0; j0 < C * 64 / kPrefillThreads; j0 += 8) {  // eight loads in flight before any is used
+        unsigned bits[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int i = tid + kPrefillThreads * (j0 + j), t = i >> 6, c = i & 63;
+            bits[j] = t < n ? load_bits(v, v0 + t * prm.v_st + (64 * vb + c) * prm.v_sv, prm.v_t) : 0u;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int i = tid + kPrefillThreads * (j0 + j), t = i >> 6, c = i & 63;
+            sv[64 * t + 8 * ((c >> 3) ^ (t & 7)) + (c & 7)] = static_cast<unsigned short>(
+                prm.v_t == BF16 ? bits[j] : bf16_pair(bits_to_float(bits[j], prm.v_t), 0.f) & 0xffffu);
+        }
+    }
+}
+
+// The products of prefill_prep's ACC 6 record (WyRecord), once X = (I + L)^-1 (xs, x_entry) and the gates (bt, and
+// the record's G fp) are formed: W' = A diag(G fp) P from P's staged rows (sp) and u' = A Vc from the blocks of v in
+// vbuf (two buffers of 8 KB; where v copies, the caller has issued blocks 0 and 1), with A = X diag(beta), on
+// mma.sync m16n8k16 with bf16 operands (A rounded once, as the other bf16 records) and fp32 sums, as
+// prefill_scan_wt's B tiles.  Warp w forms token rows 16 w .. 16 w + 15, over the k-steps 0 .. w on or below the
+// diagonal of A.
+template <int K>
+__device__ __forceinline__ void wy_record(float* rec, const float* xs, const unsigned char* sp, unsigned char* vbuf,
+                                          const float* bt, const void* v, long long v0, bool v_copies,
+                                          const Params& prm, int n, int tid) {
+    using R = WyRecord<K>;
+    constexpr int KP = K + 16;
+    const int lane = tid & 31, warp = tid >> 5, lg = lane >> 2, lj = lane & 3;
+    unsigned* const words = reinterpret_cast<unsigned*>(rec);
     // this warp's row tile of A and of A diag(G fp) as A fragments, k-steps 0 .. warp (zeros past it)
     const int r0 = 16 * warp + lg;
     unsigned au[4][4], aw[4][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
         const int c0 = 16 * ks + 2 * lj;
-        const float* x0 = xs + r0 * S + c0;
-        const float* x1 = x0 + 8 * S;
+        float x[8];  // rows r0, r0 + 8 by columns c0, c0 + 1, c0 + 8, c0 + 9
+#pragma unroll
+        for (int i = 0; i < 8; ++i) x[i] = x_entry(xs, r0 + 8 * (i & 1), c0 + (i >> 1 & 1) + 8 * (i >> 2));
         const float b0 = bt[c0], b1 = bt[c0 + 1], b2 = bt[c0 + 8], b3 = bt[c0 + 9];
         const float g0 = b0 * rec[R::GP + c0], g1 = b1 * rec[R::GP + c0 + 1], g2 = b2 * rec[R::GP + c0 + 8],
                     g3 = b3 * rec[R::GP + c0 + 9];
         const bool in = ks <= warp;
-        au[ks][0] = in ? bf16_pair(x0[0] * b0, x0[1] * b1) : 0u;
-        au[ks][1] = in ? bf16_pair(x1[0] * b0, x1[1] * b1) : 0u;
-        au[ks][2] = in ? bf16_pair(x0[8] * b2, x0[9] * b3) : 0u;
-        au[ks][3] = in ? bf16_pair(x1[8] * b2, x1[9] * b3) : 0u;
-        aw[ks][0] = in ? bf16_pair(x0[0] * g0, x0[1] * g1) : 0u;
-        aw[ks][1] = in ? bf16_pair(x1[0] * g0, x1[1] * g1) : 0u;
-        aw[ks][2] = in ? bf16_pair(x0[8] * g2, x0[9] * g3) : 0u;
-        aw[ks][3] = in ? bf16_pair(x1[8] * g2, x1[9] * g3) : 0u;
+        au[ks][0] = in ? bf16_pair(x[0] * b0, x[2] * b1) : 0u;
+        au[ks][1] = in ? bf16_pair(x[1] * b0, x[3] * b1) : 0u;
+        au[ks][2] = in ? bf16_pair(x[4] * b2, x[6] * b3) : 0u;
+        au[ks][3] = in ? bf16_pair(x[5] * b2, x[7] * b3) : 0u;
+        aw[ks][0] = in ? bf16_pair(x[0] * g0, x[2] * g1) : 0u;
+        aw[ks][1] = in ? bf16_pair(x[1] * g0, x[3] * g1) : 0u;
+        aw[ks][2] = in ? bf16_pair(x[4] * g2, x[6] * g3) : 0u;
+        aw[ks][3] = in ? bf16_pair(x[5] * g2, x[7] * g3) : 0u;
     }
-    // ldmatrix.trans: lane l gives row (l & 7) + 8 ((l >> 3) & 1) of the k-step, column block l >> 4 of the pair
-    const int lrow = (lane & 7) + 8 * ((lane >> 3) & 1), lcol = 8 * (lane >> 4);
-    // a 64-column block of rows (k) by columns (n) at `at`, `pitch` elements a row, times this warp's fragments a,
-    // into words from `out` (block of 8 columns nb at 256 nb, row r at 4 r)
-    auto product = [&](const unsigned char* at, int pitch, const unsigned (&a)[4][4], unsigned* out) {
+    // ldmatrix.trans: lane l gives row (l & 7) + 8 ((l >> 3) & 1) of the k-step, 16-byte piece l >> 4 of the pair
+    const int lrow = (lane & 7) + 8 * ((lane >> 3) & 1), lpiece = lane >> 4;
+    // 64 columns of rows (k) by columns (n), the 16-byte piece c of row r at piece(r, c), times this warp's
+    // fragments a, into words from `out` (block of 8 columns nb at 256 nb, row r at 4 r)
+    auto product = [&](auto piece, const unsigned (&a)[4][4], unsigned* out) {
         float acc[8][4];
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
@@ -491,7 +543,7 @@ __device__ __forceinline__ void wy_record(float* rec, const float* xs, float* gr
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
                 unsigned bq[4];
-                ldsm4_trans(bq, at + ((16 * ks + lrow) * pitch + 16 * q + lcol) * 2);
+                ldsm4_trans(bq, piece(16 * ks + lrow, 2 * q + lpiece));
                 mma_bf16(acc[2 * q], a[ks][0], a[ks][1], a[ks][2], a[ks][3], bq[0], bq[1]);
                 mma_bf16(acc[2 * q + 1], a[ks][0], a[ks][1], a[ks][2], a[ks][3], bq[2], bq[3]);
             }
@@ -502,44 +554,21 @@ __device__ __forceinline__ void wy_record(float* rec, const float* xs, float* gr
             out[256 * i + 4 * (r0 + 8) + lj] = bf16_pair(acc[i][2], acc[i][3]);
         }
     };
-    copy_async_wait<0>();
-    __syncthreads();  // P staged; Mq read from gram_q
 #pragma unroll 1
-    for (int half = 0; half < K / 64; ++half) product(sp + 128 * half, PP, aw, words + R::WP + 2048 * half);
-    const int V = static_cast<int>(prm.V);
-    const long long v0 = b * prm.v_sb + t0 * prm.v_st + h * prm.v_sh;
-    const bool v_copies = rows_copyable(v, prm.v_sb, prm.v_st, prm.v_sh, prm.v_sv, prm.v_t, 2);
-    for (int vb = 0; vb < V / 64; ++vb) {
-        if (v_copies) {  // 16-byte pieces: thread tid the piece tid % 8 of rows tid / 8 + 16 j
-            const int t = tid >> 3, e = 8 * (tid & 7);
-            const char* first = static_cast<const char*>(v) + 2 * (v0 + 64 * vb + e);
-#pragma unroll
-            for (int j = 0; j < C / 16; ++j) {
-                const bool in = t + 16 * j < n;
-                copy_async16(sv + (t + 16 * j) * VP + e, in ? first + 2 * (t + 16 * j) * prm.v_st : first, in);
-            }
-            copy_async_commit();
-            copy_async_wait<0>();
-        } else {  // eight loads in flight before any is used
-#pragma unroll 1
-            for (int j0 = 0; j0 < C * 64 / kPrefillThreads; j0 += 8) {
-                unsigned bits[8];
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const int i = tid + kPrefillThreads * (j0 + j), t = i >> 6, c = i & 63;
-                    bits[j] = t < n ? load_bits(v, v0 + t * prm.v_st + (64 * vb + c) * prm.v_sv, prm.v_t) : 0u;
-                }
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const int i = tid + kPrefillThreads * (j0 + j), t = i >> 6, c = i & 63;
-                    sv[t * VP + c] = static_cast<unsigned short>(
-                        prm.v_t == BF16 ? bits[j] : bf16_pair(bits_to_float(bits[j], prm.v_t), 0.f) & 0xffffu);
-                }
-            }
-        }
+    for (int half = 0; half < K / 64; ++half)
+        product([&](int r, int c) { return sp + 2 * KP * r + 128 * half + 16 * c; }, aw, words + R::WP + 2048 * half);
+    const int blocks = static_cast<int>(prm.V) / 64;
+    for (int vb = 0; vb < blocks; ++vb) {
+        unsigned char* const buf = vbuf + 8192 * (vb & 1);
+        if (!v_copies) stage_v_block(buf, v, v0, false, prm, vb, n, tid);  // its last reader passed the barrier below
+        else if (vb + 1 < blocks) copy_async_wait<1>();
+        else copy_async_wait<0>();
         __syncthreads();
-        product(reinterpret_cast<const unsigned char*>(sv), VP, au, words + R::SIZE + 2048 * vb);
-        __syncthreads();  // the block read before the next is staged
+        product([&](int r, int c) { return buf + 128 * r + 16 * (c ^ (r & 7)); }, au, words + R::SIZE + 2048 * vb);
+        if (vb + 2 < blocks) {
+            __syncthreads();  // buf read before block vb + 2 lands there
+            if (v_copies) stage_v_block(buf, v, v0, true, prm, vb + 2, n, tid);
+        }
     }
 }
 
@@ -559,14 +588,14 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     static_assert(K % 16 == 0 && kPrefillThreads == 2 * C, "keys in steps of 16; two threads a column");
     extern __shared__ __align__(128) unsigned char prefill_smem[];
     unsigned char* const sq = prefill_smem;
-    unsigned char* const sk = prefill_smem + Layout::KEY_BYTES;
-    // Gated DeltaNet hands k as p (the same array): its rows are staged once
+    // Gated DeltaNet hands k as p (the same array): its rows are staged once, where p's are
     const bool p_is_k = p == k && prm.p_sb == prm.k_sb && prm.p_st == prm.k_st && prm.p_sh == prm.k_sh &&
                         prm.p_sk == prm.k_sk && prm.p_t == prm.k_t;
-    unsigned char* const sp = p_is_k ? sk : prefill_smem + 2 * Layout::KEY_BYTES;
-    float* const gram_p = reinterpret_cast<float*>(prefill_smem);  // p_t . k_j, then L
+    unsigned char* const sp = prefill_smem + Layout::P_AT;
+    unsigned char* const sk = p_is_k ? sp : prefill_smem + Layout::KEY_BYTES;
+    float* const gram_p = reinterpret_cast<float*>(prefill_smem);  // p_t . k_j, then L, then X = (I + L)^-1
     float* const gram_q = gram_p + C * S;                          // q_t . k_j, then Mq
-    float* const xs = gram_q + C * S;                              // X = (I + L)^-1
+    float* const xs = gram_p;
     __shared__ float e[C], bt[C], fq[C], fk[C], fp[C];
     float* work = inter;
 
@@ -751,28 +780,41 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     // X = (I + L)^-1 blockwise over 16 x 16 blocks: the four diagonal blocks by forward substitution (thread
     // 16 i + c holds column c of block i in registers), then the blocks below them by distance d = i - j,
     //   X_ij = -X_ii sum_{k = j .. i - 1} L_ik X_kj,
-    // whose X_kj are diagonal or nearer ones.
+    // whose X_kj are diagonal or nearer ones.  X takes L's place (x_entry): a diagonal block once every thread
+    // has read L's, a block below the diagonal transposed into the one above it, which L never uses; the L_ik
+    // still to be read lie strictly below the diagonal.
+    float xd[16];
     if (tid < C) {
         const int base = 16 * (tid >> 4), c = tid & 15;
-        float x[16];
 #pragma unroll
-        for (int i = 0; i < 16; ++i) x[i] = i == c ? 1.f : 0.f;
+        for (int i = 0; i < 16; ++i) xd[i] = i == c ? 1.f : 0.f;
 #pragma unroll
         for (int j = 0; j < 15; ++j) {
-            const float xj = x[j];
+            const float xj = xd[j];
 #pragma unroll
-            for (int t = j + 1; t < 16; ++t) x[t] = fmaf(-gram_p[(base + t) * S + base + j], xj, x[t]);
+            for (int t = j + 1; t < 16; ++t) xd[t] = fmaf(-gram_p[(base + t) * S + base + j], xj, xd[t]);
         }
+    }
+    // the transposed scan's Mq leaves for its record here, its region taking v's blocks
+    if constexpr (ACC == 6) wy_mq<K>(rec, gram_q, tid);
+    __syncthreads();
+    if (tid < C) {
+        const int base = 16 * (tid >> 4), c = tid & 15;
 #pragma unroll
-        for (int t = 0; t < 16; ++t) xs[(base + t) * S + base + c] = x[t];
+        for (int t = 0; t < 16; ++t) xs[(base + t) * S + base + c] = xd[t];
+    }
+    const long long v0 = b * prm.v_sb + t0 * prm.v_st + h * prm.v_sh;
+    const bool v_copies = ACC == 6 && rows_copyable(v, prm.v_sb, prm.v_st, prm.v_sh, prm.v_sv, prm.v_t, 2);
+    unsigned char* const vbuf = reinterpret_cast<unsigned char*>(gram_q);
+    if (v_copies) {  // the first two blocks of v while X is solved
+        stage_v_block(vbuf, v, v0, true, prm, 0, n, tid);
+        if (prm.V > 64) stage_v_block(vbuf + 8192, v, v0, true, prm, 1, n, tid);
     }
     __syncthreads();
     // The blocks of one distance on the tensor cores, a 16 x 8 half of a block (columns c0 .. c0 + 7) a warp
     // at a time: Z = sum_k L_ik X_kj, then X_ij = -X_ii Z, both on split operands (3xTF32, fp32-accurate as
-    // the substitution); Z passes through 16 x 8 floats of the warp, [row][column], to become a B operand: rows
-    // 0 .. 15, columns 16 + 8 w .. of gram_p, above the diagonal, where it holds raw products no one reads (only
-    // L's blocks strictly below the diagonal are).
-    float* const zw = gram_p + 16 + 8 * warp;
+    // the substitution); Z passes through the warp's 16 x 8 floats at ZW_AT, [row][column], to become a B operand.
+    float* const zw = reinterpret_cast<float*>(prefill_smem + Layout::ZW_AT) + 128 * warp;
 #pragma unroll
     for (int d = 1; d < 4; ++d) {
 #pragma unroll
@@ -784,29 +826,30 @@ prefill_prep(COMBA_PREFILL_ARGS) {
                 const float* l = gram_p + (16 * i + lg) * S + kk + lj;
                 unsigned ah[4], al[4], bh0, bl0, bh1, bl1;
                 a_operand4<kSplit>(l[0], l[8 * S], l[4], l[8 * S + 4], ah, al);
-                operand<kSplit>(xs[(kk + lj) * S + c0 + lg], bh0, bl0);
-                operand<kSplit>(xs[(kk + lj + 4) * S + c0 + lg], bh1, bl1);
+                operand<kSplit>(x_entry(xs, kk + lj, c0 + lg), bh0, bl0);
+                operand<kSplit>(x_entry(xs, kk + lj + 4, c0 + lg), bh1, bl1);
                 mma_acc<true, true>(z, ah, al, bh0, bh1, bl0, bl1);
             }
-            zw[lg * S + 2 * lj] = z[0];
-            zw[lg * S + 2 * lj + 1] = z[1];
-            zw[(lg + 8) * S + 2 * lj] = z[2];
-            zw[(lg + 8) * S + 2 * lj + 1] = z[3];
+            zw[8 * lg + 2 * lj] = z[0];
+            zw[8 * lg + 2 * lj + 1] = z[1];
+            zw[8 * (lg + 8) + 2 * lj] = z[2];
+            zw[8 * (lg + 8) + 2 * lj + 1] = z[3];
             __syncwarp();
 #pragma unroll
             for (int ks = 0; ks < 16; ks += 8) {
                 const float* xi = xs + (16 * i + lg) * S + 16 * i + ks + lj;
                 unsigned ah[4], al[4], bh0, bl0, bh1, bl1;
                 a_operand4<kSplit>(xi[0], xi[8 * S], xi[4], xi[8 * S + 4], ah, al);
-                operand<kSplit>(zw[(ks + lj) * S + lg], bh0, bl0);
-                operand<kSplit>(zw[(ks + lj + 4) * S + lg], bh1, bl1);
+                operand<kSplit>(zw[8 * (ks + lj) + lg], bh0, bl0);
+                operand<kSplit>(zw[8 * (ks + lj + 4) + lg], bh1, bl1);
                 mma_acc<true, true>(x, ah, al, bh0, bh1, bl0, bl1);
             }
-            float* out = xs + (16 * i + lg) * S + c0 + 2 * lj;
+            // X_ij transposed, above the diagonal: entry (16 i + lg, c0 + 2 lj) at row c0 + 2 lj, column 16 i + lg
+            float* out = xs + (c0 + 2 * lj) * S + 16 * i + lg;
             out[0] = -x[0];
-            out[1] = -x[1];
-            out[8 * S] = -x[2];
-            out[8 * S + 1] = -x[3];
+            out[S] = -x[1];
+            out[8] = -x[2];
+            out[S + 8] = -x[3];
             __syncwarp();  // zw read before this warp's next job writes it
         }
         __syncthreads();
@@ -818,7 +861,7 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     // 2 lj + 9 stand for tokens lj, lj + 4, lj + 8, lj + 12 of the step, the order of the scan's token quads
     // (ACC 4); with ACC 5 for tokens 2 lj, 2 lj + 1, 2 lj + 8, 2 lj + 9 (the natural order of wgmma's B tiles).
     if constexpr (ACC == 6) {
-        wy_record<K>(rec, xs, gram_p, gram_q, bt, p, v, prm, b, h, hk, t0, n, tid);
+        wy_record<K>(rec, xs, sp, vbuf, bt, v, v0, v_copies, prm, n, tid);
         return;
     } else if constexpr (bf16_products(ACC)) {
         constexpr int D = ACC == 5 ? 1 : 4, E = ACC == 5 ? 2 : 1;  // the second token of a pair; lane's step
@@ -828,11 +871,10 @@ prefill_prep(COMBA_PREFILL_ARGS) {
             const int m = f < 1 ? 0 : f < 3 ? 1 : f < 6 ? 2 : 3, ks = f - m * (m + 1) / 2;
             const int r0 = 16 * m + (l >> 2), c0 = 16 * ks + E * (l & 3);
             const float b0 = bt[c0], b1 = bt[c0 + D], b2 = bt[c0 + 8], b3 = bt[c0 + 8 + D];  // A = X diag(beta)
-            const float* x0 = xs + r0 * S + c0;
-            const float* x1 = x0 + 8 * S;
+            auto x = [&](int r, int c) { return x_entry(xs, r0 + r, c0 + c); };
             *reinterpret_cast<uint4*>(words + R::A + 4 * i) =
-                make_uint4(bf16_pair(x0[0] * b0, x0[D] * b1), bf16_pair(x1[0] * b0, x1[D] * b1),
-                           bf16_pair(x0[8] * b2, x0[8 + D] * b3), bf16_pair(x1[8] * b2, x1[8 + D] * b3));
+                make_uint4(bf16_pair(x(0, 0) * b0, x(0, D) * b1), bf16_pair(x(8, 0) * b0, x(8, D) * b1),
+                           bf16_pair(x(0, 8) * b2, x(0, 8 + D) * b3), bf16_pair(x(8, 8) * b2, x(8, 8 + D) * b3));
             const float* m0 = gram_q + r0 * S + c0;
             const float* m1 = m0 + 8 * S;
             *reinterpret_cast<uint4*>(words + R::MQ + 4 * i) =
@@ -847,8 +889,8 @@ prefill_prep(COMBA_PREFILL_ARGS) {
         const int r0 = 16 * m + (l >> 2), c0 = 8 * ks + (l & 3);
         const float b0 = bt[c0], b1 = bt[c0 + 4];  // A = X diag(beta)
         *reinterpret_cast<float4*>(rec + R::A + 4 * i) =
-            make_float4(produced<CM>(xs[r0 * S + c0] * b0), produced<CM>(xs[(r0 + 8) * S + c0] * b0),
-                        produced<CM>(xs[r0 * S + c0 + 4] * b1), produced<CM>(xs[(r0 + 8) * S + c0 + 4] * b1));
+            make_float4(produced<CM>(x_entry(xs, r0, c0) * b0), produced<CM>(x_entry(xs, r0 + 8, c0) * b0),
+                        produced<CM>(x_entry(xs, r0, c0 + 4) * b1), produced<CM>(x_entry(xs, r0 + 8, c0 + 4) * b1));
         *reinterpret_cast<float4*>(rec + R::MQ + 4 * i) =
             make_float4(produced<CM>(gram_q[r0 * S + c0]), produced<CM>(gram_q[(r0 + 8) * S + c0]),
                         produced<CM>(gram_q[r0 * S + c0 + 4]), produced<CM>(gram_q[(r0 + 8) * S + c0 + 4]));
