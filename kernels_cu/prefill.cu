@@ -449,11 +449,18 @@ __device__ __forceinline__ void ldsm4_trans(unsigned (&r)[4], const void* at) {
 template <int K>
 __device__ __forceinline__ void wy_mq(float* rec, const float* gram_q, int tid) {
     constexpr int S = kPrefillChunk + 4;
-    unsigned* const words = reinterpret_cast<unsigned*>(rec) + WyRecord<K>::MQ;
-    for (int i = tid; i < 2048; i += kPrefillThreads) {
-        const int t = (i >> 2) & 63, j = 8 * (i >> 8) + 2 * (i & 3);
-        const float* m = gram_q + t * S + j;
-        words[i] = bf16_pair(j <= t ? m[0] : 0.f, j < t ? m[1] : 0.f);
+    uint4* const words = reinterpret_cast<uint4*>(rec + WyRecord<K>::MQ);
+#pragma unroll
+    for (int i = tid; i < 512; i += kPrefillThreads) {  // row t's columns 8 jb .. 8 jb + 7 a thread
+        const int t = i & 63, j = 8 * (i >> 6);
+        const float4 m0 = *reinterpret_cast<const float4*>(gram_q + t * S + j);
+        const float4 m1 = *reinterpret_cast<const float4*>(gram_q + t * S + j + 4);
+        const float m[8] = {m0.x, m0.y, m0.z, m0.w, m1.x, m1.y, m1.z, m1.w};
+        unsigned w[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+            w[u] = bf16_pair(j + 2 * u <= t ? m[2 * u] : 0.f, j + 2 * u < t ? m[2 * u + 1] : 0.f);
+        words[i] = make_uint4(w[0], w[1], w[2], w[3]);
     }
 }
 
@@ -493,18 +500,18 @@ __device__ __forceinline__ void stage_v_block(unsigned char* buf, const void* v,
     }
 }
 
-// The products of prefill_prep's ACC 6 record (WyRecord), once X = (I + L)^-1 (xs, x_entry) and the gates (bt, and
-// the record's G fp) are formed: W' = A diag(G fp) P from P's staged rows (sp) and u' = A Vc from the blocks of v in
+// The products of prefill_prep's ACC 6 record (WyRecord), once X = (I + L)^-1 (xs, x_entry) and the gates (beta in
+// bt, G fp in gfp) are formed: W' = A diag(G fp) P from P's staged rows (sp) and u' = A Vc from the blocks of v in
 // vbuf (two buffers of 8 KB; where v copies, the caller has issued blocks 0 and 1), with A = X diag(beta), on
 // mma.sync m16n8k16 with bf16 operands (A rounded once, as the other bf16 records) and fp32 sums, as
 // prefill_scan_wt's B tiles.  Warp w forms token rows 16 w .. 16 w + 15, over the k-steps 0 .. w on or below the
 // diagonal of A.
 template <int K>
 __device__ __forceinline__ void wy_record(float* rec, const float* xs, const unsigned char* sp, unsigned char* vbuf,
-                                          const float* bt, const void* v, long long v0, bool v_copies,
+                                          const float* bt, const float* gfp, const void* v, long long v0, bool v_copies,
                                           const Params& prm, int n, int tid) {
     using R = WyRecord<K>;
-    constexpr int KP = K + 16;
+    constexpr int KP = K + 16, S = kPrefillChunk + 4;
     const int lane = tid & 31, warp = tid >> 5, lg = lane >> 2, lj = lane & 3;
     unsigned* const words = reinterpret_cast<unsigned*>(rec);
     // this warp's row tile of A and of A diag(G fp) as A fragments, k-steps 0 .. warp (zeros past it)
@@ -513,12 +520,18 @@ __device__ __forceinline__ void wy_record(float* rec, const float* xs, const uns
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
         const int c0 = 16 * ks + 2 * lj;
-        float x[8];  // rows r0, r0 + 8 by columns c0, c0 + 1, c0 + 8, c0 + 9
+        // X's rows r0 + 8 (i & 1) by columns c0 + (i >> 1 & 1) + 8 (i >> 2): the diagonal block in place, one below
+        // it transposed (x_entry), none above it
+        float x[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        if (ks <= warp) {
+            const bool diagonal = ks == warp;
+            const float* x0 = xs + (diagonal ? r0 * S + c0 : c0 * S + r0);
+            const int row = diagonal ? 8 * S : 8, col = diagonal ? 1 : S;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) x[i] = x_entry(xs, r0 + 8 * (i & 1), c0 + (i >> 1 & 1) + 8 * (i >> 2));
+            for (int i = 0; i < 8; ++i) x[i] = x0[row * (i & 1) + col * (i >> 1 & 1) + 8 * col * (i >> 2)];
+        }
         const float b0 = bt[c0], b1 = bt[c0 + 1], b2 = bt[c0 + 8], b3 = bt[c0 + 9];
-        const float g0 = b0 * rec[R::GP + c0], g1 = b1 * rec[R::GP + c0 + 1], g2 = b2 * rec[R::GP + c0 + 8],
-                    g3 = b3 * rec[R::GP + c0 + 9];
+        const float g0 = b0 * gfp[c0], g1 = b1 * gfp[c0 + 1], g2 = b2 * gfp[c0 + 8], g3 = b3 * gfp[c0 + 9];
         const bool in = ks <= warp;
         au[ks][0] = in ? bf16_pair(x[0] * b0, x[2] * b1) : 0u;
         au[ks][1] = in ? bf16_pair(x[1] * b0, x[3] * b1) : 0u;
@@ -596,7 +609,8 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     float* const gram_p = reinterpret_cast<float*>(prefill_smem);  // p_t . k_j, then L, then X = (I + L)^-1
     float* const gram_q = gram_p + C * S;                          // q_t . k_j, then Mq
     float* const xs = gram_p;
-    __shared__ float e[C], bt[C], fq[C], fk[C], fp[C];
+    // per token: the gate, beta, the L2-norm factors, and L's and Mq's row factors beta fp and scale fq
+    __shared__ __align__(16) float e[C], bt[C], fq[C], fk[C], fp[C], lp[C], lq[C];
     float* work = inter;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, lg = lane >> 2, lj = lane & 3;
@@ -659,10 +673,15 @@ prefill_prep(COMBA_PREFILL_ARGS) {
                 fq[t] = in ? rsqrtf(sq2 + kL2NormEps) : 0.f;
                 fk[t] = in ? rsqrtf(sk2 + kL2NormEps) : 0.f;
                 fp[t] = in ? rsqrtf(sp2 + kL2NormEps) : 0.f;
+                lp[t] = bt[t] * fp[t];
+                lq[t] = scale * fq[t];
             }
         }
     } else if (tid < C) {
-        fq[tid] = fk[tid] = fp[tid] = tid < n ? 1.f : 0.f;
+        const float f = tid < n ? 1.f : 0.f;
+        fq[tid] = fk[tid] = fp[tid] = f;
+        lp[tid] = bt[tid] * f;
+        lq[tid] = scale * f;
     }
 
     // Gram products: this warp's five tiles (GramTiles), the warp a template constant so that the accumulators
@@ -741,41 +760,80 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     else gram(Constant<3>{});
     __syncthreads();
 
-    // Column c of L and Mq with the running product r(c, t), two threads a column: rows 0 .. 31 (tid < 64) and
+    // Column c of L and Mq with the running product fk_c r(c, t), two threads a column: rows 0 .. 31 (tid < 64) and
     // 32 .. 63, the second starting from the product over rows c + 1 .. 31.  The first then forms the prefix
-    // product G_c.  Every product multiplies in token order, as one walk down the column would.
-    {
-        const int c = tid & (C - 1), half = tid / C;
-        const float fkc = fk[c];
-        float rho = 1.f;
-        if (half) {
+    // product G_c.  Every product multiplies in token order, as one walk down the column would.  The half is a
+    // constant of the code (the rows' factors at fixed addresses, four to a load); L and Mq have no entries in
+    // rows 0 .. 31 of columns 32 .. 63, which the second warp of the first half leaves alone.
+    auto decay = [&](auto half_c) {
+        constexpr int HALF = decltype(half_c)::value, T0 = C / 2 * HALF;
+        const int c = tid & (C - 1);
+        float rho = fk[c];  // fk_c r(c, t)
+        if constexpr (HALF == 1) {
 #pragma unroll
-            for (int t = 0; t < C / 2; ++t) rho = t > c ? rho * e[t] : rho;
+            for (int t = 0; t < C / 2; t += 4) {
+                const float4 e4 = *reinterpret_cast<const float4*>(e + t);
+                rho = t > c ? rho * e4.x : rho;
+                rho = t + 1 > c ? rho * e4.y : rho;
+                rho = t + 2 > c ? rho * e4.z : rho;
+                rho = t + 3 > c ? rho * e4.w : rho;
+            }
         }
+        if (HALF == 1 || c < C / 2) {
 #pragma unroll
-        for (int i = 0; i < C / 2; ++i) {
-            const int t = C / 2 * half + i;
-            const bool below = t > c;
-            rho = below ? rho * e[t] : rho;
-            float& l = gram_p[t * S + c];
-            float& m = gram_q[t * S + c];
-            if (below) l *= bt[t] * fp[t] * fkc * rho;
-            // on and below the diagonal Mq; above it, inside a stored tile, zero
-            const float mq = t >= c ? m * (scale * fq[t] * fkc * rho) : 0.f;
-            if (t >= c || (c >> 3) <= 2 * (t >> 4) + 1) m = mq;
+            for (int t4 = T0; t4 < T0 + C / 2; t4 += 4) {
+                const float4 e4 = *reinterpret_cast<const float4*>(e + t4);
+                const float4 lp4 = *reinterpret_cast<const float4*>(lp + t4);
+                const float4 lq4 = *reinterpret_cast<const float4*>(lq + t4);
+                const float ev[4] = {e4.x, e4.y, e4.z, e4.w}, lpv[4] = {lp4.x, lp4.y, lp4.z, lp4.w},
+                            lqv[4] = {lq4.x, lq4.y, lq4.z, lq4.w};
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const int t = t4 + u;
+                    const bool below = t > c;
+                    rho = below ? rho * ev[u] : rho;
+                    float& l = gram_p[t * S + c];
+                    float& m = gram_q[t * S + c];
+                    if (below) l *= lpv[u] * rho;
+                    // on and below the diagonal Mq; above it, inside a stored tile, zero
+                    const float mq = t >= c ? m * (lqv[u] * rho) : 0.f;
+                    if (t >= c || (c >> 3) <= 2 * (t >> 4) + 1) m = mq;
+                }
+            }
         }
-        if (half) {
-            rec[R::W + c] = rho * fkc;
+        if constexpr (HALF == 1) {
+            rec[R::W + c] = rho;
         } else {
             float G = 1.f;
 #pragma unroll
-            for (int t = 0; t < C; ++t) G = t <= c ? G * e[t] : G;
+            for (int t = 0; t < C / 2; t += 4) {
+                const float4 e4 = *reinterpret_cast<const float4*>(e + t);
+                G = t <= c ? G * e4.x : G;
+                G = t + 1 <= c ? G * e4.y : G;
+                G = t + 2 <= c ? G * e4.z : G;
+                G = t + 3 <= c ? G * e4.w : G;
+            }
+            if (c >= C / 2) {
+#pragma unroll
+                for (int t = C / 2; t < C; t += 4) {
+                    const float4 e4 = *reinterpret_cast<const float4*>(e + t);
+                    G = t <= c ? G * e4.x : G;
+                    G = t + 1 <= c ? G * e4.y : G;
+                    G = t + 2 <= c ? G * e4.z : G;
+                    G = t + 3 <= c ? G * e4.w : G;
+                }
+            }
             rec[R::GP + c] = G * fp[c];
             rec[R::GQ + c] = scale * G * fq[c];
             if (c == C - 1) rec[R::G] = G;
+            return G * fp[c];
         }
-    }
+        return 0.f;
+    };
+    const float gfp = tid < C ? decay(Constant<0>{}) : decay(Constant<1>{});
     __syncthreads();
+    float* const gfps = e;  // the gates are read: G fp in their place, for the record of the transposed scan
+    if (tid < C) gfps[tid] = gfp;
 
     // X = (I + L)^-1 blockwise over 16 x 16 blocks: the four diagonal blocks by forward substitution (thread
     // 16 i + c holds column c of block i in registers), then the blocks below them by distance d = i - j,
@@ -861,7 +919,7 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     // 2 lj + 9 stand for tokens lj, lj + 4, lj + 8, lj + 12 of the step, the order of the scan's token quads
     // (ACC 4); with ACC 5 for tokens 2 lj, 2 lj + 1, 2 lj + 8, 2 lj + 9 (the natural order of wgmma's B tiles).
     if constexpr (ACC == 6) {
-        wy_record<K>(rec, xs, sp, vbuf, bt, v, v0, v_copies, prm, n, tid);
+        wy_record<K>(rec, xs, sp, vbuf, bt, gfps, v, v0, v_copies, prm, n, tid);
         return;
     } else if constexpr (bf16_products(ACC)) {
         constexpr int D = ACC == 5 ? 1 : 4, E = ACC == 5 ? 2 : 1;  // the second token of a pair; lane's step
