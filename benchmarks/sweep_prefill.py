@@ -137,9 +137,10 @@ def sweep_transposed():
     return rows
 
 
-def sweep_fla():
+def sweep_fla(save=None):
     """The shapes of FLA_SHAPES against flash-linear-attention, ours on the library's choice (the wgmma scan's
-    rule on compute capability 9.0)."""
+    rule on compute capability 9.0), then the accuracy of both; ``save(rows, errors)``, if given, after each row
+    and once more with the errors, so that a run stopped early leaves what it measured."""
     import torch
     from fla.ops.comba import chunk_comba
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -164,6 +165,8 @@ def sweep_fla():
                        fla_us=fla, ours_variant=variant)
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if save:
+                save(rows, None)
     # accuracy of each library's bf16 default against float64 (Gated DeltaNet; FLA's Comba is another function)
     args = forward_inputs(1, 1024, 4, K, V, xp=cupy, warm_steps=4, seed=5)
     host = [cupy.asnumpy(a) for a in args]
@@ -176,6 +179,8 @@ def sweep_fla():
                   fla_state=reference.relative_error(cupy.from_dlpack(Sf.contiguous()), S_ref),
                   shape=dict(B=1, T=1024, H=4, K=K, V=V))
     print(json.dumps(errors), flush=True)
+    if save:
+        save(rows, errors)
     return rows, errors
 
 
@@ -210,9 +215,14 @@ def main():
         with open(a.transposed, "w") as f:
             json.dump({"environment": environment(), "rows": rows}, f, indent=1)
     if a.fla:
-        rows, errors = sweep_fla()
-        with open(a.fla, "w") as f:
-            json.dump({"environment": environment(), "rows": rows, "errors": errors}, f, indent=1)
+        def save(rows, errors):
+            report = {"environment": environment(), "rows": rows}
+            if errors:
+                report["errors"] = errors
+            with open(a.fla, "w") as f:
+                json.dump(report, f, indent=1)
+
+        sweep_fla(save)
 
 
 if __name__ == "__main__":
