@@ -418,6 +418,7 @@ struct PrepLayout {
     static constexpr int ZW_AT = GRAM_BYTES, ZW_BYTES = 4 * 4 * 16 * 8;
     static constexpr int P_AT = 2 * KEY_BYTES > ZW_AT + ZW_BYTES ? 2 * KEY_BYTES : ZW_AT + ZW_BYTES;
     static constexpr int BYTES = P_AT + KEY_BYTES;
+    static_assert(GRAM_BYTES / 2 >= 2 * 8192, "Mq's region holds wy_record's two blocks of v");
 };
 
 // Entry (r, c) of X = (I + L)^-1, r on or below c's block: the diagonal blocks stand where L's did, those below
