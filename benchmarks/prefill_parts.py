@@ -4,6 +4,7 @@ transposed scan and for ``--variant``, on the shapes of flash-linear-attention's
 K = V = 128, "kv", compute capability 9.0).
 
     PYTHONPATH=. python benchmarks/prefill_parts.py --variant kv64c64wt --json benchmarks/results/h200-prefill-parts.json
+    PYTHONPATH=. python benchmarks/prefill_parts.py --ops gdn --shapes 8,2048,16 1,8192,16   # a quick subset
 
 Rows ``{op, B, T, H, <variant>: us, <variant>:prep: us, <variant>:scan: us, ...}``, the rules' choice first.
 """
@@ -39,11 +40,14 @@ def _parts(fn):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--variant", default="kv64c64wt", help="timed beside the library's choice")
+    ap.add_argument("--shapes", nargs="+", metavar="B,T,H", help="in place of the table's shapes and 64 heads")
+    ap.add_argument("--ops", default="gdn,comba", help="comma-separated: gdn, comba")
     ap.add_argument("--json", metavar="JSON")
     a = ap.parse_args()
+    shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes] if a.shapes else SHAPES
     rows = []
-    for comba in (False, True):
-        for B, T, H in SHAPES:
+    for comba in [op == "comba" for op in a.ops.split(",")]:
+        for B, T, H in shapes:
             q, k, v, p, beta, g, S = forward_inputs(B, T, H, 128, 128, xp=cupy, warm_steps=0, seed=T, dtype=bfloat16)
             out, state_out = cupy.empty(v.shape, bfloat16), cupy.empty_like(S)
             row = dict(op="comba" if comba else "gdn", B=B, T=T, H=H)
