@@ -1,12 +1,13 @@
-"""The two kernels of a long forward pass apart: the whole pass, the prep alone and the scan alone (each launch
-graph-replayed by itself, the workspace as the pass left it), for the variant the rules choose without the
-transposed scan and for ``--variant``, on the shapes of flash-linear-attention's table and over 64 heads (bf16,
-K = V = 128, "kv", compute capability 9.0).
+"""The kernels of a long forward pass apart: the whole pass, then each launch alone (graph-replayed by itself, the
+workspace as the pass left it) -- the prep and the scan, and the segmented scan's chain between them -- for the
+variant the rules choose without the transposed scans and for each of ``--variants``, on the shapes of
+flash-linear-attention's table and over 64 heads (bf16, K = V = 128, "kv", compute capability 9.0).
 
-    PYTHONPATH=. python benchmarks/prefill_parts.py --variant kv64c64wt --json benchmarks/results/h200-prefill-parts.json
+    PYTHONPATH=. python benchmarks/prefill_parts.py --json benchmarks/results/h200-prefill-parts.json
     PYTHONPATH=. python benchmarks/prefill_parts.py --ops gdn --shapes 8,2048,16 1,8192,16   # a quick subset
 
-Rows ``{op, B, T, H, <variant>: us, <variant>:prep: us, <variant>:scan: us, ...}``, the rules' choice first.
+Rows ``{op, B, T, H, <variant>: us, <variant>:prep: us, [<variant>:chain: us,] <variant>:scan: us, ...}``, the
+rules' choice without the transposed scans first.
 """
 
 import argparse
@@ -22,24 +23,26 @@ SHAPES = ((1, 1024, 16), (1, 4096, 16), (1, 8192, 16), (1, 32768, 32), (8, 2048,
 
 
 def _parts(fn):
-    """``(variant, whole pass, prep, scan)`` of the plan ``fn`` runs, in us."""
+    """``(variant, {"": whole pass, ":prep": ..., [":chain": ...,] ":scan": ...})`` of the plan ``fn`` runs, in us."""
     fn()
     cupy.cuda.Device().synchronize()
     plan = list(_plan.PLANS.values())[-1]
     launcher = plan.launcher
-    whole = time_graph(fn, iters=5).median_us
-    steps, parts = launcher._steps, []
-    for part in (steps[:1], steps[1:]):  # the prep, the scan: a graph of the one launch
-        launcher._steps = part
-        parts.append(time_graph(fn, iters=5).median_us)
+    times = {"": time_graph(fn, iters=5).median_us}
+    steps = launcher._steps
+    names = (":prep", ":chain", ":scan") if len(steps) == 3 else (":prep", ":scan")
+    for name, step in zip(names, steps):  # a graph of the one launch
+        launcher._steps = (step,)
+        times[name] = time_graph(fn, iters=5).median_us
     launcher._steps = steps
     _plan.PLANS.clear()
-    return plan.variant, whole, *parts
+    return plan.variant, times
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variant", default="kv64c64wt", help="timed beside the library's choice")
+    ap.add_argument("--variants", nargs="+", default=["kv64c64wt", "kv64c64sg"],
+                    help="timed beside the rules' choice without the transposed scans")
     ap.add_argument("--shapes", nargs="+", metavar="B,T,H", help="in place of the table's shapes and 64 heads")
     ap.add_argument("--ops", default="gdn,comba", help="comma-separated: gdn, comba")
     ap.add_argument("--json", metavar="JSON")
@@ -52,7 +55,7 @@ def main():
             out, state_out = cupy.empty(v.shape, bfloat16), cupy.empty_like(S)
             row = dict(op="comba" if comba else "gdn", B=B, T=T, H=H)
             for variant in (tiling.choose("kv", 128, 128, comba, True, T, B * H, wgmma=True, transposed=False),
-                            a.variant):
+                            *a.variants):
                 if comba:
                     def fn():
                         comba_forward(q, k, v, p, beta, g, initial_state=S, out=out, state_out=state_out,
@@ -61,8 +64,8 @@ def main():
                     def fn():
                         gated_delta_forward(q, k, v, beta, g, initial_state=S, out=out, state_out=state_out,
                                             variant=variant)
-                name, whole, prep, scan = _parts(fn)
-                row.update({name: whole, f"{name}:prep": prep, f"{name}:scan": scan})
+                name, times = _parts(fn)
+                row.update({name + part: t for part, t in times.items()})
             print(json.dumps(row), flush=True)
             rows.append(row)
     if a.json:

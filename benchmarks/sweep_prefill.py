@@ -6,6 +6,7 @@ flash-linear-attention's chunked kernels in the same process (bf16, K = V = 128,
     PYTHONPATH=.:/tmp/site python benchmarks/sweep_prefill.py --fla benchmarks/results/h200-prefill.json
     PYTHONPATH=.:/tmp/site python benchmarks/sweep_prefill.py --wgmma benchmarks/results/h200-prefill-wgmma.json
     PYTHONPATH=. python benchmarks/sweep_prefill.py --transposed benchmarks/results/h200-prefill-transposed.json
+    PYTHONPATH=. python benchmarks/sweep_prefill.py --segments benchmarks/results/h200-prefill-segments.json
 
 ``--tiling``: Gated DeltaNet and Comba, "kv" and "vk", over 1-128 heads (H = 16; H = 32 from 32 heads
 on) and T = 256-4096, at each K of ``--head-sizes``: both 64-token slabs and the kernel the rules
@@ -21,6 +22,10 @@ and the relative errors of o and of the final state of both against the float64 
 T = 1024, H = 4 (each library's bf16 default).
 ``--transposed`` (compute capability 9.0): ``prefill_scan_wt`` (``{layout}64c64wt``) against the variant the rules
 choose without it, over 32-128 heads, T = 256-4096 (TRANSPOSED_GRID), rows as ``--wgmma``'s.
+``--segments`` (compute capability 9.0): the segmented scan (``{layout}64c64sg``) over 1-64 heads and T = 1024-16384
+(SEGMENTS_GRID) against the whole transposed scan and the choice without either, and cut into each of
+SEGMENT_COUNTS segments (rows as ``--wgmma``'s, with ``segments: {count: us}`` and ``auto_segments``, the count
+tiling.segments gives).
 ``--wgmma`` (compute capability 9.0; the FLA rows need torch and fla-core): Gated DeltaNet and Comba, "kv" and
 "vk", K = 64 / 128, 1-128 heads, T = 256 / 1024 / 8192: both slabs of ``prefill_scan`` (``c64``) and of its
 wgmma form (``c64wg``), as rows ``{op, layout, K, V, B, T, H, us}``; then the ``--fla`` shapes.
@@ -33,7 +38,7 @@ import json
 import cupy
 import numpy
 
-from cupy_comba import bfloat16, comba_forward, families, gated_delta_forward, reference, tiling
+from cupy_comba import _plan, bfloat16, comba_forward, families, gated_delta_forward, reference, tiling
 from cupy_comba.bench import environment, time_graph
 from cupy_comba.inputs import forward_inputs
 
@@ -69,10 +74,14 @@ def _inputs(layout, K, heads, T):
     return B, H, forward_inputs(B, T, H, K, V, xp=cupy, state_layout=layout, warm_steps=0, seed=T)
 
 
-def _timed(layout, K, comba, heads, T, variants, chosen):
+def _timed(layout, K, comba, heads, T, variants, chosen, rows=None):
     """One row: the times of ``variants`` (``chosen`` among them) on one shape, printed with the best and the
-    chosen one's ratio to it."""
-    B, H, args = _inputs(layout, K, heads, T)
+    chosen one's ratio to it; ``rows``: ``(B, H)`` in place of _inputs' split of the heads."""
+    if rows is None:
+        B, H, args = _inputs(layout, K, heads, T)
+    else:
+        B, H = rows
+        args = forward_inputs(B, T, H, K, V, xp=cupy, state_layout=layout, warm_steps=0, seed=T)
     times = {variant: time_graph(_call(comba, args, state_layout=layout, variant=variant), iters=5).median_us
              for variant in dict.fromkeys((chosen, *variants))}
     best = min(times, key=times.get)
@@ -137,6 +146,50 @@ def sweep_transposed():
     return rows
 
 
+#: ``--segments``: the segmented scan (``{layout}64c64sg``) against the whole transposed scan and the other scans'
+#: choice, 1-64 heads (B = 1; 64 heads as B = 2, H = 32), T = 1024-16384 ("vk" and K = 64 at two lengths)
+SEGMENTS_GRID = tuple((K, layout, comba, heads, T) for K, layout, comba in ((128, "kv", False), (128, "kv", True))
+                      for heads in (1, 4, 8, 16, 32, 64) for T in (1024, 2048, 4096, 8192, 16384)
+                      if heads * T <= 32 * 16384) + \
+    tuple((K, layout, False, heads, T) for K, layout in ((128, "vk"), (64, "kv")) for heads in (1, 8, 16, 32)
+          for T in (2048, 8192))
+#: ... and at each point the segmented scan cut into so many segments (the rows' ``segments``)
+SEGMENT_COUNTS = (2, 4, 8, 16)
+
+
+def sweep_segments(save=None):
+    """Over SEGMENTS_GRID: the rules' choice, the segmented scan with tiling.segments' count and each of
+    SEGMENT_COUNTS, the whole transposed scan, and the choice without the transposed scans; ``save(rows)``, if
+    given, after each row."""
+    rows = []
+    for K_, layout, comba, heads, T in SEGMENTS_GRID:
+        H = min(heads, 32)
+        B = heads // H
+        without = tiling.choose(layout, K_, V, comba, True, T, heads, wgmma=True, transposed=False)
+        row = _timed(layout, K_, comba, heads, T, (without, f"{layout}64c64wt", f"{layout}64c64sg"),
+                     tiling.choose(layout, K_, V, comba, True, T, heads, wgmma=True), (B, H))
+        args = forward_inputs(B, T, H, K_, V, xp=cupy, state_layout=layout, warm_steps=0, seed=T)
+        chunks, auto, row["segments"] = -(-T // 64), tiling.segments, {}
+        try:
+            for n in SEGMENT_COUNTS:
+                if n <= chunks:
+                    per = -(-chunks // n)
+                    tiling.segments = lambda *_, n=n, per=per: (-(-chunks // per), per)
+                    _plan.PLANS.clear()  # a plan holds its segments
+                    call = _call(comba, args, state_layout=layout, variant=f"{layout}64c64sg")
+                    row["segments"][n] = time_graph(call, iters=5).median_us
+        finally:
+            tiling.segments = auto
+            _plan.PLANS.clear()
+        row["auto_segments"] = tiling.segments(heads, V, T, cupy.cuda.Device().attributes["MultiProcessorCount"])[0]
+        print("   segments " + " ".join(f"{n}: {t:.1f}" for n, t in row["segments"].items())
+              + f"  (tiling.segments: {row['auto_segments']})", flush=True)
+        rows.append(row)
+        if save:
+            save(rows)
+    return rows
+
+
 def sweep_fla(save=None):
     """The shapes of FLA_SHAPES against flash-linear-attention, ours on the library's choice (the wgmma scan's
     rule on compute capability 9.0), then the accuracy of both; ``save(rows, errors)``, if given, after each row
@@ -192,6 +245,8 @@ def main():
     ap.add_argument("--fla", metavar="JSON")
     ap.add_argument("--transposed", metavar="JSON", help="the transposed wgmma scan against the other scans' choice "
                                                          "(TRANSPOSED_GRID)")
+    ap.add_argument("--segments", metavar="JSON", help="the segmented scan against the whole scans, and by its "
+                                                       "number of segments (SEGMENTS_GRID)")
     ap.add_argument("--lengths", metavar="JSON", help="the tiling's choice against the best, T = 16 - 65536 (kv, "
                                                       "--head-sizes)")
     ap.add_argument("--wgmma", metavar="JSON", help="the wgmma scan against prefill_scan (WGMMA_GRID), and against "
@@ -210,6 +265,12 @@ def main():
         rows = sweep_tiling(a.layouts.split(","), [int(k) for k in a.head_sizes.split(",")], _hopper())
         with open(a.tiling, "w") as f:
             json.dump({"environment": environment(), "wgmma": _hopper(), "rows": rows}, f, indent=1)
+    if a.segments:
+        def save(rows):
+            with open(a.segments, "w") as f:
+                json.dump({"environment": environment(), "rows": rows}, f, indent=1)
+
+        sweep_segments(save)
     if a.transposed:
         rows = sweep_transposed()
         with open(a.transposed, "w") as f:

@@ -1,4 +1,4 @@
-"""Kernel launches from an argument block packed once per plan, replayed as a one-node CUDA graph.
+"""Kernel launches from an argument block packed once per plan, replayed as a CUDA graph.
 
 CuPy's ``RawKernel`` call inspects every argument again on every launch: about 8 us for the
 delta-rule kernels' arguments on an H200 host.  A :class:`Launcher`
@@ -8,10 +8,11 @@ lays out one plan's arguments once -- fifteen device-pointer slots, the ``Params
 How it hands them over: on the H200 hosts measured (virtual machines) ``cuLaunchKernel``
 takes 3.6-5.7 us of host time even for an empty kernel, ``cudaGraphLaunch`` of a one-node graph
 2.0-2.6 us (``benchmarks/host_overhead.py``; docs/design.md, "Host path").  So from the second
-launch on a stream, a Launcher replays a graph holding its one kernel node, made for that stream by
-capturing the launch once.  When the pointers differ from the ones the graph's node holds,
-``cuGraphExecKernelNodeSetParams`` (the driver API through ctypes: CuPy does not wrap it; 1.2-1.8
-us with the ctypes call, 0.5 us of it the driver's) gives the node the new ones.  The GPU runs
+launch on a stream, a Launcher replays a graph holding its kernel nodes (one; the prefill family's
+two or three in a chain), made for that stream by capturing the launches once.  When the pointers
+differ from the ones the graph's nodes hold, ``cuGraphExecKernelNodeSetParams`` (the driver API
+through ctypes: CuPy does not wrap it; 1.2-1.8 us with the ctypes call, 0.5 us of it the driver's)
+gives each node the new ones.  The GPU runs
 the same kernel with the same arguments either way.
 
 A stream that is capturing -- the caller building a CUDA graph of their own -- gets the plain
@@ -46,12 +47,13 @@ PARAMS_FIELDS = (
     "gate_linear", "l2norm", "grid3",
     "B", "T", "q_st", "k_st", "p_st", "v_st", "beta_st", "g_st", "o_st", "has_initial", "write_final",
     "N", "slot_t", "slot_s", "cu_t", "per_token", "slot_st", "na_t", "gate_softplus", "beta_sigmoid",
+    "seg_chunks",
 )
 PARAMS = numpy.dtype([(name, numpy.int64) for name in PARAMS_FIELDS], align=True)
 
-def pack_params(sig, grid3=False):
+def pack_params(sig, grid3=False, seg_chunks=0):
     """``struct Params`` of a signature, as a ``numpy.void`` scalar; ``grid3``: the kernel's grid is (b, h, slab)
-    (``families.Kernel.grid3``)."""
+    (``families.Kernel.grid3``); ``seg_chunks``: chunks a segment of the segmented prefill scan (0: none)."""
     a, step = sig.arrays, sig.step
 
     def strides(s):  # element strides, with a length-1 T axis inserted for steps
@@ -78,7 +80,7 @@ def pack_params(sig, grid3=False):
                   per_token=sig.per_token,
                   na_t=INDEX_CODES[a["num_accepted_tokens"].dtype] if a["num_accepted_tokens"] is not None else 0,
                   cu_t=INDEX_CODES[a["cu_seqlens"].dtype] if sig.ragged else 0,
-                  gate_softplus=sig.gating, beta_sigmoid=sig.beta_sigmoid)
+                  gate_softplus=sig.gating, beta_sigmoid=sig.beta_sigmoid, seg_chunks=seg_chunks)
     if sig.per_token == 2:  # every token's state to its slot: no final store
         values["write_final"] = 0
     if sig.ragged:  # one packed row: each CTA moves its pointers to its sequence's first token
@@ -138,18 +140,18 @@ _DRIVER = None if cupy is None else _load_driver()
 
 
 def graph_launches():
-    """Whether launches on a stream that is not capturing go through one-node CUDA graphs."""
+    """Whether launches on a stream that is not capturing go through CUDA graphs."""
     return _DRIVER is not None
 
 
 class _StreamGraph:
-    """A one-node graph made for one stream, and the pointers its kernel node holds."""
+    """A graph made for one stream, and the pointers its kernel nodes hold."""
 
     __slots__ = ("graph", "exec", "node", "pointers")
 
 
 class Launcher:
-    """One compiled kernel (or two, launched in turn with the same arguments) with its grid, block
+    """One compiled kernel (after up to two others, launched in turn with the same arguments) with its grid, block
     and constant arguments.
 
     Parameters
@@ -165,9 +167,9 @@ class Launcher:
     scale : numpy.float32
     shared_bytes : int
         Dynamic shared memory of each CTA (the kernel's attribute already allows it).
-    before : tuple, optional
-        ``(kernel, grid, block, shared_bytes)`` of a kernel launched first (the prefill family's
-        ``prefill_prep``; none when its grid is empty).
+    before : sequence of tuple
+        ``(kernel, grid, block, shared_bytes)`` of each kernel launched first, in order (the prefill
+        family's ``prefill_prep``, and the segmented scan's chain); one whose grid is empty is left out.
     workspace : int
         Bytes of scratch memory the kernels take in the ``intermediate_states`` pointer slot: one
         buffer per stream, kept by the Launcher (and for good once a stream that is capturing has
@@ -179,10 +181,10 @@ class Launcher:
     __slots__ = ("kernel", "grid", "block", "params", "scale", "shared_bytes", "_steps", "_slots", "_written", "_keep",
                  "_argv", "_lock", "_graphs", "_node_params", "workspace", "_buffers", "_maps")
 
-    def __init__(self, kernel, grid, block, params, scale, shared_bytes=0, *, before=None, workspace=0, maps=None):
+    def __init__(self, kernel, grid, block, params, scale, shared_bytes=0, *, before=(), workspace=0, maps=None):
         self.kernel, self.grid, self.block, self.params, self.scale = kernel, grid, block, params, scale
         self.shared_bytes, self.workspace = shared_bytes, workspace
-        steps = ([before] if before is not None and before[1][0] > 0 else []) + [(kernel, grid, block, shared_bytes)]
+        steps = [step for step in before if step[1][0] > 0] + [(kernel, grid, block, shared_bytes)]
         self._steps = tuple((k.kernel.ptr, g, b, s) for k, g, b, s in steps)  # CUfunctions of the current device
         self._slots = (ctypes.c_uint64 * N_POINTERS)()
         self._written = None  # the pointers in the slots

@@ -68,13 +68,14 @@ class Plan:
         # the prefill scan on wgmma: bf16 q, k, p with bf16 products on compute capability 9.0
         wgmma = hopper and sig.bf16_keys and sig.precision in (None, "bf16")
         self.variant = sig.variant or tiling.choose(sig.layout, sig.K, sig.V, sig.comba, sig.multi, T, sig.B * sig.H,
-                                                    not sig.bf16_keys, limit, bool(sig.per_token), wgmma=wgmma)
+                                                    not sig.bf16_keys, limit, bool(sig.per_token), wgmma=wgmma,
+                                                    ragged=sig.ragged)
         self.kernel = kernel = families.kernel(sig.layout, self.variant, K=sig.K, separate_p=sig.comba,
                                                multi=sig.multi, f32_keys=f32_keys, precision=sig.precision,
                                                bf16_keys=sig.bf16_keys, act=act,
                                                serving=sig.pool or sig.gating or sig.beta_sigmoid or sig.ragged
                                                or bool(sig.per_token))
-        needs = max(kernel.shared_bytes, kernel.prep_shared_bytes)
+        needs = max(kernel.shared_bytes, kernel.prep_shared_bytes, kernel.chain_shared_bytes)
         if needs > limit:  # only a variant the caller names gets here: tiling.choose leaves out what does not fit
             raise ValueError(f"variant {self.variant!r} needs {needs} bytes of shared memory a CTA; GPU {self.device} "
                              f"allows {limit}: leave variant=None to have one chosen that fits")
@@ -82,11 +83,17 @@ class Plan:
             return
         grid = kernel.grid(sig.B, sig.H, sig.V)
         _validate.check_grid(grid, sig.B, sig.H, self.variant)
-        before, workspace = None, 0
+        before, workspace, seg_chunks = [], 0, 0
         if kernel.prep:  # the prefill family: every chunk's coefficients first, into a workspace
             slots = families.prefill_slots(sig.B, sig.T, sig.ragged)
             _validate.check_grid((slots * sig.H, 1, 1), sig.B, sig.H, self.variant)
             workspace = slots * sig.H * (kernel.record_words + kernel.record_words_v * sig.V) * 4
+        if kernel.chain:  # the segmented scan: each segment's map after the records
+            segments, seg_chunks = tiling.segments(sig.B * sig.H, sig.V, sig.T, sm_count(self.device))
+            chain_grid, grid = kernel.segment_grids(sig.B, sig.H, sig.K, sig.V, segments)
+            for g in (chain_grid, grid):
+                _validate.check_grid(g, sig.B, sig.H, self.variant)
+            workspace += sig.B * (segments - 1) * sig.H * kernel.segment_words(sig.K, sig.V) * 4
         with cupy.cuda.Device(self.device):
             from ._build import get_kernel
 
@@ -97,14 +104,18 @@ class Plan:
                 return fn
 
             maps = None
+            if kernel.chain:
+                before.append((compiled(kernel.chain, kernel.chain_shared_bytes), chain_grid, kernel.block,
+                               kernel.chain_shared_bytes))
             if kernel.prep:
-                before = (compiled(kernel.prep, kernel.prep_shared_bytes), (slots * sig.H, 1, 1), kernel.prep_block,
-                          kernel.prep_shared_bytes)
+                before.insert(0, (compiled(kernel.prep, kernel.prep_shared_bytes), (slots * sig.H, 1, 1),
+                                  kernel.prep_block, kernel.prep_shared_bytes))
                 maps = StageMaps(a["q"], a["k"], a["p"] if a["p"] is not None else a["k"], a["v"], sig.ragged,
                                  2 if sig.bf16_keys else 4, kernel.slab, int(cc) >= 90, kernel.key_pad,
                                  kernel.swizzled_keys)
             self.launcher = Launcher(compiled(kernel.expression, kernel.shared_bytes), grid, kernel.block,
-                                     pack_params(sig, kernel.grid3), numpy.float32(sig.scale), kernel.shared_bytes,
+                                     pack_params(sig, kernel.grid3, seg_chunks), numpy.float32(sig.scale),
+                                     kernel.shared_bytes,
                                      before=before, workspace=workspace, maps=maps)
 
 
@@ -117,6 +128,19 @@ def _activation_build(sig):
     if len(dtypes) > 1 or any(x.element_strides()[-1] != 1 for x in rows):
         return None
     return ACTIVATION_CODES[dtypes.pop()]
+
+
+#: Multiprocessors, by device.
+_SM_COUNTS = {}
+
+
+def sm_count(device):
+    """The multiprocessors of ``device`` (132 on an H200), read once a device."""
+    n = _SM_COUNTS.get(device)
+    if n is None:
+        n = _SM_COUNTS[device] = cupy.cuda.runtime.deviceGetAttribute(
+            cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device)
+    return n
 
 
 #: The opt-in shared memory a CTA may hold, by device (cudaDevAttrMaxSharedMemoryPerBlockOptin).

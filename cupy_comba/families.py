@@ -33,6 +33,9 @@ variant                   kernel (``comba::``)        a CTA holds
 ``{layout}64c64wt``       ``prefill_prep`` (ACC 6),   64 value columns as the rows of S^T, the state
                           then ``prefill_scan_wt``    and the chunk's corrections kept in registers
                           (``prefill_wgmma.cu``)      from chunk to chunk (bf16, compute cap. 9.0)
+``{layout}64c64sg``       ``prefill_prep`` (ACC 6),   the same over one segment of a row's chunks,
+                          ``prefill_scan_wt`` 's      from the state that the segments before it
+                          chain, then its segments    leave (a dense batch over a few heads)
 ========================  ==========================  ============================================
 
 The token-loop kernels have two builds: the decode step (one token from a given state to a
@@ -122,11 +125,23 @@ class Kernel(NamedTuple):
                                 #: decode step over a few heads; Params::grid3)
     record_words_v: int = 0     #: and more words a value column (the u' slabs of prefill_scan_wt's records)
     swizzled_keys: bool = False  #: q's and k's rows in 128-byte swizzled boxes of 64 keys (prefill_scan_wt's maps)
+    chain: str = ""             #: the segmented scan's first launch after the prep: each segment's map
+    chain_shared_bytes: int = 0  #: its dynamic shared memory a CTA (its block: ``block``)
 
     def grid(self, B, H, V):
         """The launch's grid ``(x, y, z)`` for B x H heads of V value columns: one CTA a slab of a head."""
         slabs = V // self.slab
         return (B, H, slabs) if self.grid3 else (B * H * slabs, 1, 1)
+
+    def segment_grids(self, B, H, K, V, segments):
+        """The segmented scan's two grids: the chain's (a CTA a row, segment but the last, head and 64 of the
+        V + K columns of a segment's map) and the segments' (a CTA a row, segment, head and slab)."""
+        return ((B * (segments - 1) * H * ((V + K) // 64), 1, 1), self.grid(B * segments, H, V))
+
+    def segment_words(self, K, V):
+        """32-bit words of the workspace a (row, segment but the last, value head) past the records: E (K x V
+        fp32) and M (K x K bf16) of its map."""
+        return K * V + K * K // 2
 
 
 def prefill_slots(B, T, ragged):
@@ -195,8 +210,8 @@ def _all_tilings():
     for K in FAMILY_K:
         out += [Tiling(f"{layout}{slab}c64wg", layout, K, "prefill_scan_wg", "prefill_wgmma.cu", (slab,), slab, 128,
                        PREFILL_CHUNK, True) for layout in ("kv", "vk") for slab in PREFILL_SLABS]
-        out += [Tiling(f"{layout}64c64wt", layout, K, "prefill_scan_wt", "prefill_wgmma.cu", (), 64, 128,
-                       PREFILL_CHUNK, True) for layout in ("kv", "vk")]
+        out += [Tiling(f"{layout}64c64{name}", layout, K, "prefill_scan_wt", "prefill_wgmma.cu", (part,), 64, 128,
+                       PREFILL_CHUNK, True) for layout in ("kv", "vk") for name, part in (("wt", 0), ("sg", 2))]
     return tuple(out)
 
 
@@ -251,11 +266,14 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
                                 f"{_flag(serving)}>", t.slab, t.threads, prefill_wg_bytes(K, t.slab, separate_p),
                       f"comba::prefill_prep<{K}, 5, {_flag(serving)}>", prefill_prep_bytes(K, False), 128,
                       PREFILL_RECORD_BF16, 8)
-    if t.family == "prefill_scan_wt":
-        return Kernel(t.source, f"comba::prefill_scan_wt<{K}, {_flag(layout == 'vk')}, {_flag(serving)}>", t.slab,
-                      t.threads, prefill_wt_bytes(K), f"comba::prefill_prep<{K}, 6, {_flag(serving)}>",
+    if t.family == "prefill_scan_wt":  # args: (PART,), kWtWhole = 0 or kWtSegments = 2 (then kWtChain first)
+        part, = t.args
+        return Kernel(t.source, f"comba::prefill_scan_wt<{K}, {_flag(layout == 'vk')}, {_flag(serving)}, {part}>",
+                      t.slab, t.threads, prefill_wt_bytes(K), f"comba::prefill_prep<{K}, 6, {_flag(serving)}>",
                       prefill_prep_bytes(K, False), 128, record_words=wy_record(K),
-                      record_words_v=WY_WORDS_PER_V, swizzled_keys=True)
+                      record_words_v=WY_WORDS_PER_V, swizzled_keys=True,
+                      chain=f"comba::prefill_scan_wt<{K}, false, {_flag(serving)}, 1>" if part else "",
+                      chain_shared_bytes=prefill_wt_bytes(K, chain=True) if part else 0)
     if t.family == "prefill_scan":
         if precision is None:  # 16-bit activations: bf16 products, the fastest (docs/design.md)
             precision = "bf16"
@@ -311,7 +329,7 @@ def specialisations():
                         k = kernel(t.layout, t.variant, K=t.K, separate_p=separate_p, multi=multi, serving=serving,
                                    precision=precision, f32_keys=f32_keys, act=act)
                         exprs = out.setdefault(k.source, [])
-                        for e in (k.prep, k.expression):
+                        for e in (k.prep, k.chain, k.expression):
                             if e and e not in exprs:
                                 exprs.append(e)
     out["copy.cu"] = ["comba::copy_float4"]
@@ -376,9 +394,13 @@ def wy_record(K):
     return 32 * K + 2048 + 256
 
 
-def prefill_wt_bytes(K):
-    """Bytes of ``WtLayout<K>`` (kernels_cu/prefill_wgmma.cu): room to align to 1 KB, two stages of a chunk's Q and
-    Kc (64 rows of K bf16), record and u' slab (64 x 64 bf16), four warps' o transposes and two mbarriers."""
+def prefill_wt_bytes(K, chain=False):
+    """Bytes of ``WtLayout<K, CHAIN>`` (kernels_cu/prefill_wgmma.cu): room to align to 1 KB, two stages of a chunk's
+    Q and Kc (64 rows of K bf16), record and u' slab (64 x 64 bf16), four warps' o transposes and two mbarriers;
+    ``chain``: the segments' chain, whose stages hold Kc, W' and the record's tail from G fp on, and u'."""
+    if chain:
+        stage = 2 * PREFILL_CHUNK * K * 2 + 4 * 256 + PREFILL_CHUNK * 64 * 2
+        return 1024 + 2 * -(-stage // 1024) * 1024 + 16
     return 1024 + 2 * (2 * PREFILL_CHUNK * K * 2 + 4 * wy_record(K) + PREFILL_CHUNK * 64 * 2) + 4 * 2048 + 16
 
 

@@ -44,6 +44,7 @@ class Case(NamedTuple):
     verify: bool = False  #: speculative verify: the state after every token stored (the token loop only)
     wgmma: bool = False  #: bf16 products of bf16 q, k, p on a GPU of compute capability 9.0 (``prefill_scan_wg``)
     transposed: bool = True  #: with ``wgmma``, the transposed scan may be chosen (False: the rules before it)
+    ragged: bool = False  #: packed sequences (``cu_seqlens``), which the segmented scan does not take
 
     @property
     def few(self):
@@ -138,8 +139,43 @@ def _transposed(c):
         and c.T >= TRANSPOSED_MIN_T
 
 
+#: The segmented scan (``{layout}64c64sg``): a dense batch too few to fill the GPU with one CTA a (row, head, 64
+#: value columns), cut into segments whose CTAs fill it once -- from so many tokens over at most so many such CTAs
+#: (h200-prefill-segments.json).
+SEGMENTED_MIN_T = ((16, 1024), (32, 2048), (64, 8192))
+#: At most so many segments (the last one composes the maps of all before it, one after another), each of at
+#: least MIN_SEGMENT_CHUNKS chunks of 64 tokens.
+MAX_SEGMENTS = 16
+MIN_SEGMENT_CHUNKS = 4
+
+
+def _segmented(c):
+    if not (c.transposed and c.wgmma and c.wide and not c.ragged and c.K in (64, 128) and c.heads is not None):
+        return False
+    ctas = c.heads * (c.V // 64)
+    return any(ctas <= most and c.T >= T for most, T in SEGMENTED_MIN_T)
+
+
+def segments(heads, V, T, sms):
+    """``(segments, chunks a segment)`` of the segmented scan over ``heads`` = B * H heads of V columns and T
+    tokens on a GPU of ``sms`` multiprocessors: as many segments as one CTA a multiprocessor takes, at most
+    MAX_SEGMENTS and none shorter than MIN_SEGMENT_CHUNKS chunks where the row is longer than that.
+
+    >>> segments(16, 128, 8192, 132)      # 32 CTAs a segment: four segments of 32 chunks
+    (4, 32)
+    >>> segments(1, 128, 2048, 132)       # 32 chunks over one head: eight segments of four
+    (8, 4)
+    """
+    chunks = max(1, -(-T // 64))
+    n = max(1, min(MAX_SEGMENTS, chunks // MIN_SEGMENT_CHUNKS, sms // max(1, heads * (V // 64))))
+    per = -(-chunks // n)
+    return -(-chunks // per), per
+
+
 def _prefill_variant(c):
     """The prefill rule's variant for a Case it applies to."""
+    if _segmented(c):
+        return f"{c.layout}64c64sg"
     if _transposed(c):
         return f"{c.layout}64c64wt"
     return f"{c.layout}{_prefill_slab(c)}c64{'wg' if _warpgroup(c) else ''}"
@@ -285,13 +321,14 @@ def _decide(case):
 
 
 def choose(layout, K, V, separate_p, multi=False, T=1, heads=None, wide_keys=False, max_shared=MAX_SHARED,
-           verify=False, wgmma=False, transposed=True):
+           verify=False, wgmma=False, transposed=True, ragged=False):
     """The variant for a shape: ``multi`` for T-token passes (T of them), ``heads`` = B * H; ``wide_keys``
     not all of q, k, p bf16; ``max_shared`` the bytes of shared memory the GPU allows a CTA (a prefill
     build that needs more leaves the shape to the rules after it: on an A100, 163 KB, Comba's and the
     fp32 keys' scans at K = 128; on sm_86 / sm_89 GPUs, 99 KB, every prefill build); ``verify``: the state after
     every token stored (speculative verify), which only the token loop does (T is then 1); ``wgmma``: bf16 q, k,
     p with bf16 products on a GPU of compute capability 9.0, where the prefill scan also runs on wgmma;
-    ``transposed=False`` leaves out the transposed wgmma scan (the sweeps that predate it)."""
+    ``transposed=False`` leaves out the transposed wgmma scans (the sweeps that predate them); ``ragged``:
+    packed sequences (``cu_seqlens``; T their mean length)."""
     return _decide(Case(layout, K, V, bool(separate_p), bool(multi), T, heads, bool(wide_keys), max_shared,
-                        bool(verify), bool(wgmma), bool(transposed)))[1]
+                        bool(verify), bool(wgmma), bool(transposed), bool(ragged)))[1]

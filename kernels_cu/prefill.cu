@@ -961,12 +961,14 @@ prefill_prep(COMBA_PREFILL_ARGS) {
 // What both scans (prefill_scan, prefill_wgmma.cu's prefill_scan_wg) share: a CTA's place, the zeroing of
 // a ragged chunk's borrowed rows, and the o stores.
 
-// The (row b, value head h, slab of VT columns from col0) of CTA blockIdx.x = (b H + h) (V / VT) + slab, its
-// key head hk, tokens T (the activation and o pointers moved to them in a ragged batch), chunks, first record
-// slot, state slot (negative: a padding row) and the offset of its state head.
+// The (row b, value head h, slab of VT columns from col0) of CTA `cta` = (b H + h) slabs + slab (slabs: V / VT
+// unless given; blockIdx.x unless the kernel maps its grid otherwise), its key head hk, tokens T (the activation and
+// o pointers moved to them in a ragged batch), first token `start` in the packed rows and the row b_map that the
+// tensor maps address it by, chunks, first record slot, state slot (negative: a padding row) and the offset of its
+// state head.
 struct ScanRow {
-    int b, h, hk, col0, T, chunks;
-    long long first, slot, head;
+    int b, h, hk, col0, T, chunks, b_map;
+    long long start, first, slot, head;
     // The o of a padding row (pool slot -1), every token of the slab, zeroed by the `threads` threads of the CTA.
     __device__ __forceinline__ void zero_padding(void* o, const Params& prm, int slab, int tid, int threads) const {
         zero_o(o, prm, b, h, col0, slab, T, tid, threads);
@@ -974,14 +976,18 @@ struct ScanRow {
 };
 template <int K, int VT, bool SERVING, class In, class Out>
 __device__ __forceinline__ ScanRow scan_row(const void* cu, const void* slots, const Params& prm, In& q, In& k,
-                                            In& v, In& p, In& beta, In& g, Out& o) {
+                                            In& v, In& p, In& beta, In& g, Out& o, int cta = blockIdx.x,
+                                            int slabs = 0) {
     ScanRow r;
-    const int H = static_cast<int>(prm.H), slabs = static_cast<int>(prm.V) / VT;
-    const int bh = static_cast<int>(blockIdx.x) / slabs;
-    r.col0 = (static_cast<int>(blockIdx.x) - bh * slabs) * VT;
+    const int H = static_cast<int>(prm.H);
+    if (!slabs) slabs = static_cast<int>(prm.V) / VT;
+    const int bh = cta / slabs;
+    r.col0 = (cta - bh * slabs) * VT;
     r.b = bh / H;
     r.h = bh - r.b * H;
     r.hk = r.h / static_cast<int>(prm.group);
+    r.start = row_start<SERVING>(cu, prm, r.b);
+    r.b_map = SERVING && prm.cu_t ? 0 : r.b;
     r.first = first_slot<SERVING>(cu, prm, r.b);
     r.T = tokens<SERVING>(cu, prm, r.b, q, k, v, p, beta, g, o);
     r.chunks = (r.T + kPrefillChunk - 1) / kPrefillChunk;
@@ -1215,8 +1221,8 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_PREFILL_AR
 #if COMBA_BULK_COPY
     const bool bulk = K + 16 <= 256 && fast && maps.use != 0;
     const int v_row = bulk ? VT * v_bytes : Stage::V_ROW;  // bytes a staged row of the v slab
-    const long long t_first = row_start<SERVING>(cu_seqlens, prm, b);
-    const int b_map = SERVING && prm.cu_t ? 0 : b;
+    const long long t_first = row.start;
+    const int b_map = row.b_map;
     unsigned long long* const bars = reinterpret_cast<unsigned long long*>(prefill_smem + Layout::BAR_AT);
     init_stage_barriers(bars, bulk, tid);
 #else

@@ -123,8 +123,9 @@ __device__ __forceinline__ void wgmma_t<64>(float (&d)[32], const unsigned (&a)[
     wgmma_n64<1>(d, a, b, acc);
 }
 
-template <>
-__device__ __forceinline__ void wgmma_t<128>(float (&d)[64], const unsigned (&a)[4], unsigned long long b, bool acc) {
+// m64n128k16, B N-major where TB.
+template <int TB>
+__device__ __forceinline__ void wgmma_n128(float (&d)[64], const unsigned (&a)[4], unsigned long long b, bool acc) {
     asm volatile(
         "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
@@ -132,7 +133,7 @@ __device__ __forceinline__ void wgmma_t<128>(float (&d)[64], const unsigned (&a)
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
         "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
         "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 "
-        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -141,7 +142,17 @@ __device__ __forceinline__ void wgmma_t<128>(float (&d)[64], const unsigned (&a)
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(acc)));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(acc)), "n"(TB));
+}
+
+template <>
+__device__ __forceinline__ void wgmma<128>(float (&d)[64], const unsigned (&a)[4], unsigned long long b, bool acc) {
+    wgmma_n128<0>(d, a, b, acc);
+}
+
+template <>
+__device__ __forceinline__ void wgmma_t<128>(float (&d)[64], const unsigned (&a)[4], unsigned long long b, bool acc) {
+    wgmma_n128<1>(d, a, b, acc);
 }
 
 __device__ __forceinline__ void ldsm4(unsigned (&r)[4], const void* at) {
@@ -195,8 +206,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
     const KeyCopies copies = key_copies(q, k, p, prm, 2);
     const int v_bytes = prm.v_t == F32 ? 4 : 2, v_row = VT * v_bytes;
     const bool bulk = maps.use != 0;
-    const long long t_first = row_start<SERVING>(cu_seqlens, prm, b);
-    const int b_map = SERVING && prm.cu_t ? 0 : b;
+    const long long t_first = row.start;
+    const int b_map = row.b_map;
     unsigned long long* const bars = reinterpret_cast<unsigned long long*>(prefill_smem + L::BAR_AT);
     init_stage_barriers(bars, bulk, tid);
     // Chunk c's inputs into stage s (bulk copies from thread 0, else cp.async pieces and plain stores that the
@@ -432,19 +443,43 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
 // shared-memory round trip and no CTA barrier lies between two chunks' states: one barrier a chunk frees the
 // other stage.  o leaves through a per-warp transpose in shared memory, 32 bytes a token row.
 //
+// Segments.  Over a few heads one CTA a (row, head, slab) leaves most SMs idle and the pass waits on its chain of
+// chunks.  The segmented scan cuts each row's chunks into segments of Params::seg_chunks and runs in two launches
+// after the prep (PART):
+//   kWtChain     a CTA a (row, segment but the last, head, slab of 64 of the V + K columns of [E | M]): the chunks'
+//                S -> G_63 S + Kc^T diag(w) (u' - W' S), which acts on every column alike, from [E | M] = [0 | I]
+//                with u' = 0 in M's columns and neither Rq nor o, leaves the segment's map S_end = M S_start + E;
+//   kWtSegments  a CTA a (row, segment, head, slab of V): the state at the segment's start composed from the
+//                initial state through the earlier segments' maps, S^T <- E_j^T + S^T M_j^T (S^T as bf16, as every
+//                chunk's products take it, M_j bf16 in shared memory), then the segment's chunks as above; the last
+//                segment writes the final state.
+// kWtWhole is the scan of a row's chunks in one CTA.  Segments run dense batches only (the host's choice), and
+// the grid lists the last segments first: they compose the most maps.  Their maps follow the records in the
+// workspace, K V + K K / 2 words a (row, segment but the last, value head): E^T slab by slab (64 K floats each, in
+// the accumulators' fragment order: float4 i of thread t at 4 (128 i + t)), then M as the compose's bf16 B operand,
+// element (n, k) = M[n][k] at byte 16 K (k / 8) + 16 n + 2 (k % 8) (K-major, no swizzle).
+//
 // Launch geometry: one 128-thread CTA (one warpgroup) a (row, value head, slab of 64 value columns); warp w
 // holds value columns 16 w .. 16 w + 15 of the slab (rows of S^T, U^T and O^T).  Numerics: bf16 operands (S^T,
-// U^T, W', Mq, the keys) and fp32 sums, the state fp32 from the first chunk to the last -- the "bf16" precision.
-template <int K>
+// U^T, W', Mq, the keys, M) and fp32 sums, the state fp32 from the first chunk to the last -- the "bf16" precision.
+enum WtPart { kWtWhole = 0, kWtChain = 1, kWtSegments = 2 };
+
+// A stage: the scan's Q and Kc rows, record and u' slab; the chain's Kc rows, W', the record's tail from G fp on
+// and u' slab.  Segments compose their maps in the second stage, two M buffers of 2 K K bytes.
+template <int K, bool CHAIN>
 struct WtLayout {
     using R = WyRecord<K>;
     static constexpr int BOX = kPrefillChunk * 128, TILE = K / 64 * BOX;  // Q or Kc: K / 64 swizzled boxes
-    static constexpr int REC_AT = 2 * TILE, REC_BYTES = 4 * R::SIZE;
-    static constexpr int U_AT = REC_AT + REC_BYTES, U_BYTES = kPrefillChunk * 64 * 2;
+    static constexpr int Q_AT = 0, KC_AT = CHAIN ? 0 : TILE, REC_AT = 2 * TILE, REC_BYTES = 4 * R::SIZE;
+    static constexpr int WP_AT = CHAIN ? TILE : REC_AT + 4 * R::WP, WP_BYTES = 4 * (R::MQ - R::WP);
+    static constexpr int GP_AT = CHAIN ? WP_AT + WP_BYTES : REC_AT + 4 * R::GP, GP_BYTES = 4 * (R::SIZE - R::GP);
+    static constexpr int U_AT = CHAIN ? GP_AT + GP_BYTES : REC_AT + REC_BYTES, U_BYTES = kPrefillChunk * 64 * 2;
     static constexpr int STAGE_BYTES = (U_AT + U_BYTES + 1023) / 1024 * 1024;
-    static constexpr int OT_AT = 2 * STAGE_BYTES, OT_BYTES = kPrefillChunk * 16 * 2;  // a warp's o transpose
+    static constexpr int OT_AT = 2 * STAGE_BYTES, OT_BYTES = CHAIN ? 0 : kPrefillChunk * 16 * 2;  // a warp's o
     static constexpr int BAR_AT = OT_AT + 4 * OT_BYTES, BYTES = 1024 + BAR_AT + 16;  // 1 KB to align the boxes
+    static constexpr int M_BYTES = 2 * K * K;
     static_assert(BYTES <= 232448, "prefill_scan_wt: two stages do not fit");
+    static_assert(CHAIN || 2 * M_BYTES <= STAGE_BYTES, "prefill_scan_wt: a stage holds two segment maps");
 };
 
 #if COMBA_WGMMA
@@ -459,7 +494,7 @@ __device__ __forceinline__ void stage_swizzled(unsigned char* dst, const void* s
                                                long long sk, long long dtype, int n, bool copyable, int tid) {
     for (int i = tid; i < kPrefillChunk * K / 8; i += kWgThreads) {
         const int t = i / (K / 8), piece = i % (K / 8), half = piece >> 3, j = piece & 7;
-        unsigned char* to = dst + half * WtLayout<K>::BOX + 128 * t + 16 * (j ^ (t & 7));
+        unsigned char* to = dst + half * WtLayout<K, false>::BOX + 128 * t + 16 * (j ^ (t & 7));
         if (copyable) {
             const char* from = static_cast<const char*>(src) + 2 * (row0 + 8 * piece);
             copy_async16(to, t < n ? from + 2 * t * st : from, t < n);
@@ -476,11 +511,12 @@ __device__ __forceinline__ void stage_swizzled(unsigned char* dst, const void* s
 
 #endif
 
-template <int K, bool VK, bool SERVING>
+template <int K, bool VK, bool SERVING, int PART>
 __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_ARGS) {
 #if COMBA_WGMMA
+    constexpr bool CHAIN = PART == kWtChain;
     using R = WyRecord<K>;
-    using L = WtLayout<K>;
+    using L = WtLayout<K, CHAIN>;
     constexpr int C = kPrefillChunk, KS = K / 16;
     static_assert(K == 64 || K == 128, "bad prefill_scan_wt tiling");
     extern __shared__ __align__(128) unsigned char prefill_smem[];
@@ -490,47 +526,75 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_A
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, lg = lane >> 2, lj = lane & 3;
     const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H);
-    const ScanRow row = scan_row<K, 64, SERVING>(cu_seqlens, slots, prm, q, k, v, p, beta, g, o);
+    // The CTA's place; with segments, blockIdx.x = ((i B + b) H + h) slabs + slab for the i-th segment from the end
+    const int row_chunks = static_cast<int>((prm.T + C - 1) / C);  // a dense row's (segments run no other)
+    const int lc = PART == kWtWhole ? 1 : static_cast<int>(prm.seg_chunks);
+    const int segs = PART == kWtWhole ? 1 : max(1, (row_chunks + lc - 1) / lc);
+    const int slabs = (V + (CHAIN ? K : 0)) / 64;
+    int cta = static_cast<int>(blockIdx.x), seg = 0;
+    if constexpr (PART != kWtWhole) {
+        const int per = static_cast<int>(prm.B) * H * slabs, i = cta / per;
+        cta -= i * per;
+        seg = (CHAIN ? segs - 2 : segs - 1) - i;
+        if (seg < 0) return;  // past the segments of a grid made for longer rows (the host makes none)
+    }
+    const ScanRow row = scan_row<K, 64, SERVING>(cu_seqlens, slots, prm, q, k, v, p, beta, g, o, cta, slabs);
     const int b = row.b, h = row.h, hk = row.hk, col0 = row.col0, T = row.T, chunks = row.chunks;
     const long long first = row.first, head = row.head;
-    if (SERVING && row.slot < 0) return row.zero_padding(o, prm, 64, tid, kWgThreads);
+    if (SERVING && row.slot < 0) {  // a padding row: its o zeroed once, by the (first) segment's CTAs
+        if (CHAIN || seg > 0) return;
+        return row.zero_padding(o, prm, 64, tid, kWgThreads);
+    }
+    const int c_begin = PART == kWtWhole ? 0 : seg * lc;
+    const int c_end = PART == kWtWhole ? chunks : min(chunks, c_begin + lc);
 
     const long long words = record_words<K, 6>(prm);
     const int slab = col0 / 64;
+    const bool m_cols = CHAIN && col0 >= V;  // M's columns of [E | M]: from the identity, with u' = 0
+    // [E | M] of this row's segment j and head (header, "Segments")
+    auto seg_map = [&](int j) {
+        return inter + static_cast<long long>(prm.B) * row_chunks * H * words +
+               ((static_cast<long long>(b) * (segs - 1) + j) * H + h) * (static_cast<long long>(K) * V + K * K / 2);
+    };
     const KeyCopies copies = key_copies(q, k, p, prm, 2);
     const bool bulk = maps.use != 0;
-    const long long t_first = row_start<SERVING>(cu_seqlens, prm, b);
-    const int b_map = SERVING && prm.cu_t ? 0 : b;
     unsigned long long* const bars = reinterpret_cast<unsigned long long*>(smem + L::BAR_AT);
     init_stage_barriers(bars, true, tid);
-    // Chunk c's Q and Kc rows, record and u' slab into stage s: bulk copies from thread 0 on the stage's mbarrier
-    // (the rows by tensor map where the host made one, else cp.async pieces from every thread)
+    // Chunk c's rows, record and u' slab into stage s: bulk copies from thread 0 on the stage's mbarrier (the rows
+    // by tensor map where the host made one, else cp.async pieces from every thread)
     auto stage_next = [&](int c, int s) {
         unsigned char* const at = smem + s * L::STAGE_BYTES;
         const float* rec = work + ((first + c) * H + h) * words;
         if (tid == 0) {
-            mbarrier_expect(bars + s, L::REC_BYTES + L::U_BYTES + (bulk ? 2 * L::TILE : 0));
-            bulk_copy(at + L::REC_AT, rec, L::REC_BYTES, bars + s);
-            bulk_copy(at + L::U_AT, rec + R::SIZE + 2048 * slab, L::U_BYTES, bars + s);
+            mbarrier_expect(bars + s, (CHAIN ? L::WP_BYTES + L::GP_BYTES : L::REC_BYTES) + (m_cols ? 0 : L::U_BYTES) +
+                                          (bulk ? (CHAIN ? 1 : 2) * L::TILE : 0));
+            if (CHAIN) {
+                bulk_copy(at + L::WP_AT, rec + R::WP, L::WP_BYTES, bars + s);
+                bulk_copy(at + L::GP_AT, rec + R::GP, L::GP_BYTES, bars + s);
+            } else {
+                bulk_copy(at + L::REC_AT, rec, L::REC_BYTES, bars + s);
+            }
+            if (!m_cols) bulk_copy(at + L::U_AT, rec + R::SIZE + 2048 * slab, L::U_BYTES, bars + s);
             if (bulk) {
-                const int t = static_cast<int>(t_first + static_cast<long long>(c) * C);
+                const int t = static_cast<int>(row.start + static_cast<long long>(c) * C);
 #pragma unroll
                 for (int half = 0; half < K / 64; ++half) {
-                    bulk_rows(at + half * L::BOX, maps.q, 64 * half, hk, t, b_map, bars + s);
-                    bulk_rows(at + L::TILE + half * L::BOX, maps.k, 64 * half, hk, t, b_map, bars + s);
+                    if (!CHAIN) bulk_rows(at + L::Q_AT + half * L::BOX, maps.q, 64 * half, hk, t, row.b_map, bars + s);
+                    bulk_rows(at + L::KC_AT + half * L::BOX, maps.k, 64 * half, hk, t, row.b_map, bars + s);
                 }
             }
         }
         if (bulk) return;
         const long long t0 = static_cast<long long>(c) * C;
         const int n = static_cast<int>(min(static_cast<long long>(C), T - t0));
-        stage_swizzled<K>(at, q, b * prm.q_sb + t0 * prm.q_st + hk * prm.q_sh, prm.q_st, prm.q_sk, prm.q_t, n,
-                          copies.q, tid);
-        stage_swizzled<K>(at + L::TILE, k, b * prm.k_sb + t0 * prm.k_st + hk * prm.k_sh, prm.k_st, prm.k_sk,
+        if (!CHAIN)
+            stage_swizzled<K>(at + L::Q_AT, q, b * prm.q_sb + t0 * prm.q_st + hk * prm.q_sh, prm.q_st, prm.q_sk,
+                              prm.q_t, n, copies.q, tid);
+        stage_swizzled<K>(at + L::KC_AT, k, b * prm.k_sb + t0 * prm.k_st + hk * prm.k_sh, prm.k_st, prm.k_sk,
                           prm.k_t, n, copies.k, tid);
         copy_async_commit();
     };
-    if (chunks > 0) stage_next(0, 0);
+    if (c_begin < c_end) stage_next(c_begin, 0);
 
     // S^T: rows ca = col0 + 16 warp + lg (accumulators 4 j, 4 j + 1) and cb = ca + 8 (4 j + 2, 4 j + 3), keys
     // 8 j + 2 lj, + 1
@@ -540,8 +604,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_A
     for (int j = 0; j < K / 8; ++j) {
         const int key = 8 * j + 2 * lj;
         float* d = st + 4 * j;
-        if (!prm.has_initial) {
-            d[0] = d[1] = d[2] = d[3] = 0.f;
+        if (CHAIN || !prm.has_initial) {  // [0 | I], or no initial state
+            d[0] = m_cols && ca - V == key, d[1] = m_cols && ca - V == key + 1;
+            d[2] = m_cols && cb - V == key, d[3] = m_cols && cb - V == key + 1;
             continue;
         }
         const float* src = state + head;
@@ -554,6 +619,64 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_A
             d[2] = src[key * V + cb], d[3] = src[(key + 1) * V + cb];
         }
     }
+    const unsigned long long d_base = wg_desc(smem, 0, 0);
+    auto desc = [&](int at, unsigned lbo, unsigned sbo) {  // a descriptor at byte `at` of the aligned smem
+        return d_base + (static_cast<unsigned long long>(at >> 4) | static_cast<unsigned long long>(lbo >> 4) << 16 |
+                         static_cast<unsigned long long>(sbo >> 4) << 32);
+    };
+    auto bf16_state = [&](unsigned (&sa)[KS][4]) {  // S^T as bf16 A fragments
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            const float* d = st + 8 * ks;
+            sa[ks][0] = bf16_pair(d[0], d[1]), sa[ks][1] = bf16_pair(d[2], d[3]);
+            sa[ks][2] = bf16_pair(d[4], d[5]), sa[ks][3] = bf16_pair(d[6], d[7]);
+        }
+    };
+
+    if constexpr (PART == kWtSegments) {
+        // The state at the segment's start: S^T <- E_j^T + S^T M_j^T over the earlier segments j (E_0^T alone
+        // without an initial state), M_j by cp.async into the second stage, the next map while this one multiplies
+        const int j0 = prm.has_initial ? 0 : 1;
+        auto load_m = [&](int j) {
+            const unsigned char* src = reinterpret_cast<const unsigned char*>(seg_map(j) + static_cast<long long>(K) * V);
+            unsigned char* const dst = smem + L::STAGE_BYTES + (j & 1) * L::M_BYTES;
+            for (int i = tid; i < L::M_BYTES / 16; i += kWgThreads) copy_async16(dst + 16 * i, src + 16 * i, true);
+            copy_async_commit();
+        };
+        auto load_e = [&](int j) {  // st = E_j^T, this thread's fragments
+            const float4* e = reinterpret_cast<const float4*>(seg_map(j) + slab * 64 * K) + tid;
+#pragma unroll
+            for (int i = 0; i < K / 8; ++i) {
+                const float4 x = e[128 * i];
+                st[4 * i] = x.x, st[4 * i + 1] = x.y, st[4 * i + 2] = x.z, st[4 * i + 3] = x.w;
+            }
+        };
+        if (j0 < seg) load_m(j0);
+        for (int j = 0; j < seg; ++j) {
+            unsigned sa[KS][4];
+            if (j >= j0) {
+                if (j + 1 < seg) {
+                    load_m(j + 1);
+                    copy_async_wait<1>();
+                } else {
+                    copy_async_wait<0>();
+                }
+                fence_async_shared();  // the copies before the tensor cores read them
+                __syncthreads();
+                bf16_state(sa);
+            }
+            load_e(j);
+            if (j < j0) continue;
+            wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < KS; ++ks)
+                wgmma<K>(st, sa[ks], desc(L::STAGE_BYTES + (j & 1) * L::M_BYTES + 32 * K * ks, 16 * K, 128), true);
+            wg_commit();
+            wg_wait();
+            __syncthreads();  // every warp's reads of this buffer retired before it is filled again
+        }
+    }
+
     // u' rows by ldmatrix.trans: lane l gives token row l & 7 of matrix l >> 3 = (column block 2 warp + (l >> 3 & 1),
     // token block j + (l >> 4)); the o transpose by stmatrix.trans, the same matrices into [64 tokens][16 columns]
     const int u_lane = (2 * warp + ((lane >> 3) & 1)) * 1024 + 16 * ((lane & 7) + 8 * (lane >> 4));
@@ -561,26 +684,21 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_A
     unsigned char* const ot_lane = ot + 32 * ((lane & 7) + 8 * (lane >> 4)) + 16 * ((lane >> 3) & 1);
     // o rows: 16 bytes (8 columns) a piece where o is bf16 with unit, 16-byte aligned columns, else value by value
     const long long o_row = b * prm.o_sb + h * prm.o_sh + static_cast<long long>(col0 + 16 * warp) * prm.o_sv;
-    const bool o_pieces = prm.o_t == BF16 && prm.o_sv == 1 && prm.o_st % 8 == 0 && (o_row & 7) == 0 &&
+    const bool o_pieces = !CHAIN && prm.o_t == BF16 && prm.o_sv == 1 && prm.o_st % 8 == 0 && (o_row & 7) == 0 &&
                           (reinterpret_cast<unsigned long long>(o) & 15) == 0;
-    const unsigned long long d_base = wg_desc(smem, 0, 0);
-    auto desc = [&](int at, unsigned lbo, unsigned sbo) {  // a descriptor at byte `at` of the aligned smem
-        return d_base + (static_cast<unsigned long long>(at >> 4) | static_cast<unsigned long long>(lbo >> 4) << 16 |
-                         static_cast<unsigned long long>(sbo >> 4) << 32);
-    };
 
-    for (int c = 0; c < chunks; ++c) {
-        const int s = c & 1, sg_at = s * L::STAGE_BYTES;
-        mbarrier_wait(bars + s, (c >> 1) & 1);
+    for (int c = c_begin; c < c_end; ++c) {
+        const int i = c - c_begin, s = i & 1, sg_at = s * L::STAGE_BYTES;
+        mbarrier_wait(bars + s, (i >> 1) & 1);
         if (!bulk) copy_async_wait<0>();
         __syncthreads();  // chunk c staged, every warp's reads of the other stage retired
-        if (c + 1 < chunks) stage_next(c + 1, s ^ 1);
+        if (c + 1 < c_end) stage_next(c + 1, s ^ 1);
         unsigned char* const sg = smem + sg_at;
-        const float* f = reinterpret_cast<const float*>(sg + L::REC_AT);
+        const float* f = reinterpret_cast<const float*>(sg + L::GP_AT);  // G fp, scale G fq, w, G_63
         const long long t0 = static_cast<long long>(c) * C;
         const int n = static_cast<int>(min(static_cast<long long>(C), T - t0));
         if (bulk && SERVING && prm.cu_t && n < C) {  // the boxes' rows n on hold the next sequence: zero them
-            for (int i = tid; i < 2 * (K / 64) * (C - n) * 8; i += kWgThreads) {
+            for (int i = tid; i < (CHAIN ? 1 : 2) * (K / 64) * (C - n) * 8; i += kWgThreads) {
                 const int box = i / ((C - n) * 8), r = i % ((C - n) * 8);
                 *reinterpret_cast<uint4*>(sg + box * L::BOX + 128 * n + 16 * r) = make_uint4(0, 0, 0, 0);
             }
@@ -590,33 +708,31 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_A
 
         // Rw^T = S^T W'^T, Rq^T = S^T Q^T
         unsigned sa[KS][4];
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
-            const float* d = st + 8 * ks;
-            sa[ks][0] = bf16_pair(d[0], d[1]), sa[ks][1] = bf16_pair(d[2], d[3]);
-            sa[ks][2] = bf16_pair(d[4], d[5]), sa[ks][3] = bf16_pair(d[6], d[7]);
-        }
+        bf16_state(sa);
         float rw[32], rq[32];
         wg_fence();
 #pragma unroll
-        for (int ks = 0; ks < KS; ++ks)
-            wgmma<64>(rw, sa[ks], desc(sg_at + L::REC_AT + 4 * R::WP + 2048 * ks, 1024, 128), ks > 0);
+        for (int ks = 0; ks < KS; ++ks) wgmma<64>(rw, sa[ks], desc(sg_at + L::WP_AT + 2048 * ks, 1024, 128), ks > 0);
         wg_commit();  // the chain's product first: U waits on it alone
+        if constexpr (!CHAIN) {
 #pragma unroll
-        for (int ks = 0; ks < KS; ++ks)
-            wgmma<64>(rq, sa[ks], desc(sg_at + (ks >> 2) * L::BOX + 32 * (ks & 3), 16, 1024) | kSwizzle128, ks > 0);
-        wg_commit();
-        unsigned uq[16];  // u' as bf16 pairs: token block j's rows ca (2 j) and cb (2 j + 1)
+            for (int ks = 0; ks < KS; ++ks)
+                wgmma<64>(rq, sa[ks], desc(sg_at + L::Q_AT + (ks >> 2) * L::BOX + 32 * (ks & 3), 16, 1024) | kSwizzle128,
+                          ks > 0);
+            wg_commit();
+        }
+        unsigned uq[16];  // u' as bf16 pairs: token block j's rows ca (2 j) and cb (2 j + 1); zeros in M's columns
 #pragma unroll
         for (int j = 0; j < 8; j += 2) {
-            unsigned r[4];
-            ldsm4_trans(r, sg + L::U_AT + u_lane + 128 * j);
+            unsigned r[4] = {0u, 0u, 0u, 0u};
+            if (!m_cols) ldsm4_trans(r, sg + L::U_AT + u_lane + 128 * j);
             uq[2 * j] = r[0], uq[2 * j + 1] = r[1], uq[2 * j + 2] = r[2], uq[2 * j + 3] = r[3];
         }
-        const float G = f[R::G];
+        const float G = f[R::G - R::GP];
 #pragma unroll
         for (int i = 0; i < K / 2; ++i) st[i] *= G;
-        wg_wait_but_one();
+        if (CHAIN) wg_wait();
+        else wg_wait_but_one();
 
         // U^T = u'^T - Rw^T; the A fragments of U^T and U^T diag(w); O^T = Rq^T diag(scale G fq)
         unsigned ua[4][4], uw[4][4];
@@ -627,7 +743,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_A
             const float2 z = staged2<2>(reinterpret_cast<const unsigned char*>(uq + 2 * j + 1));
             const float u0 = x.x - rw[4 * j], u1 = x.y - rw[4 * j + 1], u2 = z.x - rw[4 * j + 2],
                         u3 = z.y - rw[4 * j + 3];
-            const float2 w = *reinterpret_cast<const float2*>(f + R::W + t);
+            const float2 w = *reinterpret_cast<const float2*>(f + (R::W - R::GP) + t);
             const int ks = j >> 1, hi = 2 * (j & 1);
             ua[ks][hi] = bf16_pair(u0, u1), ua[ks][hi + 1] = bf16_pair(u2, u3);
             uw[ks][hi] = bf16_pair(u0 * w.x, u1 * w.y), uw[ks][hi + 1] = bf16_pair(u2 * w.x, u3 * w.y);
@@ -636,12 +752,16 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_A
         wg_fence();
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks)
-            wgmma_t<K>(st, uw[ks], desc(sg_at + L::TILE + 2048 * ks, L::BOX, 1024) | kSwizzle128, true);
+            wgmma_t<K>(st, uw[ks], desc(sg_at + L::KC_AT + 2048 * ks, L::BOX, 1024) | kSwizzle128, true);
         wg_commit();
+        if constexpr (CHAIN) {
+            wg_wait();
+            continue;
+        }
         wg_wait_but_one();  // Rq retired
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            const float2 gq = *reinterpret_cast<const float2*>(f + R::GQ + 8 * j + 2 * lj);
+            const float2 gq = *reinterpret_cast<const float2*>(f + (R::GQ - R::GP) + 8 * j + 2 * lj);
             rq[4 * j] *= gq.x, rq[4 * j + 1] *= gq.y, rq[4 * j + 2] *= gq.x, rq[4 * j + 3] *= gq.y;
         }
         wg_fence();
@@ -679,7 +799,25 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_A
         }
     }
 
-    if (prm.write_final) {
+    if constexpr (CHAIN) {  // the segment's map: E^T as fragments, M as the compose's B operand
+        float* const map = seg_map(seg);
+        if (!m_cols) {
+            float4* const e = reinterpret_cast<float4*>(map + slab * 64 * K) + tid;
+#pragma unroll
+            for (int i = 0; i < K / 8; ++i) e[128 * i] = make_float4(st[4 * i], st[4 * i + 1], st[4 * i + 2], st[4 * i + 3]);
+        } else {  // accumulator (row m, key) is M[key][m]: element (n = key, k = m) of the B image
+            unsigned short* const m = reinterpret_cast<unsigned short*>(map + static_cast<long long>(K) * V);
+            const int ma = ca - V, mb = ma + 8;
+#pragma unroll
+            for (int j = 0; j < K / 8; ++j) {
+                const int key = 8 * j + 2 * lj;
+                m[ma / 8 * 8 * K + key * 8 + ma % 8] = float_to_bf16_bits(st[4 * j]);
+                m[ma / 8 * 8 * K + (key + 1) * 8 + ma % 8] = float_to_bf16_bits(st[4 * j + 1]);
+                m[mb / 8 * 8 * K + key * 8 + mb % 8] = float_to_bf16_bits(st[4 * j + 2]);
+                m[mb / 8 * 8 * K + (key + 1) * 8 + mb % 8] = float_to_bf16_bits(st[4 * j + 3]);
+            }
+        }
+    } else if (prm.write_final && seg == segs - 1) {
         float* dst = state_out + (SERVING ? pool_head<K>(slots, prm, b, h) : head);
 #pragma unroll
         for (int j = 0; j < K / 8; ++j) {

@@ -18,6 +18,7 @@ def main():
     for layout in ("kv", "vk"):
         for K, V in ((64, 64), (128, 128), (256, 64)):
             q, k, v, p, beta, g, _ = forward_inputs(8, 9, 2, K, V, xp=cupy, state_layout=layout, warm_steps=0)
+            long = forward_inputs(8, 130, 2, K, V, xp=cupy, state_layout=layout, warm_steps=0)
             shape = (3, 2, K, V) if layout == "kv" else (3, 2, V, K)
             A_log, dt_bias = cupy.zeros(2, cupy.float32), cupy.ones(2, cupy.float32)
             for dtype in (cupy.int64, cupy.int32):
@@ -28,6 +29,11 @@ def main():
                                   variant=variant, A_log=A_log, dt_bias=dt_bias)
                     gated_delta_forward(q, k, v, beta, g, initial_state=pool, state_indices=idx, state_layout=layout,
                                         variant=variant, output_final_state=False)
+                    if variant.endswith("sg"):  # dense batches only; 130 tokens: three segments of a chunk
+                        comba_forward(*long[:6], initial_state=pool, state_indices=idx, state_layout=layout,
+                                      variant=variant)
+                        launches += 3
+                        continue
                     cu = cupy.asarray(HOSTILE_CU.clip(numpy.iinfo(dtype).min, numpy.iinfo(dtype).max).astype(dtype))
                     packed = [a.reshape((1, 8 * 9) + a.shape[2:])[:, :9] for a in (q, k, v, p, beta, g)]
                     comba_forward(*packed, initial_state=pool, state_indices=idx, cu_seqlens=cu, state_layout=layout,

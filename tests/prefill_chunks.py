@@ -1,6 +1,6 @@
 """Every build of the 64-token prefill kernels over several chunks (two full ones and one of 22 tokens), dense and
-with the serving options (a ragged batch from a pool), in "bf16" and "fp32", and the wgmma scan's builds on compute
-capability 9.0: run under compute-sanitizer's racecheck and memcheck by test_sanitizer_gpu.py."""
+with the serving options (a ragged batch from a pool; the segmented scan, dense batches only, in three segments of
+one chunk), in "bf16" and "fp32", and the wgmma scans' builds on compute capability 9.0: run under compute-sanitizer's racecheck and memcheck by test_sanitizer_gpu.py."""
 
 import cupy
 import numpy
@@ -17,7 +17,7 @@ def _scans(layout, precision, K):
     wgmma = precision == "bf16" and K in families.FAMILY_K and hopper
     return [f"{layout}{slab}{scan}" for slab in families.PREFILL_SLABS for scan in (("c64", "c64wg") if wgmma
                                                                                    else ("c64",))] + \
-        ([f"{layout}64c64wt"] if wgmma else [])
+        ([f"{layout}64c64wt", f"{layout}64c64sg"] if wgmma else [])
 
 
 def main():
@@ -40,14 +40,16 @@ def main():
                         if comba:
                             comba_forward(q, k, v, p, beta, g, initial_state=S, state_layout=layout, variant=variant,
                                           precision=precision)
-                            comba_forward(*packed, initial_state=pool, state_indices=slots, cu_seqlens=cu,
-                                          state_layout=layout, variant=variant, precision=precision)
+                            if not variant.endswith("sg"):  # the segments run dense batches only
+                                comba_forward(*packed, initial_state=pool, state_indices=slots, cu_seqlens=cu,
+                                              state_layout=layout, variant=variant, precision=precision)
                         else:
                             gated_delta_forward(q, k, v, beta, g, initial_state=S, state_layout=layout,
                                                 variant=variant, precision=precision)
-                            gated_delta_forward(*packed[:3], *packed[4:], initial_state=pool, state_indices=slots,
-                                                cu_seqlens=cu, state_layout=layout, variant=variant,
-                                                precision=precision)
+                            if not variant.endswith("sg"):
+                                gated_delta_forward(*packed[:3], *packed[4:], initial_state=pool,
+                                                    state_indices=slots, cu_seqlens=cu, state_layout=layout,
+                                                    variant=variant, precision=precision)
                         launches += 2
     cupy.cuda.Device().synchronize()
     print(f"{launches} prefill launches over several chunks")

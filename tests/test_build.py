@@ -27,7 +27,7 @@ def test_includes_are_expanded_once():
 
 
 def _expressions(kernel):
-    return (kernel.expression, kernel.prep) if kernel.prep else (kernel.expression,)
+    return tuple(e for e in (kernel.expression, kernel.prep, kernel.chain) if e)
 
 
 def test_the_registry_lists_every_build_once():
@@ -38,10 +38,11 @@ def test_the_registry_lists_every_build_once():
     # chunked: 2 K x 2 kv + 2 vk at K = 128, x p or not; tensor cores: 9 builds (K, slab, tokens) x p or not x
     # layout; prefill: 3 K x 2 slabs x 2 layouts x p or not scans x 5 numerics (tf32 or fp32, bf16 or wider keys;
     # bf16 products) less the 24 whose stage does not fit (K = 256, wider keys), and 3 K x 5 preps; the wgmma
-    # scans: 2 K x 2 slabs x 2 layouts x p or not, and 2 K x its prep (ACC 5); the transposed one 2 K x 2 layouts
-    # (p folded into the prep's W') and 2 K x its prep (ACC 6); each with and without the serving options
+    # scans: 2 K x 2 slabs x 2 layouts x p or not, and 2 K x its prep (ACC 5); the transposed one, whole and in
+    # segments, 2 K x 2 layouts x 2 (p folded into the prep's W'), the segments' chain 2 K, and 2 K x its prep
+    # (ACC 6); each with and without the serving options
     assert counts == {"token_loop.cu": 464, "chunked.cu": 24, "delta_rule_mma.cu": 72, "prefill.cu": 246,
-                      "prefill_wgmma.cu": 48,
+                      "prefill_wgmma.cu": 60,
                       "copy.cu": 1}
     for source, expressions in SPECIALISATIONS.items():
         assert len(set(expressions)) == len(expressions), source
@@ -108,6 +109,8 @@ def test_nvrtc_compiles_every_specialisation_for_sm90(source):
         # state stores into 4-byte ones (four times the L2 requests), which common.cuh's PTX stores prevent.
         loads = len(re.findall(r"ld\.global(?:\.nc)?\.v[24]\.f32", ptx))
         stores = len(re.findall(r"st\.global\.v[24]\.f32", ptx))
+        if expression.startswith("comba::prefill_scan_wt") and _template_args(expression)[3] == "2":
+            loads -= int(_template_args(expression)[0]) // 8  # the segments' E maps (float4s the chain stored)
         assert stores >= loads, f"{expression}: {loads} vector loads, {stores} vector stores"
         # The tensor-core kernel's kv build loads its state as 4-byte values (32 a lane) straight into
         # the accumulator quads (docs/design.md, "Tensor-core kernel").
@@ -218,16 +221,17 @@ def test_prefill_shared_bytes_are_the_layouts():
                 wg_checks.append(f'static_assert(comba::WyRecord<{K}>::SIZE == {families.wy_record(int(K))} && '
                                  f'comba::WyRecord<{K}>::WORDS_PER_V == {families.WY_WORDS_PER_V}, "{expression}");')
         elif expression.startswith("comba::prefill_scan_wt"):
-            K = args[0]
-            wg_checks.append(f'static_assert(comba::WtLayout<{K}>::BYTES == {families.prefill_wt_bytes(int(K))}, '
-                             f'"{expression}");')
+            K, _, _, part = args
+            chain = part == "1"
+            wg_checks.append(f'static_assert(comba::WtLayout<{K}, {"true" if chain else "false"}>::BYTES == '
+                             f'{families.prefill_wt_bytes(int(K), chain)}, "{expression}");')
         else:
             K, slab, sep, _, _ = args
             n = families.prefill_wg_bytes(int(K), int(slab), sep == "true")
             layout = f"comba::WgLayout<{K}, {slab}, {sep}, {families.PREFILL_RECORD_BF16}>"
             wg_checks.append(f'static_assert({layout}::BYTES == {n}, "{expression}");')
     wg_checks.append(f'static_assert(comba::Record<5>::SIZE == {families.PREFILL_RECORD_BF16}, "ACC 5");')
-    assert len(wg_checks) == 53
+    assert len(wg_checks) == 65
     _compiles_with("prefill_wgmma.cu", wg_checks)
     for expression in SPECIALISATIONS["prefill.cu"]:
         args = _template_args(expression)

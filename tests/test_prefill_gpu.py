@@ -1,5 +1,6 @@
-"""The 64-token prefill kernels (``{layout}{slab}c64``, and ``{layout}{slab}c64wg`` -- the scan on wgmma -- where
-the GPU has compute capability 9.0) against the float64 reference (``pytest -m gpu``).
+"""The 64-token prefill kernels (``{layout}{slab}c64``, and where the GPU has compute capability 9.0 the scans on
+wgmma: ``{layout}{slab}c64wg``, ``{layout}64c64wt`` and ``{layout}64c64sg``) against the float64 reference
+(``pytest -m gpu``).
 
 Every case runs a forced variant on fresh random inputs into NaN-poisoned outputs.  ``precision="fp32"``
 (3xTF32) is held to the fp32 kernels' accuracy, ``"tf32"`` and ``"bf16"`` (bf16 products where q, k, p are bf16,
@@ -83,10 +84,12 @@ def test_matches_reference(K, V, layout, comba, gate, l2norm, T, precision):
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 200, 1000])
 def test_the_wgmma_scan_matches_reference(K, V, layout, comba, gate, l2norm, T):
     """``prefill_scan_wg`` (bf16 products on wgmma) on both slabs and ``prefill_scan_wt`` (the transposed scan,
-    64-column slabs), to the bf16 products' bounds."""
+    64-column slabs), whole and in segments (8 CTAs a segment here: as many segments as chunks up to 16, of 1-2
+    chunks), to the bf16 products' bounds."""
     args = forward_inputs(2, T, 4, K, V, Hk=2, state_layout=layout, gate=gate, seed=K + T + V, dtype=bfloat16,
                           normalize_keys=not l2norm, xp=cupy, warm_steps=8 if T == 1000 else 0)
-    for variant in [f"{layout}{slab}c64wg" for slab in families.PREFILL_SLABS] + [f"{layout}64c64wt"]:
+    for variant in [f"{layout}{slab}c64wg" for slab in families.PREFILL_SLABS] + [f"{layout}64c64wt",
+                                                                                  f"{layout}64c64sg"]:
         if V % families.tiling(layout, K, variant).slab == 0:
             _check(comba, args, "bf16", state_layout=layout, gate=gate, use_qk_l2norm=l2norm, variant=variant)
 
@@ -127,8 +130,8 @@ def test_strided_activations(layout, dtype):
     g = cupy.asarray(-rng.random((B, T, H)).astype(F32) / 4)
     S0 = cupy.asarray(rng.standard_normal((B, H, K, V) if layout == "kv" else (B, H, V, K)).astype(F32) / 8)
     S_ref, o_ref = reference.comba_loop(S0, q, k, v, p, beta, g, state_layout=layout)
-    runs = [(f"{layout}32c64", "fp32")] + ([(f"{layout}32c64wg", "bf16"), (f"{layout}64c64wt", "bf16")]
-                                           if dtype == bfloat16 and _wgmma() else [])
+    runs = [(f"{layout}32c64", "fp32")] + ([(f"{layout}32c64wg", "bf16"), (f"{layout}64c64wt", "bf16"),
+                                            (f"{layout}64c64sg", "bf16")] if dtype == bfloat16 and _wgmma() else [])
     for variant, precision in runs:
         o_buf = cupy.full((B, T, H, V + 8), cupy.nan, dtype)
         o, S = comba_forward(q, k, v, p, beta, g, initial_state=S0, out=o_buf[..., :V], state_layout=layout,
@@ -177,6 +180,72 @@ def test_ragged_pool_gating(layout, comba, precision, scan):
     untouched = numpy.setdiff1d(numpy.arange(N + 3), live)
     assert numpy.array_equal(h(S)[untouched], before[untouched])  # bit for bit
     assert not bool(cupy.isnan(o).any())  # every token written, the padding row's with zeros
+
+
+@needs_wgmma
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
+@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("segments", [2, 3, 7])
+def test_segments_from_a_pool(layout, comba, K, segments, monkeypatch):
+    """The segmented scan cut into 2, 3 and 7 segments (the last one short) over 13 chunks: rows from a pool with a
+    padding row and in-kernel gating, and rows from no initial state; with and without the final state.  Each
+    equals the reference; the padding row's o is zeros and the slots no row names are untouched, bit for bit."""
+    from cupy_comba import _plan, tiling
+    monkeypatch.setattr(tiling, "segments", lambda heads, V, T, sms: (segments, -(-(-(-T // 64)) // segments)))
+    monkeypatch.setattr(_plan, "PLANS", {})
+    B, T, H, V = 3, 13 * 64 - 20, 2, 128
+    q, k, v, p, beta, g, _ = forward_inputs(B, T, H, K, V, state_layout=layout, seed=segments, xp=cupy)
+    g /= 100  # slow decay (a 1/e memory of ~500 tokens): every segment's start depends on the ones before it
+    rng = numpy.random.default_rng(segments)
+    shape = (B + 2, H, K, V) if layout == "kv" else (B + 2, H, V, K)
+    before = rng.standard_normal(shape).astype(F32) / 8
+    idx = numpy.array([3, -1, 0], numpy.int32)
+    A_log = cupy.asarray(rng.standard_normal(H).astype(F32) / 2 - 5)  # in-kernel gates of slow decay too
+    dt_bias = cupy.asarray(rng.standard_normal(H).astype(F32) / 2)
+    h = cupy.asnumpy
+    tol_s, tol_o = TOL["bf16", "bfloat16"]
+    live = reference.live_slots(idx, B + 2)
+
+    def forward(**kw):
+        out = cupy.full(v.shape, cupy.nan, v.dtype)
+        if comba:
+            return comba_forward(q, k, v, p, beta, g, out=out, state_layout=layout, variant=f"{layout}64c64sg", **kw)
+        return gated_delta_forward(q, k, v, beta, g, out=out, state_layout=layout, variant=f"{layout}64c64sg", **kw)
+
+    S_ref, o_ref = reference.comba_loop(before, h(q), h(k), h(v), h(p if comba else k), h(beta), h(g),
+                                        state_layout=layout, state_indices=idx, A_log=h(A_log), dt_bias=h(dt_bias))
+    S0_ref, o0_ref = reference.comba_loop(numpy.zeros((B,) + shape[1:]), h(q), h(k), h(v), h(p if comba else k),
+                                          h(beta), h(g), state_layout=layout)
+    for final in (True, False):
+        pool = cupy.asarray(before)
+        o, S = forward(initial_state=pool, state_indices=cupy.asarray(idx), A_log=A_log, dt_bias=dt_bias,
+                       output_final_state=final)
+        assert reference.relative_error(o, o_ref) <= tol_o
+        assert bool((o[1] == 0).all())  # the padding row
+        if final:
+            assert S is pool and reference.relative_error(h(S)[live], S_ref[live]) <= tol_s
+            untouched = numpy.setdiff1d(numpy.arange(B + 2), live)
+            assert numpy.array_equal(h(S)[untouched], before[untouched])
+        else:
+            assert S is None and numpy.array_equal(h(pool), before)
+        o, S = forward(output_final_state=final)  # from zeros: the first map's E alone
+        assert reference.relative_error(o, o0_ref) <= tol_o
+        assert S is None if not final else reference.relative_error(S, S0_ref) <= tol_s
+    plans = list(_plan.PLANS.values())
+    assert len(plans) == 4 and all(pl.variant == f"{layout}64c64sg" for pl in plans)
+    assert all(len(pl.launcher._steps) == 3 for pl in plans)  # prep, chain, segments
+
+
+@needs_wgmma
+@pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
+def test_segments_over_a_long_prompt(comba):
+    """One row of 4096 tokens over 4 heads of slow decay (a 1/e memory of ~500 tokens), as the library chooses
+    it (the segmented scan, 16 segments): within the bf16 bounds of the reference from a warmed state."""
+    from cupy_comba import _plan
+    q, k, v, p, beta, g, S = forward_inputs(1, 4096, 4, 128, 128, seed=4096, warm_steps=4, dtype=bfloat16, xp=cupy)
+    _check(comba, (q, k, v, p, beta, g / 100, S), None)
+    assert list(_plan.PLANS.values())[-1].variant == "kv64c64sg"
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])

@@ -65,13 +65,13 @@ def test_wide_slab_at_k64_over_many_heads(layout):
 
 
 def test_mma_variant_names():
-    assert families.variants("kv", 128, 128, multi=True)[-9:] == ("kv64tc", "kv64tc16", "kv32tc", "kv32tc16",
-                                                                  "kv32c64", "kv16c64", "kv32c64wg", "kv16c64wg",
-                                                                  "kv64c64wt")
-    assert "kv64c64wt" not in families.variants("kv", 128, 96, multi=True)  # 64-column slabs
+    assert families.variants("kv", 128, 128, multi=True)[-10:] == ("kv64tc", "kv64tc16", "kv32tc", "kv32tc16",
+                                                                       "kv32c64", "kv16c64", "kv32c64wg", "kv16c64wg",
+                                                                       "kv64c64wt", "kv64c64sg")
+    assert not {"kv64c64wt", "kv64c64sg"} & set(families.variants("kv", 128, 96, multi=True))  # 64-column slabs
     assert not any(v.endswith("tc16") for v in families.variants("vk", 128, 128))  # T-token passes only
     assert families.tiling("vk", 128, "vk32tc16").passes_only
-    assert families.variants("kv", 64, 128, multi=True)[-6] == "kv128tc16"  # K = 64 only, V a multiple of 128
+    assert families.variants("kv", 64, 128, multi=True)[-7] == "kv128tc16"  # K = 64 only, V a multiple of 128
     assert "vk128tc16" in families.variants("vk", 64, 256, multi=True)
     assert not any("128tc" in v for layout, K, V in (("kv", 128, 128), ("vk", 128, 256), ("kv", 64, 192))
                    for v in families.variants(layout, K, V, multi=True))
@@ -217,8 +217,8 @@ def test_the_wgmma_scan_choice_is_within_5_percent_of_the_best_timed():
 def test_the_wgmma_scan_where_it_wins(layout):
     """32-column slabs and Gated DeltaNet's 16-column ones on wgmma; Comba's 16-column ones only over one head;
     never at K = 256, nor without wgmma."""
-    def choose(comba, K=128, heads=16, wgmma=True):
-        return tiling.choose(layout, K, 128, comba, True, 4096, heads, wgmma=wgmma)
+    def choose(comba, K=128, heads=16, wgmma=True):  # the rules before the transposed scans
+        return tiling.choose(layout, K, 128, comba, True, 4096, heads, wgmma=wgmma, transposed=False)
     assert choose(False) == f"{layout}16c64wg" and choose(True) == f"{layout}16c64"
     assert choose(True, heads=1) == f"{layout}16c64wg"
     assert choose(True, heads=32) == choose(False, K=64, heads=64) == f"{layout}32c64wg"
@@ -239,11 +239,27 @@ def test_the_transposed_choice_is_within_5_percent_of_the_best_timed():
     assert len(rows) == 36
     with open(RESULTS / "h200-prefill-parts.json") as f:
         rows = json.load(f)["rows"]
-    for r in rows:
-        chosen = tiling.choose("kv", 128, 128, r["op"] == "comba", True, r["T"], r["B"] * r["H"], wgmma=True)
+    for r in rows:  # it predates the segmented scan, which takes dense batches only: a ragged batch's choice
+        chosen = tiling.choose("kv", 128, 128, r["op"] == "comba", True, r["T"], r["B"] * r["H"], wgmma=True,
+                               ragged=True)
         whole = {v: t for v, t in r.items() if v.startswith("kv") and ":" not in v}
         assert whole[chosen] <= 1.05 * min(whole.values()), r
     assert len(rows) == 14
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("comba", [True, False])
+def test_the_segmented_scan_where_it_wins(layout, comba):
+    """A dense batch of at most 16 CTAs a segment (B * H * V / 64) from T = 1024, 32 from 2048, 64 from 8192; with
+    wgmma and V a multiple of 64; never with cu_seqlens, nor without the transposed scans."""
+    def choose(T, heads, **kw):
+        return tiling.choose(layout, 128, 128, comba, True, T, heads, **{"wgmma": True, **kw})
+    sg = f"{layout}64c64sg"
+    assert choose(1024, 8) == choose(2048, 16) == choose(8192, 32) == choose(65536, 1) == sg
+    assert choose(1023, 8) != sg and choose(2047, 16) != sg and choose(8191, 32) != sg and choose(65536, 33) != sg
+    assert choose(8192, 16, ragged=True) != sg and choose(8192, 16, transposed=False) != sg
+    assert choose(8192, 16, wgmma=False) != sg and tiling.choose(layout, 128, 96, comba, True, 8192, 16,
+                                                                wgmma=True) != sg
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
