@@ -167,7 +167,7 @@ def sweep_segments(save=None):
         B = heads // H
         without = tiling.choose(layout, K_, V, comba, True, T, heads, wgmma=True, transposed=False)
         row = _timed(layout, K_, comba, heads, T, (without, f"{layout}64c64wt", f"{layout}64c64sg"),
-                     tiling.choose(layout, K_, V, comba, True, T, heads, wgmma=True), (B, H))
+                     tiling.choose(layout, K_, V, comba, True, T, heads, wgmma=True, segmented=True), (B, H))
         args = forward_inputs(B, T, H, K_, V, xp=cupy, state_layout=layout, warm_steps=0, seed=T)
         chunks, auto, row["segments"] = -(-T // 64), tiling.segments, {}
         try:

@@ -103,3 +103,75 @@ def test_a_dropped_coupling_is_caught():
     args = (S[0, 0], q[0, :, 0], k[0, :, 0], v[0, :, 0], p[0, :, 0], beta[0, :, 0], numpy.exp(g)[0, :, 0], 0.25, False)
     assert reference.relative_error(chunk_forward(*args)[1], S_ref[0, 0]) <= 1e-12
     assert reference.relative_error(chunk_forward(*args, couple=False)[1], S_ref[0, 0]) > 1e-3
+
+
+def _segments_model(K, V, C, chunks, seed, decay):
+    """One head of Gated DeltaNet in the WY form of prefill_prep<K, 6> / prefill_scan_wt, chunk by chunk:
+    ``step(X, c, u_cols, rnd)`` applies chunk c's map X -> G_63 X + Kc^T diag(w) (u' - W' X) to the columns of X
+    (u' in the first ``u_cols``, zero in the rest), with ``rnd`` the rounding of the bf16 operands (W', u', X and
+    diag(w) U) or none; the initial state and the exact token recurrence's final state."""
+    import ml_dtypes
+    rng = numpy.random.default_rng(seed)
+    T = C * chunks
+    k = rng.standard_normal((T, K))
+    k /= numpy.linalg.norm(k, axis=1, keepdims=True)
+    v = rng.standard_normal((T, V))
+    beta = 1 / (1 + numpy.exp(-rng.random(T)))
+    g = -numpy.log1p(numpy.exp(-rng.standard_normal(T))) / 4 * decay
+    S0 = rng.standard_normal((K, V)) / 8
+    S = S0.copy()
+    for t in range(T):
+        S = numpy.exp(g[t]) * S
+        S = S + beta[t] * numpy.outer(k[t], v[t] - k[t] @ S)
+    bf16 = lambda x: x.astype(ml_dtypes.bfloat16).astype(F64)  # noqa: E731
+
+    def coefficients(c):
+        sl = slice(c * C, (c + 1) * C)
+        cum = numpy.cumsum(g[sl])
+        r = numpy.exp(cum[None, :] - cum[:, None])  # r[j][t]: the decay from token j to token t
+        L = numpy.tril(beta[sl, None] * (k[sl] @ k[sl].T) * r.T, -1)
+        A = numpy.linalg.solve(numpy.eye(C) + L, numpy.diag(beta[sl]))
+        return k[sl], A @ (numpy.exp(cum)[:, None] * k[sl]), A @ v[sl], r[:, -1], numpy.exp(cum[-1])
+
+    chunk = [coefficients(c) for c in range(chunks)]
+
+    def step(X, c, u_cols, rnd):
+        kc, W, u, w, G = chunk[c]
+        u = numpy.concatenate([u[:, :u_cols], numpy.zeros((C, X.shape[1] - u_cols))], 1)
+        U = rnd(u) - rnd(W) @ rnd(X)
+        return G * X + kc.T @ rnd(w[:, None] * U)
+
+    return step, S0, S, bf16
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.01], ids=["fast", "slow"])
+def test_segments_compose_to_the_whole_scan(decay):
+    """kernels_cu/prefill_wgmma.cu, "Segments": each segment's map [E | M], the chunks' recurrence over V + K
+    columns from [0 | I] with u' = 0 in M's columns, composed as S <- E_j + M_j S, gives the state of the whole
+    chunk recurrence (float64: to rounding), and with the kernels' bf16 operands -- M_j and the state rounded for
+    the composition too -- an error against the token recurrence within a few percent of the whole scan's, also
+    where the gates decay slowly (a 1/e memory of ~500 tokens) and each segment's start depends on the ones
+    before it."""
+    K = V = 32
+    chunks, per = 10, 3  # segments of 3, 3, 3 and 1 chunks
+    step, S0, S_exact, bf16 = _segments_model(K, V, 16, chunks, 4, decay)
+    for rnd in (lambda x: x, bf16):
+        whole = S0
+        for c in range(chunks):
+            whole = step(whole, c, V, rnd)
+        S = S0
+        for j in range(0, chunks, per):
+            if j + per < chunks:
+                X = numpy.concatenate([numpy.zeros((K, V)), numpy.eye(K)], 1)
+                for c in range(j, j + per):
+                    X = step(X, c, V, rnd)
+                S = X[:, :V] + rnd(X[:, V:]) @ rnd(S)
+            else:
+                for c in range(j, chunks):
+                    S = step(S, c, V, rnd)
+        if rnd is bf16:
+            err_whole, err = (reference.relative_error(x, S_exact) for x in (whole, S))
+            assert 1e-4 < err_whole and err <= 1.1 * err_whole
+        else:
+            assert reference.relative_error(S, whole) <= 1e-12
+            assert reference.relative_error(whole, S_exact) <= 1e-12
