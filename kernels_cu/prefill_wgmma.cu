@@ -93,13 +93,10 @@ __device__ __forceinline__ void wgmma<32>(float (&d)[16], const unsigned (&a)[4]
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(acc)));
 }
 
-// d (+)= a b with b N-major (wgmma's transposed B): prefill_scan_wt's state update.
-template <int N>
-__device__ __forceinline__ void wgmma_t(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long b, bool acc);
-
-// m64n64k16, B N-major where TB (the instruction's imm-trans-b).
+// m64n64k16 and (below) m64n128k16, chosen by the accumulators' size; B N-major where TB (the instruction's
+// imm-trans-b).
 template <int TB>
-__device__ __forceinline__ void wgmma_n64(float (&d)[32], const unsigned (&a)[4], unsigned long long b, bool acc) {
+__device__ __forceinline__ void wgmma_tb(float (&d)[32], const unsigned (&a)[4], unsigned long long b, bool acc) {
     asm volatile(
         "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
@@ -113,19 +110,8 @@ __device__ __forceinline__ void wgmma_n64(float (&d)[32], const unsigned (&a)[4]
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(acc)), "n"(TB));
 }
 
-template <>
-__device__ __forceinline__ void wgmma<64>(float (&d)[32], const unsigned (&a)[4], unsigned long long b, bool acc) {
-    wgmma_n64<0>(d, a, b, acc);
-}
-
-template <>
-__device__ __forceinline__ void wgmma_t<64>(float (&d)[32], const unsigned (&a)[4], unsigned long long b, bool acc) {
-    wgmma_n64<1>(d, a, b, acc);
-}
-
-// m64n128k16, B N-major where TB.
 template <int TB>
-__device__ __forceinline__ void wgmma_n128(float (&d)[64], const unsigned (&a)[4], unsigned long long b, bool acc) {
+__device__ __forceinline__ void wgmma_tb(float (&d)[64], const unsigned (&a)[4], unsigned long long b, bool acc) {
     asm volatile(
         "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
@@ -146,13 +132,19 @@ __device__ __forceinline__ void wgmma_n128(float (&d)[64], const unsigned (&a)[4
 }
 
 template <>
-__device__ __forceinline__ void wgmma<128>(float (&d)[64], const unsigned (&a)[4], unsigned long long b, bool acc) {
-    wgmma_n128<0>(d, a, b, acc);
+__device__ __forceinline__ void wgmma<64>(float (&d)[32], const unsigned (&a)[4], unsigned long long b, bool acc) {
+    wgmma_tb<0>(d, a, b, acc);
 }
 
 template <>
-__device__ __forceinline__ void wgmma_t<128>(float (&d)[64], const unsigned (&a)[4], unsigned long long b, bool acc) {
-    wgmma_n128<1>(d, a, b, acc);
+__device__ __forceinline__ void wgmma<128>(float (&d)[64], const unsigned (&a)[4], unsigned long long b, bool acc) {
+    wgmma_tb<0>(d, a, b, acc);
+}
+
+// d (+)= a b with b N-major (wgmma's transposed B): prefill_scan_wt's state update, N = 64 or 128.
+template <int N>
+__device__ __forceinline__ void wgmma_t(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long b, bool acc) {
+    wgmma_tb<1>(d, a, b, acc);
 }
 
 __device__ __forceinline__ void ldsm4(unsigned (&r)[4], const void* at) {
