@@ -34,8 +34,8 @@ variant                   kernel (``comba::``)        a CTA holds
                           then ``prefill_scan_wt``    and the chunk's corrections kept in registers
                           (``prefill_wgmma.cu``)      from chunk to chunk (bf16, compute cap. 9.0)
 ``{layout}64c64sg``       ``prefill_prep`` (ACC 6),   the same over one segment of a row's chunks,
-                          ``prefill_scan_wt`` 's      from the state that the segments before it
-                          chain, then its segments    leave (a dense batch over a few heads)
+                          then ``prefill_scan_wt``    from the state that the segments before it
+                          twice: chain, segments      leave (a dense batch over a few heads)
 ========================  ==========================  ============================================
 
 The token-loop kernels have two builds: the decode step (one token from a given state to a
