@@ -74,13 +74,13 @@ def _inputs(layout, K, heads, T):
     return B, H, forward_inputs(B, T, H, K, V, xp=cupy, state_layout=layout, warm_steps=0, seed=T)
 
 
-def _timed(layout, K, comba, heads, T, variants, chosen, rows=None):
+def _timed(layout, K, comba, heads, T, variants, chosen, split=None):
     """One row: the times of ``variants`` (``chosen`` among them) on one shape, printed with the best and the
-    chosen one's ratio to it; ``rows``: ``(B, H)`` in place of _inputs' split of the heads."""
-    if rows is None:
+    chosen one's ratio to it; ``split``: ``(B, H)`` in place of _inputs' split of the heads."""
+    if split is None:
         B, H, args = _inputs(layout, K, heads, T)
     else:
-        B, H = rows
+        B, H = split
         args = forward_inputs(B, T, H, K, V, xp=cupy, state_layout=layout, warm_steps=0, seed=T)
     times = {variant: time_graph(_call(comba, args, state_layout=layout, variant=variant), iters=5).median_us
              for variant in dict.fromkeys((chosen, *variants))}

@@ -104,15 +104,15 @@ class Plan:
                 return fn
 
             maps = None
-            if kernel.chain:
-                before.append((compiled(kernel.chain, kernel.chain_shared_bytes), chain_grid, kernel.block,
-                               kernel.chain_shared_bytes))
             if kernel.prep:
-                before.insert(0, (compiled(kernel.prep, kernel.prep_shared_bytes), (slots * sig.H, 1, 1),
-                                  kernel.prep_block, kernel.prep_shared_bytes))
+                before.append((compiled(kernel.prep, kernel.prep_shared_bytes), (slots * sig.H, 1, 1),
+                               kernel.prep_block, kernel.prep_shared_bytes))
                 maps = StageMaps(a["q"], a["k"], a["p"] if a["p"] is not None else a["k"], a["v"], sig.ragged,
                                  2 if sig.bf16_keys else 4, kernel.slab, int(cc) >= 90, kernel.key_pad,
                                  kernel.swizzled_keys)
+            if kernel.chain:
+                before.append((compiled(kernel.chain, kernel.chain_shared_bytes), chain_grid, kernel.block,
+                               kernel.chain_shared_bytes))
             self.launcher = Launcher(compiled(kernel.expression, kernel.shared_bytes), grid, kernel.block,
                                      pack_params(sig, kernel.grid3, seg_chunks), numpy.float32(sig.scale),
                                      kernel.shared_bytes,

@@ -192,7 +192,7 @@ def test_segments_from_a_pool(layout, comba, K, segments, monkeypatch):
     padding row and in-kernel gating, and rows from no initial state; with and without the final state.  Each
     equals the reference; the padding row's o is zeros and the slots no row names are untouched, bit for bit."""
     from cupy_comba import _plan, tiling
-    monkeypatch.setattr(tiling, "segments", lambda heads, V, T, sms: (segments, -(-(-(-T // 64)) // segments)))
+    monkeypatch.setattr(tiling, "segments", lambda heads, V, T, sms: (segments, -(-((T + 63) // 64) // segments)))
     monkeypatch.setattr(_plan, "PLANS", {})
     B, T, H, V = 3, 13 * 64 - 20, 2, 128
     q, k, v, p, beta, g, _ = forward_inputs(B, T, H, K, V, state_layout=layout, seed=segments, xp=cupy)
