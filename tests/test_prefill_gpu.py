@@ -182,21 +182,36 @@ def test_ragged_pool_gating(layout, comba, precision, scan):
     assert not bool(cupy.isnan(o).any())  # every token written, the padding row's with zeros
 
 
+# Where the gates decay slowly (a 1/e memory of ~500 tokens) the bf16 operands' rounding of the state carries over
+# many chunks: Comba's whole scans land at 5-6e-3 of the reference at T = 4096, over the fast-gate bounds of TOL.
+# The segmented scan is held to these bounds and to within SEGMENT_COST of the whole transposed scan's own error on
+# the same inputs (its maps M are bf16: kernels_cu/prefill_wgmma.cu, "Segments").
+SLOW = (8e-3, 8e-3)
+SEGMENT_COST = 1.35
+
+
+def _as_close_as_the_whole_scan(errors, whole):
+    """``errors`` and ``whole``: (state, o) errors of the segmented and the whole transposed scan."""
+    for err, err_whole, bound in zip(errors, whole, SLOW):
+        assert err <= bound and err <= SEGMENT_COST * err_whole, (errors, whole)
+
+
 @needs_wgmma
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
 @pytest.mark.parametrize("K", [64, 128])
 @pytest.mark.parametrize("segments", [2, 3, 7])
 def test_segments_from_a_pool(layout, comba, K, segments, monkeypatch):
-    """The segmented scan cut into 2, 3 and 7 segments (the last one short) over 13 chunks: rows from a pool with a
-    padding row and in-kernel gating, and rows from no initial state; with and without the final state.  Each
-    equals the reference; the padding row's o is zeros and the slots no row names are untouched, bit for bit."""
+    """The segmented scan cut into 2, 3 and 7 segments (the last one short) over 13 chunks of slowly decaying
+    gates: rows from a pool with a padding row and in-kernel gating, and rows from no initial state; with and
+    without the final state.  Each is as close to the reference as the whole transposed scan; the padding row's o
+    is zeros and the slots no row names are untouched, bit for bit."""
     from cupy_comba import _plan, tiling
     monkeypatch.setattr(tiling, "segments", lambda heads, V, T, sms: (segments, -(-((T + 63) // 64) // segments)))
     monkeypatch.setattr(_plan, "PLANS", {})
     B, T, H, V = 3, 13 * 64 - 20, 2, 128
     q, k, v, p, beta, g, _ = forward_inputs(B, T, H, K, V, state_layout=layout, seed=segments, xp=cupy)
-    g /= 100  # slow decay (a 1/e memory of ~500 tokens): every segment's start depends on the ones before it
+    g /= 100  # every segment's start depends on the ones before it
     rng = numpy.random.default_rng(segments)
     shape = (B + 2, H, K, V) if layout == "kv" else (B + 2, H, V, K)
     before = rng.standard_normal(shape).astype(F32) / 8
@@ -204,46 +219,62 @@ def test_segments_from_a_pool(layout, comba, K, segments, monkeypatch):
     A_log = cupy.asarray(rng.standard_normal(H).astype(F32) / 2 - 5)  # in-kernel gates of slow decay too
     dt_bias = cupy.asarray(rng.standard_normal(H).astype(F32) / 2)
     h = cupy.asnumpy
-    tol_s, tol_o = TOL["bf16", "bfloat16"]
     live = reference.live_slots(idx, B + 2)
 
-    def forward(**kw):
+    def forward(scan="sg", **kw):
         out = cupy.full(v.shape, cupy.nan, v.dtype)
+        kw.update(out=out, state_layout=layout, variant=f"{layout}64c64{scan}")
         if comba:
-            return comba_forward(q, k, v, p, beta, g, out=out, state_layout=layout, variant=f"{layout}64c64sg", **kw)
-        return gated_delta_forward(q, k, v, beta, g, out=out, state_layout=layout, variant=f"{layout}64c64sg", **kw)
+            return comba_forward(q, k, v, p, beta, g, **kw)
+        return gated_delta_forward(q, k, v, beta, g, **kw)
+
+    def errors(o, S, S_ref, o_ref, rows=slice(None)):
+        return reference.relative_error(h(S)[rows], S_ref[rows]), reference.relative_error(o, o_ref)
 
     S_ref, o_ref = reference.comba_loop(before, h(q), h(k), h(v), h(p if comba else k), h(beta), h(g),
                                         state_layout=layout, state_indices=idx, A_log=h(A_log), dt_bias=h(dt_bias))
     S0_ref, o0_ref = reference.comba_loop(numpy.zeros((B,) + shape[1:]), h(q), h(k), h(v), h(p if comba else k),
                                           h(beta), h(g), state_layout=layout)
+    pooled = dict(state_indices=cupy.asarray(idx), A_log=A_log, dt_bias=dt_bias)
+    whole = errors(*forward("wt", initial_state=cupy.asarray(before), **pooled), S_ref, o_ref, live)
+    whole0 = errors(*forward("wt"), S0_ref, o0_ref)
     for final in (True, False):
         pool = cupy.asarray(before)
-        o, S = forward(initial_state=pool, state_indices=cupy.asarray(idx), A_log=A_log, dt_bias=dt_bias,
-                       output_final_state=final)
-        assert reference.relative_error(o, o_ref) <= tol_o
+        o, S = forward(initial_state=pool, output_final_state=final, **pooled)
         assert bool((o[1] == 0).all())  # the padding row
         if final:
-            assert S is pool and reference.relative_error(h(S)[live], S_ref[live]) <= tol_s
+            assert S is pool
+            _as_close_as_the_whole_scan(errors(o, S, S_ref, o_ref, live), whole)
             untouched = numpy.setdiff1d(numpy.arange(B + 2), live)
             assert numpy.array_equal(h(S)[untouched], before[untouched])
         else:
             assert S is None and numpy.array_equal(h(pool), before)
+            _as_close_as_the_whole_scan((0.0, reference.relative_error(o, o_ref)), whole)
         o, S = forward(output_final_state=final)  # from zeros: the first map's E alone
-        assert reference.relative_error(o, o0_ref) <= tol_o
-        assert S is None if not final else reference.relative_error(S, S0_ref) <= tol_s
-    plans = list(_plan.PLANS.values())
-    assert len(plans) == 4 and all(pl.variant == f"{layout}64c64sg" for pl in plans)
-    assert all(len(pl.launcher._steps) == 3 for pl in plans)  # prep, chain, segments
+        if final:
+            _as_close_as_the_whole_scan(errors(o, S, S0_ref, o0_ref), whole0)
+        else:
+            assert S is None
+            _as_close_as_the_whole_scan((0.0, reference.relative_error(o, o0_ref)), whole0)
+    plans = [pl for pl in _plan.PLANS.values() if pl.variant.endswith("sg")]
+    assert len(plans) == 4 and all(len(pl.launcher._steps) == 3 for pl in plans)  # prep, chain, segments
 
 
 @needs_wgmma
 @pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
 def test_segments_over_a_long_prompt(comba):
-    """One row of 4096 tokens over 4 heads of slow decay (a 1/e memory of ~500 tokens) on the segmented scan as
-    tiling.segments cuts it (16 segments): within the bf16 bounds of the reference from a warmed state."""
+    """One row of 4096 tokens over 4 heads of slowly decaying gates on the segmented scan as tiling.segments cuts
+    it (16 segments), from a warmed state: as close to the reference as the whole transposed scan.  It is the
+    default choice there."""
     q, k, v, p, beta, g, S = forward_inputs(1, 4096, 4, 128, 128, seed=4096, warm_steps=4, dtype=bfloat16, xp=cupy)
-    _check(comba, (q, k, v, p, beta, g / 100, S), None, variant="kv64c64sg")
+    args = (q, k, v, p, beta, g / 100, S)
+    S_ref, o_ref = reference.comba_loop(*(cupy.asnumpy(a) for a in (S, q, k, v, p if comba else k, beta, g / 100)))
+    runs = {scan: _forward(comba, *args, variant=f"kv64c64{scan}") for scan in ("wt", "sg")}
+    err = {scan: (reference.relative_error(S, S_ref), reference.relative_error(o, o_ref))
+           for scan, (o, S) in runs.items()}
+    _as_close_as_the_whole_scan(err["sg"], err["wt"])
+    o, S = _forward(comba, *args)
+    assert bool((o == runs["sg"][0]).all()) and bool((S == runs["sg"][1]).all())
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
