@@ -7,6 +7,7 @@ flash-linear-attention's chunked kernels in the same process (bf16, K = V = 128,
     PYTHONPATH=.:/tmp/site python benchmarks/sweep_prefill.py --wgmma benchmarks/results/h200-prefill-wgmma.json
     PYTHONPATH=. python benchmarks/sweep_prefill.py --transposed benchmarks/results/h200-prefill-transposed.json
     PYTHONPATH=. python benchmarks/sweep_prefill.py --segments benchmarks/results/h200-prefill-segments.json
+    PYTHONPATH=. python benchmarks/sweep_prefill.py --slow-gates benchmarks/results/h200-prefill-slow-gates.json
 
 ``--tiling``: Gated DeltaNet and Comba, "kv" and "vk", over 1-128 heads (H = 16; H = 32 from 32 heads
 on) and T = 256-4096, at each K of ``--head-sizes``: both 64-token slabs and the kernel the rules
@@ -26,6 +27,9 @@ choose without it, over 32-128 heads, T = 256-4096 (TRANSPOSED_GRID), rows as ``
 (SEGMENTS_GRID) against the whole transposed scan and the choice without either, and cut into each of
 SEGMENT_COUNTS segments (rows as ``--wgmma``'s, with ``segments: {count: us}`` and ``auto_segments``, the count
 tiling.segments gives).
+``--slow-gates`` (compute capability 9.0): the relative errors of o and of the final state against the float64
+reference of the segmented scan, the whole transposed scan and the choice without either, under slowly decaying
+gates (g / 100) at B = 1, T = 4096, H = 4 (rows ``{op, B, T, H, g_scale, <variant>: {o, state}}``).
 ``--wgmma`` (compute capability 9.0; the FLA rows need torch and fla-core): Gated DeltaNet and Comba, "kv" and
 "vk", K = 64 / 128, 1-128 heads, T = 256 / 1024 / 8192: both slabs of ``prefill_scan`` (``c64``) and of its
 wgmma form (``c64wg``), as rows ``{op, layout, K, V, B, T, H, us}``; then the ``--fla`` shapes.
@@ -92,11 +96,14 @@ def _timed(layout, K, comba, heads, T, variants, chosen, split=None):
 
 
 def _point(layout, K, comba, heads, T, wgmma):
-    """One row: the times of the tiling's choice, both 64-token slabs (of both scans with ``wgmma``) and the
-    kernel the rules after the prefill rule choose."""
+    """One row: the times of the tiling's choice, both 64-token slabs (of both scans with ``wgmma``, and there the
+    transposed scan, whole and in segments, at K = 64 and 128) and the kernel the rules after the prefill rule
+    choose."""
     scans = ("c64", "c64wg") if wgmma and K in families.FAMILY_K else ("c64",)
+    transposed = (f"{layout}64c64wt", f"{layout}64c64sg") if wgmma and K in (64, 128) else ()
     return _timed(layout, K, comba, heads, T, (_without_prefill(layout, K, V, comba, T, heads),
-                                               *(f"{layout}{slab}{scan}" for scan in scans for slab in (16, 32))),
+                                               *(f"{layout}{slab}{scan}" for scan in scans for slab in (16, 32)),
+                                               *transposed),
                   tiling.choose(layout, K, V, comba, True, T, heads, wgmma=wgmma))
 
 
@@ -167,7 +174,7 @@ def sweep_segments(save=None):
         B = heads // H
         without = tiling.choose(layout, K_, V, comba, True, T, heads, wgmma=True, transposed=False)
         row = _timed(layout, K_, comba, heads, T, (without, f"{layout}64c64wt", f"{layout}64c64sg"),
-                     tiling.choose(layout, K_, V, comba, True, T, heads, wgmma=True, segmented=True), (B, H))
+                     tiling.choose(layout, K_, V, comba, True, T, heads, wgmma=True), (B, H))
         args = forward_inputs(B, T, H, K_, V, xp=cupy, state_layout=layout, warm_steps=0, seed=T)
         chunks, auto, row["segments"] = -(-T // 64), tiling.segments, {}
         try:
@@ -187,6 +194,34 @@ def sweep_segments(save=None):
         rows.append(row)
         if save:
             save(rows)
+    return rows
+
+
+def segment_errors():
+    """The relative errors of o and of the final state against the float64 reference under slowly decaying gates
+    (g / 100: a 1/e memory of ~500 tokens, where each segment's start depends on all before it), Gated DeltaNet and
+    Comba at B = 1, T = 4096, H = 4 from a warmed state: the segmented scan as tiling.segments cuts it, the whole
+    transposed scan, and the choice without either."""
+    rows = []
+    for comba in (False, True):
+        q, k, v, p, beta, g, S = forward_inputs(1, 4096, 4, K, V, xp=cupy, warm_steps=4, seed=4196)
+        g = g / 100
+        h = cupy.asnumpy
+        S_ref, o_ref = reference.comba_loop(h(S), h(q), h(k), h(v), h(p if comba else k), h(beta), h(g))
+        without = tiling.choose("kv", K, V, comba, True, 4096, 4, wgmma=True, transposed=False)
+        row = dict(op="comba" if comba else "gdn", B=1, T=4096, H=4, g_scale=0.01)
+        for variant in (without, "kv64c64wt", "kv64c64sg"):
+            out, state_out = cupy.full(v.shape, cupy.nan, bfloat16), cupy.full(S.shape, cupy.nan, cupy.float32)
+            opts = dict(initial_state=S, out=out, state_out=state_out, variant=variant)
+            if comba:
+                comba_forward(q, k, v, p, beta, g, **opts)
+            else:
+                gated_delta_forward(q, k, v, beta, g, **opts)
+            row[variant] = {"o": float(reference.relative_error(out, o_ref)),
+                            "state": float(reference.relative_error(state_out, S_ref))}
+        print("   slow gates " + " ".join(f"{v}: o {e['o']:.2e} state {e['state']:.2e}" for v, e in row.items()
+                                          if isinstance(e, dict)) + f" ({row['op']})", flush=True)
+        rows.append(row)
     return rows
 
 
@@ -247,6 +282,8 @@ def main():
                                                          "(TRANSPOSED_GRID)")
     ap.add_argument("--segments", metavar="JSON", help="the segmented scan against the whole scans, and by its "
                                                        "number of segments (SEGMENTS_GRID)")
+    ap.add_argument("--slow-gates", metavar="JSON", help="the segmented scan's errors against the reference under "
+                                                         "slowly decaying gates, beside the whole scans'")
     ap.add_argument("--lengths", metavar="JSON", help="the tiling's choice against the best, T = 16 - 65536 (kv, "
                                                       "--head-sizes)")
     ap.add_argument("--wgmma", metavar="JSON", help="the wgmma scan against prefill_scan (WGMMA_GRID), and against "
@@ -271,6 +308,9 @@ def main():
                 json.dump({"environment": environment(), "rows": rows}, f, indent=1)
 
         sweep_segments(save)
+    if a.slow_gates:
+        with open(a.slow_gates, "w") as f:
+            json.dump({"environment": environment(), "rows": segment_errors()}, f, indent=1)
     if a.transposed:
         rows = sweep_transposed()
         with open(a.transposed, "w") as f:

@@ -29,13 +29,6 @@ ONE_WARP_HEADS = 256
 NARROW_VK_HEADS = 512
 
 
-#: Whether the default choice may take the segmented scan (``{layout}64c64sg``; ``choose(..., segmented=True)`` lets
-#: it): not yet -- its composition of the segments' maps has run on the GPU only with gates whose decay leaves the
-#: maps near zero; tests/test_prefill_gpu.py's ``test_segments_*`` hold it to the reference with gates of slow
-#: decay, and the rule below is the one measured for it.
-SEGMENTED_BY_DEFAULT = False
-
-
 class Case(NamedTuple):
     """A shape as the rules see it."""
 
@@ -52,7 +45,7 @@ class Case(NamedTuple):
     wgmma: bool = False  #: bf16 products of bf16 q, k, p on a GPU of compute capability 9.0 (``prefill_scan_wg``)
     transposed: bool = True  #: with ``wgmma``, the transposed scan may be chosen (False: the rules before it)
     ragged: bool = False  #: packed sequences (``cu_seqlens``), which the segmented scan does not take
-    segmented: bool = False  #: the segmented scan may be chosen (``choose`` passes SEGMENTED_BY_DEFAULT)
+    segmented: bool = True  #: with ``transposed``, the segmented scan may be chosen (False: the rules before it)
 
     @property
     def few(self):
@@ -330,7 +323,7 @@ def _decide(case):
 
 
 def choose(layout, K, V, separate_p, multi=False, T=1, heads=None, wide_keys=False, max_shared=MAX_SHARED,
-           verify=False, wgmma=False, transposed=True, ragged=False, segmented=None):
+           verify=False, wgmma=False, transposed=True, ragged=False, segmented=True):
     """The variant for a shape: ``multi`` for T-token passes (T of them), ``heads`` = B * H; ``wide_keys``
     not all of q, k, p bf16; ``max_shared`` the bytes of shared memory the GPU allows a CTA (a prefill
     build that needs more leaves the shape to the rules after it: on an A100, 163 KB, Comba's and the
@@ -338,9 +331,7 @@ def choose(layout, K, V, separate_p, multi=False, T=1, heads=None, wide_keys=Fal
     every token stored (speculative verify), which only the token loop does (T is then 1); ``wgmma``: bf16 q, k,
     p with bf16 products on a GPU of compute capability 9.0, where the prefill scan also runs on wgmma;
     ``transposed=False`` leaves out the transposed wgmma scans (the sweeps that predate them); ``ragged``:
-    packed sequences (``cu_seqlens``; T their mean length); ``segmented``: whether the segmented scan may be
-    chosen (None: SEGMENTED_BY_DEFAULT)."""
-    if segmented is None:
-        segmented = SEGMENTED_BY_DEFAULT
+    packed sequences (``cu_seqlens``; T their mean length); ``segmented=False`` leaves out the segmented scan (the
+    sweeps that predate it)."""
     return _decide(Case(layout, K, V, bool(separate_p), bool(multi), T, heads, bool(wide_keys), max_shared,
                         bool(verify), bool(wgmma), bool(transposed), bool(ragged), bool(segmented)))[1]
