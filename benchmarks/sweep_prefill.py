@@ -51,9 +51,9 @@ FLA_SHAPES = ((1, 1024, 16), (1, 4096, 16), (1, 8192, 16), (1, 32768, 32), (8, 2
 
 
 def _call(comba, args, **opts):
-    """One forward pass into buffers made once (a captured call must not allocate)."""
+    """One forward pass into buffers made once (a captured call must not allocate), NaN until it writes them."""
     q, k, v, p, beta, g, S = args
-    out, state_out = cupy.empty(v.shape, bfloat16), cupy.empty_like(S)
+    out, state_out = cupy.full(v.shape, cupy.nan, bfloat16), cupy.full(S.shape, cupy.nan, S.dtype)
     if comba:
         return lambda: comba_forward(q, k, v, p, beta, g, initial_state=S, out=out, state_out=state_out, **opts)
     return lambda: gated_delta_forward(q, k, v, beta, g, initial_state=S, out=out, state_out=state_out, **opts)
@@ -211,12 +211,7 @@ def segment_errors():
         without = tiling.choose("kv", K, V, comba, True, 4096, 4, wgmma=True, transposed=False)
         row = dict(op="comba" if comba else "gdn", B=1, T=4096, H=4, g_scale=0.01)
         for variant in (without, "kv64c64wt", "kv64c64sg"):
-            out, state_out = cupy.full(v.shape, cupy.nan, bfloat16), cupy.full(S.shape, cupy.nan, cupy.float32)
-            opts = dict(initial_state=S, out=out, state_out=state_out, variant=variant)
-            if comba:
-                comba_forward(q, k, v, p, beta, g, **opts)
-            else:
-                gated_delta_forward(q, k, v, beta, g, **opts)
+            out, state_out = _call(comba, (q, k, v, p, beta, g, S), variant=variant)()
             row[variant] = {"o": float(reference.relative_error(out, o_ref)),
                             "state": float(reference.relative_error(state_out, S_ref))}
         print("   slow gates " + " ".join(f"{v}: o {e['o']:.2e} state {e['state']:.2e}" for v, e in row.items()
