@@ -20,6 +20,12 @@ A stream that is capturing -- the caller building a CUDA graph of their own -- g
 stream is capturing" and invalidates the capture), and the caller's graph then holds an ordinary
 kernel node.  ``CUPY_COMBA_GRAPH_LAUNCH=0`` in the environment turns the graph path off; so does
 a driver without ``cuGraphExecKernelNodeSetParams_v2`` (CUDA < 12).
+
+A Launcher made ``dependent`` launches its kernels after the first as programmatic dependents of the one before
+(``cuLaunchKernelEx``; captured, a programmatic edge of the graph): each may start while the one before finishes,
+and waits for it where it first reads what it wrote -- the prefill scan after its prep on GPUs of compute
+capability 9.0 (:mod:`cupy_comba._plan`).  ``CUPY_COMBA_PDL=0`` launches them the ordinary way; so does a driver
+older than CUDA 12.3.
 """
 
 import ctypes
@@ -139,6 +145,45 @@ def _load_driver():
 _DRIVER = None if cupy is None else _load_driver()
 
 
+class _LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute`` (cuda.h): an id, padding to 8 bytes, a 64-byte value."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig`` (cuda.h, CUDA >= 12)."""
+
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+#: ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``: the kernel may launch before the one before it on the
+#: stream ends, and waits for it with ``griddepcontrol.wait`` (kernels_cu/prefill.cu, ``await_earlier``).
+_PROGRAMMATIC = 6
+
+
+def _load_launch_ex():
+    """``cuLaunchKernelEx`` from the CUDA driver where programmatic dependent launches may be used, or None."""
+    if os.environ.get("CUPY_COMBA_PDL", "1") == "0":
+        return None
+    lib = libcuda()
+    version = ctypes.c_int(0)
+    try:
+        launch, get_version = lib.cuLaunchKernelEx, lib.cuDriverGetVersion
+    except AttributeError:
+        return None
+    # a programmatic launch captured into a graph becomes a programmatic edge from CUDA 12.3 on
+    if get_version(ctypes.byref(version)) or version.value < 12030:
+        return None
+    launch.argtypes = (ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+    launch.restype = ctypes.c_int
+    return launch
+
+
+_LAUNCH_EX = None if cupy is None else _load_launch_ex()
+
+
 def graph_launches():
     """Whether launches on a stream that is not capturing go through CUDA graphs."""
     return _DRIVER is not None
@@ -176,12 +221,18 @@ class Launcher:
         used it, since the captured graph holds its address).
     maps : cupy_comba._tma.StageMaps, optional
         The prefill kernels' last argument, pointed at each launch's q, k, p and v.
+    dependent : bool
+        Launch each kernel after the first as a programmatic dependent of the one before (``cuLaunchKernelEx``;
+        the prefill kernels, which wait for it themselves: kernels_cu/prefill.cu, ``await_earlier``), where the
+        driver has them and ``CUPY_COMBA_PDL`` is not ``0``; the kernels' GPU must be of compute capability 9.0
+        or later.
     """
 
     __slots__ = ("kernel", "grid", "block", "params", "scale", "shared_bytes", "_steps", "_slots", "_written", "_keep",
-                 "_argv", "_lock", "_graphs", "_node_params", "workspace", "_buffers", "_maps")
+                 "_argv", "_lock", "_graphs", "_node_params", "workspace", "_buffers", "_maps", "_configs")
 
-    def __init__(self, kernel, grid, block, params, scale, shared_bytes=0, *, before=(), workspace=0, maps=None):
+    def __init__(self, kernel, grid, block, params, scale, shared_bytes=0, *, before=(), workspace=0, maps=None,
+                 dependent=False):
         self.kernel, self.grid, self.block, self.params, self.scale = kernel, grid, block, params, scale
         self.shared_bytes, self.workspace = shared_bytes, workspace
         steps = [step for step in before if step[1][0] > 0] + [(kernel, grid, block, shared_bytes)]
@@ -201,6 +252,8 @@ class Launcher:
         nodes = [_KernelNodeParams(fn, g, (b, 1, 1), s, self._argv, None, None, None)
                  for fn, g, b, s in self._steps]
         self._node_params = tuple(ctypes.addressof(n) for n in nodes)
+        self._configs = tuple(_programmatic(g, b, s) if i and dependent and _LAUNCH_EX is not None else None
+                              for i, (_, g, b, s) in enumerate(self._steps))
         self._keep = (params_buf, scale_buf, argv, nodes, [k for k, *_ in steps])  # read at every launch
         self._lock = threading.Lock()  # one thread at a time writes the pointer slots and launches
         self._graphs = {}  # stream handle -> _StreamGraph, or None after the stream's first launch
@@ -256,8 +309,14 @@ class Launcher:
 
     def _launch_kernels(self, stream):
         # cuLaunchKernel copies the arguments before it returns: the slots are free again.
-        for fn, grid, block, shared in self._steps:
-            cupy.cuda.driver.launchKernel(fn, *grid, block, 1, 1, shared, stream, self._argv, 0)
+        for (fn, grid, block, shared), config in zip(self._steps, self._configs):
+            if config is None:
+                cupy.cuda.driver.launchKernel(fn, *grid, block, 1, 1, shared, stream, self._argv, 0)
+                continue
+            config.stream = stream
+            status = _LAUNCH_EX(ctypes.byref(config), fn, self._argv, None)
+            if status:
+                raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {status}")
 
     def _capture(self, pointers):
         """A graph of the kernels with the slots' arguments, captured on a private stream; its kernel
@@ -288,6 +347,15 @@ class Launcher:
         graph = _StreamGraph()
         graph.graph, graph.exec, graph.node, graph.pointers = captured, captured.graphExec, tuple(order), pointers
         return graph
+
+
+def _programmatic(grid, block, shared_bytes):
+    """The ``CUlaunchConfig`` of a programmatic dependent launch (its stream set at each launch); it holds its
+    attribute."""
+    attribute = _LaunchAttribute(id=_PROGRAMMATIC, value=1)
+    config = _LaunchConfig(grid, (block, 1, 1), shared_bytes, None, ctypes.pointer(attribute), 1)
+    config._attribute = attribute
+    return config
 
 
 #: The pointer slot the prefill kernels take their workspace in (intermediate_states, which they never keep).

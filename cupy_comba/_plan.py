@@ -31,6 +31,11 @@ _NO_SERVING = (None,) * 6
 PLANS = {}
 PLANS_MAX = 256
 
+#: Whether the segmented scan's chain and segments launch as programmatic dependents too (the prep's scan does, on
+#: compute capability 9.0): measured 1.0-3.1 % slower than launched in turn at B = 1, H = 16, T = 2048-4096 and
+#: 2.5 % at H = 32, T = 32768, 0.5-0.8 % faster at H = 16, T = 8192 (h200-prefill-launches.json).
+SEGMENTS_DEPENDENT = False
+
 
 class Plan:
     """One validated call signature on one device (or the CPU), ready to run.
@@ -116,7 +121,8 @@ class Plan:
             self.launcher = Launcher(compiled(kernel.expression, kernel.shared_bytes), grid, kernel.block,
                                      pack_params(sig, kernel.grid3, seg_chunks), numpy.float32(sig.scale),
                                      kernel.shared_bytes,
-                                     before=before, workspace=workspace, maps=maps)
+                                     before=before, workspace=workspace, maps=maps,
+                                     dependent=int(cc) >= 90 and (SEGMENTS_DEPENDENT or not kernel.chain))
 
 
 def _activation_build(sig):

@@ -246,6 +246,24 @@ struct StageMaps {
 static_assert(sizeof(TensorMap) == 128 && sizeof(StageMaps) == 576,
               "StageMaps: cupy_comba/_tma.py writes 576 bytes, four maps and `use` at byte 512");
 #define COMBA_PREFILL_ARGS COMBA_KERNEL_ARGS, const __grid_constant__ StageMaps maps
+// A plan's kernels run in turn on one stream; on compute capability 9.0 the whole scans are launched as programmatic
+// dependents of the prep (cupy_comba/_launcher.py; the segmented scan's chain and segments may be, and measured
+// slower: _plan.SEGMENTS_DEPENDENT).  A kernel lets the next one launch as it begins (launch_next), and the next
+// waits for the kernels before it to end and their writes to be visible (await_earlier) before it reads the
+// workspace -- so its launch, its CTAs' start and its prologue overlap the tail of the kernel before.  Every CTA
+// waits before it exits, whether it reads the workspace or not: a kernel's end then implies the end of those
+// before it, which is all the caller's next kernel waits for.  Both are no-ops in a kernel launched the ordinary
+// way.
+__device__ __forceinline__ void launch_next() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void await_earlier() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
 #if __CUDA_ARCH__ >= 900
 #define COMBA_BULK_COPY 1
 __device__ __forceinline__ void mbarrier_init(unsigned long long* bar) {
@@ -613,6 +631,7 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     // per token: the gate, beta, the L2-norm factors, and L's and Mq's row factors beta fp and scale fq
     __shared__ __align__(16) float e[C], bt[C], fq[C], fk[C], fp[C], lp[C], lq[C];
     float* work = inter;
+    launch_next();
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, lg = lane >> 2, lj = lane & 3;
     const int H = static_cast<int>(prm.H);
@@ -1126,7 +1145,11 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_PREFILL_AR
     const ScanRow row = scan_row<K, VT, SERVING>(cu_seqlens, slots, prm, q, k, v, p, beta, g, o);
     const int b = row.b, h = row.h, hk = row.hk, col0 = row.col0, T = row.T, chunks = row.chunks;
     const long long first = row.first, head = row.head;
-    if (SERVING && row.slot < 0) return row.zero_padding(o, prm, VT, tid, kScanThreads);
+    launch_next();
+    if (SERVING && row.slot < 0) {
+        await_earlier();
+        return row.zero_padding(o, prm, VT, tid, kScanThreads);
+    }
 
     const KeyCopies copies = key_copies(q, k, p, prm, ES);
     const int v_bytes = prm.v_t == F32 ? 4 : 2;
@@ -1255,6 +1278,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_PREFILL_AR
     // This lane's state: key tile m = MT mrow + i holds keys 16 m + 2 lg (accumulator row lg) and
     // 16 m + 2 lg + 1 (row lg + 8) -- a permutation of the key index that makes a lane's two write-key
     // values one pair load -- and columns 8 nt + 2 lj, + 1.
+    await_earlier();  // the records written
     if (chunks > 0) {
         stage_next(0, 0);
         copy_async_commit();

@@ -193,7 +193,11 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
     const ScanRow row = scan_row<K, VT, SERVING>(cu_seqlens, slots, prm, q, k, v, p, beta, g, o);
     const int b = row.b, h = row.h, hk = row.hk, col0 = row.col0, T = row.T, chunks = row.chunks;
     const long long first = row.first, head = row.head;
-    if (SERVING && row.slot < 0) return row.zero_padding(o, prm, VT, tid, kWgThreads);
+    launch_next();
+    if (SERVING && row.slot < 0) {
+        await_earlier();
+        return row.zero_padding(o, prm, VT, tid, kWgThreads);
+    }
 
     const KeyCopies copies = key_copies(q, k, p, prm, 2);
     const int v_bytes = prm.v_t == F32 ? 4 : 2, v_row = VT * v_bytes;
@@ -233,6 +237,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
         for (int i = tid; i < R::SIZE / 4; i += kWgThreads) copy_async16(at + L::REC_AT + 16 * i, rec + 4 * i, true);
         copy_async_commit();
     };
+    await_earlier();  // the records written
     if (chunks > 0) stage_next(0, 0);
 
     // The state: tile mt's rows 64 mt + 16 warp + lg (accumulators 4 j, 4 j + 1) and + 8 (4 j + 2, 4 j + 3), columns
@@ -523,17 +528,22 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_A
     const int lc = PART == kWtWhole ? 1 : static_cast<int>(prm.seg_chunks);
     const int segs = PART == kWtWhole ? 1 : max(1, (row_chunks + lc - 1) / lc);
     const int slabs = (V + (CHAIN ? K : 0)) / 64;
+    launch_next();
     int cta = static_cast<int>(blockIdx.x), seg = 0;
     if constexpr (PART != kWtWhole) {
         const int per = static_cast<int>(prm.B) * H * slabs, i = cta / per;
         cta -= i * per;
         seg = (CHAIN ? segs - 2 : segs - 1) - i;
-        if (seg < 0) return;  // past the segments of a grid made for longer rows (the host makes none)
+        if (seg < 0) {  // past the segments of a grid made for longer rows (the host makes none)
+            await_earlier();
+            return;
+        }
     }
     const ScanRow row = scan_row<K, 64, SERVING>(cu_seqlens, slots, prm, q, k, v, p, beta, g, o, cta, slabs);
     const int b = row.b, h = row.h, hk = row.hk, col0 = row.col0, T = row.T, chunks = row.chunks;
     const long long first = row.first, head = row.head;
     if (SERVING && row.slot < 0) {  // a padding row: its o zeroed once, by the (first) segment's CTAs
+        await_earlier();
         if (CHAIN || seg > 0) return;
         return row.zero_padding(o, prm, 64, tid, kWgThreads);
     }
@@ -586,6 +596,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_A
                           prm.k_t, n, copies.k, tid);
         copy_async_commit();
     };
+    await_earlier();  // the records (and the segments' maps) written
     if (c_begin < c_end) stage_next(c_begin, 0);
 
     // S^T: rows ca = col0 + 16 warp + lg (accumulators 4 j, 4 j + 1) and cb = ca + 8 (4 j + 2, 4 j + 3), keys

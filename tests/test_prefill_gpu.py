@@ -345,6 +345,60 @@ def test_repeated_calls_with_new_buffers():
     assert reference.relative_error(results[-1][0], o_ref) <= TOL["bf16", "bfloat16"][1]
 
 
+@pytest.mark.parametrize("variant", ["kv16c64", "kv16c64wg", "vk64c64wt", "kv64c64sg"])
+def test_programmatic_dependent_launches(variant, monkeypatch):
+    """Each kernel of a plan after the first launched as a programmatic dependent of the one before (compute
+    capability 9.0, CUDA >= 12.3): the first call's plain launches, then the op's graph, replayed with new buffers,
+    then a caller's capture with a padding row, each bit for bit what the same kernels give launched one after
+    the other, and near the reference."""
+    from cupy_comba import _launcher, _plan
+    if variant[2:] != "16c64" and not _wgmma():
+        pytest.skip("the wgmma scans need compute capability 9.0")
+    layout = variant[:2]
+    monkeypatch.setattr(_plan, "PLANS", {})
+    B, T, H, K, V = 3, 1500, 2, 128, 128
+    q, k, v, p, beta, g, _ = forward_inputs(B, T, H, K, V, state_layout=layout, seed=15, xp=cupy)
+    shape = (B + 1, H, K, V) if layout == "kv" else (B + 1, H, V, K)
+    pool = cupy.asarray(numpy.random.default_rng(15).standard_normal(shape).astype(F32) / 8)
+    idx = cupy.asarray(numpy.array([2, -1, 0], numpy.int32))
+
+    def calls():
+        runs = []
+        for i in range(3):  # a plain launch, the graph's capture, a replay with new pointers
+            out, state_out = cupy.full(v.shape, cupy.nan, v.dtype), cupy.full((B,) + shape[1:], cupy.nan, F32)
+            runs.append(comba_forward(q, k, v, p, beta, g, initial_state=pool[:B], out=out, state_out=state_out,
+                                      state_layout=layout, variant=variant))
+        stream = cupy.cuda.Stream(non_blocking=True)
+        pooled = pool.copy()
+        out = cupy.full(v.shape, cupy.nan, v.dtype)
+        with stream:
+            stream.begin_capture()
+            comba_forward(q, k, v, p, beta, g, initial_state=pooled, state_indices=idx, out=out, state_layout=layout,
+                          variant=variant)
+            graph = stream.end_capture()
+            graph.launch(stream)
+        stream.synchronize()
+        return runs + [(out, pooled)], [pl.launcher for pl in _plan.PLANS.values()]
+
+    runs, launchers = calls()
+    programmatic = _launcher._LAUNCH_EX is not None and int(cupy.cuda.Device().compute_capability) >= 90
+    for launcher in launchers:
+        dependent = programmatic and not variant.endswith("sg")  # the segmented scan's launch in turn
+        assert [c is not None for c in launcher._configs] == [i > 0 and dependent for i in range(len(launcher._steps))]
+    monkeypatch.setattr(_launcher, "_LAUNCH_EX", None)
+    monkeypatch.setattr(_plan, "PLANS", {})
+    plain, launchers = calls()
+    assert all(c is None for launcher in launchers for c in launcher._configs)
+    for (o, S), (o_plain, S_plain) in zip(runs, plain):
+        assert bool((o == o_plain).all()) and bool((S == S_plain).all())
+    S_ref, o_ref = reference.comba_loop(cupy.asnumpy(pool[:B]), *map(cupy.asnumpy, (q, k, v, p, beta, g)),
+                                        state_layout=layout)
+    for o, S in runs[:3]:
+        assert reference.relative_error(o, o_ref) <= TOL["bf16", "bfloat16"][1]
+        assert reference.relative_error(S, S_ref) <= TOL["bf16", "bfloat16"][0]
+    assert bool((runs[3][0][1] == 0).all())  # the padding row
+
+
 def test_variants_that_do_not_fit_are_refused():
     args = forward_inputs(1, 70, 2, 256, 64, seed=1, dtype=F32, xp=cupy)
     with pytest.raises(ValueError, match="shared memory"):
