@@ -14,7 +14,9 @@ on) and T = 256-4096, at each K of ``--head-sizes``: both 64-token slabs and the
 after the prefill rule choose (`_without_prefill`).
 ``--lengths``: Gated DeltaNet and Comba, "kv", over 1, 16, 32, 64 and 128 heads and T = 16-65536 at each K of
 ``--head-sizes``: the tiling's choice, both 64-token slabs and the kernel the rules after the prefill rule
-choose.  Rows hold the times only: the renderer marks the choice of the tree it runs in.  Both sweeps time
+choose (and on compute capability 9.0 the transposed scan, whole and in segments).  Rows hold the times only: the
+renderer marks the choice of the tree it runs in.  The file is written after every point; ``--resume`` keeps the
+points a file holds and times the rest (a sweep run in several sittings, ``--head-sizes`` at a time).  Both sweeps time
 the wgmma scan's slabs too on compute capability 9.0, where the library takes it for bf16 inputs, and
 say so in the file (``"wgmma": true``).
 ``--fla`` (needs torch and fla-core): the shapes of the issue's table, both ops, our choice against
@@ -38,6 +40,7 @@ wgmma form (``c64wg``), as rows ``{op, layout, K, V, B, T, H, us}``; then the ``
 import argparse
 import itertools
 import json
+import os
 
 import cupy
 import numpy
@@ -117,10 +120,18 @@ def sweep_tiling(layouts, head_sizes, wgmma):
 LENGTHS = (16, 32, 48, 49, 64, 96, 97, 112, 113, 128, 160, 161, 176, 177, 192, 256, 1024, 8192, 65536)
 
 
-def sweep_lengths(head_sizes, wgmma):
-    """The tiling's choice against the 64-token slabs and the kernel they replace, at every T of LENGTHS."""
-    return [_point("kv", K, comba, heads, T, wgmma) for K in head_sizes for comba in (False, True)
-            for heads in (1, 16, 32, 64, 128) for T in LENGTHS]
+def sweep_lengths(head_sizes, wgmma, rows=(), save=None):
+    """The tiling's choice against the 64-token slabs and the kernel they replace, at every T of LENGTHS; the
+    points of ``rows`` (a file this sweep began) kept and not timed again, ``save(rows)`` after each new one."""
+    rows = list(rows)
+    done = {(r["op"], r["K"], r["B"] * r["H"], r["T"]) for r in rows}
+    for K, comba, heads, T in itertools.product(head_sizes, (False, True), (1, 16, 32, 64, 128), LENGTHS):
+        if ("comba" if comba else "gdn", K, heads, T) in done:
+            continue
+        rows.append(_point("kv", K, comba, heads, T, wgmma))
+        if save:
+            save(rows)
+    return rows
 
 
 #: ``--wgmma``: the grid of the wgmma scan against prefill_scan, both slabs (vk over 128 heads to T = 1024)
@@ -280,7 +291,9 @@ def main():
     ap.add_argument("--slow-gates", metavar="JSON", help="the segmented scan's errors against the reference under "
                                                          "slowly decaying gates, beside the whole scans'")
     ap.add_argument("--lengths", metavar="JSON", help="the tiling's choice against the best, T = 16 - 65536 (kv, "
-                                                      "--head-sizes)")
+                                                      "--head-sizes); written after every point")
+    ap.add_argument("--resume", action="store_true", help="with --lengths: keep the points its file holds and time "
+                                                          "the rest")
     ap.add_argument("--wgmma", metavar="JSON", help="the wgmma scan against prefill_scan (WGMMA_GRID), and against "
                                                     "flash-linear-attention on the FLA_SHAPES (needs torch, fla-core)")
     a = ap.parse_args()
@@ -290,9 +303,18 @@ def main():
         with open(a.wgmma, "w") as f:
             json.dump({"environment": environment(), "rows": rows, "fla": fla}, f, indent=1)
     if a.lengths:
-        rows = sweep_lengths([int(k) for k in a.head_sizes.split(",")], _hopper())
-        with open(a.lengths, "w") as f:
-            json.dump({"environment": environment(), "wgmma": _hopper(), "rows": rows}, f, indent=1)
+        report = {"environment": environment(), "wgmma": _hopper(), "rows": []}
+        if a.resume and os.path.exists(a.lengths):  # its points kept, if they are of a GPU of the same kind
+            with open(a.lengths) as f:
+                report = json.load(f)
+            if report["wgmma"] != _hopper() or report["environment"]["gpu"] != environment()["gpu"]:
+                raise SystemExit(f"{a.lengths} holds a sweep of another GPU: leave out --resume")
+
+        def save(rows):
+            with open(a.lengths, "w") as f:
+                json.dump(dict(report, rows=rows), f, indent=1)
+
+        sweep_lengths([int(k) for k in a.head_sizes.split(",")], _hopper(), report["rows"], save)
     if a.tiling:
         rows = sweep_tiling(a.layouts.split(","), [int(k) for k in a.head_sizes.split(",")], _hopper())
         with open(a.tiling, "w") as f:
