@@ -204,6 +204,23 @@ def test_params_struct_is_the_packed_block():
     assert len(PARAMS_FIELDS) == PARAMS.itemsize // 8
 
 
+def test_programmatic_launch_config_is_cuda_h_layout():
+    """The ctypes ``CUlaunchConfig`` and ``CUlaunchAttribute`` that dependent launches hand cuLaunchKernelEx have
+    cuda.h's sizes and offsets (CUDA 12: seven uints, the stream at 32, the attributes at 40, their count at 48; an
+    attribute a 4-byte id padded to 8 and a 64-byte value), and a dependent launch's config asks for programmatic
+    stream serialization (attribute 6, value 1) with the kernel's grid, block and shared memory."""
+    import ctypes
+    from cupy_comba._launcher import _LaunchAttribute, _LaunchConfig, _programmatic
+    assert ctypes.sizeof(_LaunchAttribute) == 72 and _LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(_LaunchConfig) == 56
+    assert (_LaunchConfig.shared_bytes.offset, _LaunchConfig.stream.offset, _LaunchConfig.attrs.offset,
+            _LaunchConfig.num_attrs.offset) == (24, 32, 40, 48)
+    config = _programmatic((96, 2, 1), 128, 70000)
+    assert (list(config.grid), list(config.block), config.shared_bytes, config.num_attrs) == ([96, 2, 1], [128, 1, 1],
+                                                                                              70000, 1)
+    assert (config.attrs[0].id, config.attrs[0].value) == (6, 1)
+
+
 def test_prefill_shared_bytes_are_the_layouts():
     """families.prefill_scan_bytes and prefill_prep_bytes (the dynamic shared memory the launch passes) equal
     ScanLayout::BYTES and PrepLayout::BYTES of kernels_cu/prefill.cu for every build, the workspace's record
