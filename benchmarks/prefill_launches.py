@@ -10,37 +10,39 @@ too), then none (``CUPY_COMBA_PDL=0``).
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 
-SHAPES = ((1, 1024, 16), (1, 2048, 16), (1, 4096, 16), (1, 8192, 16), (8, 2048, 16), (4, 4096, 32),
-          (1, 32768, 32))
+
+def _sweep_prefill():
+    """benchmarks/sweep_prefill.py as a module: its shapes and its forward-pass closures."""
+    spec = importlib.util.spec_from_file_location("sweep_prefill",
+                                                  os.path.join(os.path.dirname(__file__), "sweep_prefill.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def measure():
-    """One process's timings, as ``{name: us}``, under the CUPY_COMBA_PDL it was started with."""
+    """One process's timings, as ``{name: us}``, under the CUPY_COMBA_PDL it was started with: the shapes of
+    flash-linear-attention's table and B = 1, T = 2048, H = 16."""
     import cupy
 
-    from cupy_comba import _plan, bfloat16, comba_forward, gated_delta_forward
-    _plan.SEGMENTS_DEPENDENT = True
+    from cupy_comba import _plan
     from cupy_comba.bench import time_graph
     from cupy_comba.inputs import forward_inputs
 
+    sweep = _sweep_prefill()
+    _plan.SEGMENTS_DEPENDENT = True
     res = {}
     for comba in (False, True):
-        for B, T, H in SHAPES:
-            q, k, v, p, beta, g, S = forward_inputs(B, T, H, 128, 128, xp=cupy, warm_steps=2, seed=T)
-            out, so = cupy.empty(v.shape, bfloat16), cupy.empty_like(S)
-
-            def run():
-                if comba:
-                    return comba_forward(q, k, v, p, beta, g, initial_state=S, out=out, state_out=so)
-                return gated_delta_forward(q, k, v, beta, g, initial_state=S, out=out, state_out=so)
-
+        for B, T, H in sweep.FLA_SHAPES[:1] + ((1, 2048, 16),) + sweep.FLA_SHAPES[1:]:
+            args = forward_inputs(B, T, H, sweep.K, sweep.V, xp=cupy, warm_steps=2, seed=T)
             _plan.PLANS.clear()
-            us = time_graph(run, iters=9).median_us
+            us = time_graph(sweep._call(comba, args), iters=9).median_us
             variant = list(_plan.PLANS.values())[0].variant
             res[f"{'comba' if comba else 'gdn'} B{B} T{T} H{H} {variant}"] = round(us, 1)
     return res
