@@ -29,6 +29,7 @@ older than CUDA 12.3.
 """
 
 import ctypes
+import functools
 import os
 import sys
 import threading
@@ -116,8 +117,9 @@ class _KernelNodeParams(ctypes.Structure):
                 ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
 
 
+@functools.cache
 def libcuda():
-    """The CUDA driver library through ctypes (for the entry points CuPy does not wrap), or None."""
+    """The CUDA driver library through ctypes (for the entry points CuPy does not wrap), or None; opened once."""
     try:
         return ctypes.WinDLL("nvcuda.dll") if sys.platform == "win32" else ctypes.CDLL("libcuda.so.1")
     except OSError:
