@@ -118,9 +118,14 @@ class Plan:
             if kernel.chain:
                 before.append((compiled(kernel.chain, kernel.chain_shared_bytes), chain_grid, kernel.block,
                                kernel.chain_shared_bytes))
-            self.launcher = Launcher(compiled(kernel.expression, kernel.shared_bytes), grid, kernel.block,
-                                     pack_params(sig, kernel.grid3, seg_chunks), numpy.float32(sig.scale),
-                                     kernel.shared_bytes,
+            shared = kernel.shared_bytes
+            # the wgmma scan's third stage: where its CTAs take one SM each anyway (more room would leave those
+            # past the SMs a second wave) and a row may be long enough to use it
+            if kernel.ring_shared_bytes and grid[0] * grid[1] * grid[2] <= sm_count(self.device) and \
+                    sig.T >= families.WG_RING_CHUNKS * families.PREFILL_CHUNK and kernel.ring_shared_bytes <= limit:
+                shared = kernel.ring_shared_bytes
+            self.launcher = Launcher(compiled(kernel.expression, shared), grid, kernel.block,
+                                     pack_params(sig, kernel.grid3, seg_chunks), numpy.float32(sig.scale), shared,
                                      before=before, workspace=workspace, maps=maps,
                                      dependent=int(cc) >= 90 and (SEGMENTS_DEPENDENT or not kernel.chain))
 

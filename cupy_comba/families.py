@@ -127,6 +127,7 @@ class Kernel(NamedTuple):
     swizzled_keys: bool = False  #: q's and k's rows in 128-byte swizzled boxes of 64 keys (prefill_scan_wt's maps)
     chain: str = ""             #: the segmented scan's first launch after the prep: each segment's map
     chain_shared_bytes: int = 0  #: its dynamic shared memory a CTA (its block: ``block``)
+    ring_shared_bytes: int = 0  #: ``shared_bytes`` with room for a third stage (prefill_scan_wg), 0: none
 
     def grid(self, B, H, V):
         """The launch's grid ``(x, y, z)`` for B x H heads of V value columns: one CTA a slab of a head."""
@@ -265,7 +266,7 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
         return Kernel(t.source, f"comba::prefill_scan_wg<{K}, {t.slab}, {_flag(separate_p)}, {_flag(layout == 'vk')}, "
                                 f"{_flag(serving)}>", t.slab, t.threads, prefill_wg_bytes(K, t.slab, separate_p),
                       f"comba::prefill_prep<{K}, 5, {_flag(serving)}>", prefill_prep_bytes(K, False), 128,
-                      PREFILL_RECORD_BF16, 8)
+                      PREFILL_RECORD_BF16, 8, ring_shared_bytes=prefill_wg_bytes(K, t.slab, separate_p, ring=True))
     if t.family == "prefill_scan_wt":  # args: (PART,), kWtWhole = 0 or kWtSegments = 2 (then kWtChain first)
         part, = t.args
         return Kernel(t.source, f"comba::prefill_scan_wt<{K}, {_flag(layout == 'vk')}, {_flag(serving)}, {part}>",
@@ -375,13 +376,21 @@ def prefill_scan_bytes(K, slab, separate_p, wide_keys, record=PREFILL_RECORD):
     return fixed + (2 if fixed + 2 * stage <= MAX_SHARED else 1) * stage
 
 
-def prefill_wg_bytes(K, slab, separate_p):
+#: A row of this many chunks or more takes the wgmma scan's third stage where its launch gives room for one
+#: (``kWgRingChunks``, kernels_cu/prefill_wgmma.cu; ``Kernel.ring_shared_bytes``).
+WG_RING_CHUNKS = 24
+
+
+def prefill_wg_bytes(K, slab, separate_p, ring=False):
     """Bytes of ``WgLayout<K, SLAB, SEPARATE_P, RECORD>`` (kernels_cu/prefill_wgmma.cu): the state, Y, U and
-    w U as bf16 tiles, then two stages of a chunk's key rows (K + 8 bf16 a row), v slab and record, and two
-    mbarriers."""
-    tiles = 2 * slab * K + 3 * 2 * slab * PREFILL_CHUNK
+    w U as bf16 tiles, the stages' mbarriers (128 bytes), then two stages of a chunk's key rows (K + 8 bf16 a row),
+    v slab and record (``BYTES``); ``ring``: with a third stage (``RING_BYTES``), 0 where that does not fit in
+    MAX_SHARED."""
+    tiles = -(-(2 * slab * K + 3 * 2 * slab * PREFILL_CHUNK) // 128) * 128
     stage = (3 if separate_p else 2) * PREFILL_CHUNK * (K + 8) * 2 + PREFILL_CHUNK * slab * 4 + 4 * PREFILL_RECORD_BF16
-    return -(-tiles // 128) * 128 + 2 * (-(-stage // 128) * 128) + 16
+    stage = -(-stage // 128) * 128
+    n = tiles + 128 + (3 if ring else 2) * stage
+    return 0 if n > MAX_SHARED else n
 
 
 #: Words a value column of a prefill_scan_wt record past WyRecord<K>::SIZE (u', kernels_cu/prefill.cu).
@@ -394,14 +403,20 @@ def wy_record(K):
     return 32 * K + 2048 + 256
 
 
+#: Stages of ``WtLayout`` (kernels_cu/prefill_wgmma.cu): the transposed scan's ring.
+WT_STAGES = 2
+
+
 def prefill_wt_bytes(K, chain=False):
-    """Bytes of ``WtLayout<K, CHAIN>`` (kernels_cu/prefill_wgmma.cu): room to align to 1 KB, two stages of a chunk's
-    Q and Kc (64 rows of K bf16), record and u' slab (64 x 64 bf16), four warps' o transposes and two mbarriers;
-    ``chain``: the segments' chain, whose stages hold Kc, W' and the record's tail from G fp on, and u'."""
+    """Bytes of ``WtLayout<K, CHAIN>`` (kernels_cu/prefill_wgmma.cu): room to align to 1 KB, ``WT_STAGES`` stages of
+    a chunk's Q and Kc (64 rows of K bf16), record and u' slab (64 x 64 bf16), four warps' o transposes and the
+    stages' mbarriers; ``chain``: the segments' chain, whose stages hold Kc, W' and the record's tail from G fp on,
+    and u'."""
     if chain:
-        stage = 2 * PREFILL_CHUNK * K * 2 + 4 * 256 + PREFILL_CHUNK * 64 * 2
-        return 1024 + 2 * -(-stage // 1024) * 1024 + 16
-    return 1024 + 2 * (2 * PREFILL_CHUNK * K * 2 + 4 * wy_record(K) + PREFILL_CHUNK * 64 * 2) + 4 * 2048 + 16
+        stage, rest = 2 * PREFILL_CHUNK * K * 2 + 4 * 256 + PREFILL_CHUNK * 64 * 2, 0
+    else:
+        stage, rest = 2 * PREFILL_CHUNK * K * 2 + 4 * wy_record(K) + PREFILL_CHUNK * 64 * 2, 4 * 2048
+    return 1024 + WT_STAGES * -(-stage // 1024) * 1024 + rest + -(-8 * WT_STAGES // 16) * 16
 
 
 def mma_stage_bytes(K, slab, separate_p, tokens):

@@ -303,13 +303,12 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
 }
 // Orders this thread's generic stores to shared memory before later bulk copies into the same bytes.
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// A scan's two stage mbarriers, initialised by thread 0 where it stages by bulk copies, before any thread
+// A scan's N stage mbarriers, initialised by thread 0 where it stages by bulk copies, before any thread
 // waits on them (every thread passes the barrier: call it from uniform control flow).
+template <int N = 2>
 __device__ __forceinline__ void init_stage_barriers(unsigned long long* bars, bool bulk, int tid) {
-    if (bulk && tid == 0) {
-        mbarrier_init(bars);
-        mbarrier_init(bars + 1);
-    }
+    if (bulk && tid == 0)
+        for (int i = 0; i < N; ++i) mbarrier_init(bars + i);
     __syncthreads();
 }
 // One chunk's inputs into the stage at `at` by bulk copies, issued by one thread: the q, k (and p, where the stage

@@ -33,6 +33,15 @@
 namespace comba {
 
 constexpr int kWgThreads = 128;
+// Rows of this many chunks or more take prefill_scan_wg's third stage where the launch gives room for it (WgLayout).
+constexpr int kWgRingChunks = 24;
+
+// The dynamic shared memory this launch gave each CTA, in bytes.
+__device__ __forceinline__ unsigned dynamic_smem_bytes() {
+    unsigned bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+    return bytes;
+}
 
 // A B operand of N rows (columns of the product) by KD k values, bf16, K-major with no swizzle: the 8 x 8
 // core matrix (n / 8, k / 8) at 16 N (k / 8) + 128 (n / 8), a row of it 16 bytes.
@@ -50,8 +59,11 @@ struct WgLayout {
     using ST = BTile<VT, K>;
     using YT = BTile<VT, kPrefillChunk>;
     static constexpr int STATE_AT = 0, Y_AT = ST::BYTES, U_AT = Y_AT + YT::BYTES, UW_AT = U_AT + YT::BYTES;
-    static constexpr int STAGE_AT = (UW_AT + YT::BYTES + 127) / 128 * 128;
-    static constexpr int BAR_AT = STAGE_AT + 2 * STAGE_BYTES, BYTES = BAR_AT + 16;
+    // the stages' three mbarriers, then the stages: two (BYTES), or three (RING_BYTES) where the launch gives the
+    // room for them (prefill_scan_wg says when a row takes them)
+    static constexpr int BAR_AT = (UW_AT + YT::BYTES + 127) / 128 * 128, STAGE_AT = BAR_AT + 128;
+    static constexpr int BYTES = STAGE_AT + 2 * STAGE_BYTES, RING_BYTES = BYTES + STAGE_BYTES;
+    static constexpr bool RING = RING_BYTES <= 232448;
     static_assert(KEY_BYTES % 128 == 0 && V_AT % 128 == 0 && REC_AT % 16 == 0, "bulk copies' alignment");
     static_assert(BYTES <= 232448, "prefill_scan_wg: two stages do not fit in shared memory");
 };
@@ -205,7 +217,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
     const long long t_first = row.start;
     const int b_map = row.b_map;
     unsigned long long* const bars = reinterpret_cast<unsigned long long*>(prefill_smem + L::BAR_AT);
-    init_stage_barriers(bars, bulk, tid);
+    init_stage_barriers<3>(bars, bulk, tid);
     // Chunk c's inputs into stage s (bulk copies from thread 0, else cp.async pieces and plain stores that the
     // caller's next wait and barrier publish).
     auto stage_next = [&](int c, int s) {
@@ -237,8 +249,17 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
         for (int i = tid; i < R::SIZE / 4; i += kWgThreads) copy_async16(at + L::REC_AT + 16 * i, rec + 4 * i, true);
         copy_async_commit();
     };
+    // The stages form a ring, chunk c in stage c % ns, issued ns - 1 chunks ahead: three for a row of
+    // kWgRingChunks chunks or more where the launch gave the room (docs/design.md), else two.  Past the row's end an
+    // issue is an empty group of cp.async pieces, so that a chunk's copies are always followed by those of ns - 2
+    // more.
+    const int ns = L::RING && chunks >= kWgRingChunks && dynamic_smem_bytes() >= L::RING_BYTES ? 3 : 2;
+    auto issue = [&](int c, int s) {
+        if (c < chunks) stage_next(c, s);
+        else if (!bulk) copy_async_commit();
+    };
     await_earlier();  // the records written
-    if (chunks > 0) stage_next(0, 0);
+    for (int i = 0; i + 1 < ns; ++i) issue(i, i);
 
     // The state: tile mt's rows 64 mt + 16 warp + lg (accumulators 4 j, 4 j + 1) and + 8 (4 j + 2, 4 j + 3), columns
     // 8 j + 2 lj, + 1 of the slab.
@@ -278,12 +299,12 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
     const int a_row = 16 * warp + (lane & 15), a_col = 8 * (lane >> 4);               // A = rows of P, Q
     const int t_row = (lane & 7) + 8 * (lane >> 4), t_col = 16 * warp + 8 * ((lane >> 3) & 1);  // A = Kc^T
 
-    for (int c = 0; c < chunks; ++c) {
-        const int s = c & 1;
-        if (bulk) mbarrier_wait(bars + s, (c >> 1) & 1);
+    for (int c = 0, s = 0, phase = 0; c < chunks; ++c, s = s + 1 < ns ? s + 1 : 0, phase ^= s == 0) {
+        if (bulk) mbarrier_wait(bars + s, phase);
+        else if (ns == 3) copy_async_wait<1>();
         else copy_async_wait<0>();
-        __syncthreads();  // chunk c staged, S published, the other stage free
-        if (c + 1 < chunks) stage_next(c + 1, s ^ 1);
+        __syncthreads();  // chunk c staged, S published, the stage of chunk c - 1 free
+        issue(c + ns - 1, s > 0 ? s - 1 : ns - 1);
         const unsigned char* st = prefill_smem + L::STAGE_AT + s * L::STAGE_BYTES;
         const unsigned char* sq = st;
         const unsigned char* sk = st + L::KEY_BYTES;
@@ -438,7 +459,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
 // map in boxes of 64 keys (128 bytes) by 64 tokens, 128-byte swizzled -- K-major for Q, N-major for Kc --, W' and
 // Mq as the prep wrote them (WyRecord: no swizzle, K-major), u' a slab of 64 columns in the same layout.  No
 // shared-memory round trip and no CTA barrier lies between two chunks' states: one barrier a chunk frees the
-// other stage.  o leaves through a per-warp transpose in shared memory, 32 bytes a token row.
+// stage that the chunk before used.  o leaves through a per-warp transpose in shared memory, 32 bytes a token row.
 //
 // Segments.  Over a few heads one CTA a (row, head, slab) leaves most SMs idle and the pass waits on its chain of
 // chunks.  The segmented scan cuts each row's chunks into segments of Params::seg_chunks and runs in two launches
@@ -462,7 +483,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
 enum WtPart { kWtWhole = 0, kWtChain = 1, kWtSegments = 2 };
 
 // A stage: the scan's Q and Kc rows, record and u' slab; the chain's Kc rows, W', the record's tail from G fp on
-// and u' slab.  Segments compose their maps in the second stage, two M buffers of 2 K K bytes.
+// and u' slab.  STAGES of them form a ring, chunk c in stage c % STAGES, issued STAGES - 1 chunks ahead (a third
+// stage measured no faster; at K = 64 it leaves room for one CTA an SM where two fit).  Segments compose their maps
+// in the last stage, two M buffers of 2 K K bytes, while the first chunks arrive.
 template <int K, bool CHAIN>
 struct WtLayout {
     using R = WyRecord<K>;
@@ -472,10 +495,12 @@ struct WtLayout {
     static constexpr int GP_AT = CHAIN ? WP_AT + WP_BYTES : REC_AT + 4 * R::GP, GP_BYTES = 4 * (R::SIZE - R::GP);
     static constexpr int U_AT = CHAIN ? GP_AT + GP_BYTES : REC_AT + REC_BYTES, U_BYTES = kPrefillChunk * 64 * 2;
     static constexpr int STAGE_BYTES = (U_AT + U_BYTES + 1023) / 1024 * 1024;
-    static constexpr int OT_AT = 2 * STAGE_BYTES, OT_BYTES = CHAIN ? 0 : kPrefillChunk * 16 * 2;  // a warp's o
-    static constexpr int BAR_AT = OT_AT + 4 * OT_BYTES, BYTES = 1024 + BAR_AT + 16;  // 1 KB to align the boxes
+    static constexpr int STAGES = 2;
+    static constexpr int OT_AT = STAGES * STAGE_BYTES, OT_BYTES = CHAIN ? 0 : kPrefillChunk * 16 * 2;  // a warp's o
+    static constexpr int BAR_AT = OT_AT + 4 * OT_BYTES;
+    static constexpr int BYTES = 1024 + BAR_AT + (8 * STAGES + 15) / 16 * 16;  // 1 KB to align the boxes
     static constexpr int M_BYTES = 2 * K * K;
-    static_assert(BYTES <= 232448, "prefill_scan_wt: two stages do not fit");
+    static_assert(BYTES <= 232448, "prefill_scan_wt: the stages do not fit");
     static_assert(CHAIN || 2 * M_BYTES <= STAGE_BYTES, "prefill_scan_wt: a stage holds two segment maps");
 };
 
@@ -561,7 +586,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_A
     const KeyCopies copies = key_copies(q, k, p, prm, 2);
     const bool bulk = maps.use != 0;
     unsigned long long* const bars = reinterpret_cast<unsigned long long*>(smem + L::BAR_AT);
-    init_stage_barriers(bars, true, tid);
+    init_stage_barriers<L::STAGES>(bars, true, tid);
     // Chunk c's rows, record and u' slab into stage s: bulk copies from thread 0 on the stage's mbarrier (the rows
     // by tensor map where the host made one, else cp.async pieces from every thread)
     auto stage_next = [&](int c, int s) {
@@ -597,7 +622,14 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_A
         copy_async_commit();
     };
     await_earlier();  // the records (and the segments' maps) written
-    if (c_begin < c_end) stage_next(c_begin, 0);
+    // chunk c into its stage, or where it is past the segment an empty group of cp.async pieces, so that a chunk's
+    // copies are always followed by those of STAGES - 2 more
+    auto issue = [&](int c, int s) {
+        if (c < c_end) stage_next(c, s);
+        else if (!bulk) copy_async_commit();
+    };
+#pragma unroll
+    for (int i = 0; i + 1 < L::STAGES; ++i) issue(c_begin + i, i);
 
     // S^T: rows ca = col0 + 16 warp + lg (accumulators 4 j, 4 j + 1) and cb = ca + 8 (4 j + 2, 4 j + 3), keys
     // 8 j + 2 lj, + 1
@@ -638,11 +670,11 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_A
 
     if constexpr (PART == kWtSegments) {
         // The state at the segment's start: S^T <- E_j^T + S^T M_j^T over the earlier segments j (E_0^T alone
-        // without an initial state), M_j by cp.async into the second stage, the next map while this one multiplies
+        // without an initial state), M_j by cp.async into the last stage, the next map while this one multiplies
         const int j0 = prm.has_initial ? 0 : 1;
         auto load_m = [&](int j) {
             const unsigned char* src = reinterpret_cast<const unsigned char*>(seg_map(j) + static_cast<long long>(K) * V);
-            unsigned char* const dst = smem + L::STAGE_BYTES + (j & 1) * L::M_BYTES;
+            unsigned char* const dst = smem + (L::STAGES - 1) * L::STAGE_BYTES + (j & 1) * L::M_BYTES;
             for (int i = tid; i < L::M_BYTES / 16; i += kWgThreads) copy_async16(dst + 16 * i, src + 16 * i, true);
             copy_async_commit();
         };
@@ -673,7 +705,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_A
             wg_fence();
 #pragma unroll
             for (int ks = 0; ks < KS; ++ks)
-                wgmma<K>(st, sa[ks], desc(L::STAGE_BYTES + (j & 1) * L::M_BYTES + 32 * K * ks, 16 * K, 128), true);
+                wgmma<K>(st, sa[ks], desc((L::STAGES - 1) * L::STAGE_BYTES + (j & 1) * L::M_BYTES + 32 * K * ks,
+                                          16 * K, 128), true);
             wg_commit();
             wg_wait();
             __syncthreads();  // every warp's reads of this buffer retired before it is filled again
@@ -691,11 +724,14 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_A
                           (reinterpret_cast<unsigned long long>(o) & 15) == 0;
 
     for (int c = c_begin; c < c_end; ++c) {
-        const int i = c - c_begin, s = i & 1, sg_at = s * L::STAGE_BYTES;
-        mbarrier_wait(bars + s, (i >> 1) & 1);
-        if (!bulk) copy_async_wait<0>();
-        __syncthreads();  // chunk c staged, every warp's reads of the other stage retired
-        if (c + 1 < c_end) stage_next(c + 1, s ^ 1);
+        const int i = c - c_begin, s = i % L::STAGES, sg_at = s * L::STAGE_BYTES;
+        mbarrier_wait(bars + s, (i / L::STAGES) & 1);
+        if (!bulk) {  // this thread's pieces of chunk c landed, and ordered before the tensor cores' reads
+            copy_async_wait<L::STAGES - 2>();
+            fence_async_shared();
+        }
+        __syncthreads();  // chunk c staged, every warp's reads of the stage chunk c - 1 used retired
+        issue(c + L::STAGES - 1, (i + L::STAGES - 1) % L::STAGES);
         unsigned char* const sg = smem + sg_at;
         const float* f = reinterpret_cast<const float*>(sg + L::GP_AT);  // G fp, scale G fq, w, G_63
         const long long t0 = static_cast<long long>(c) * C;

@@ -1,6 +1,7 @@
 """Every build of the 64-token prefill kernels over several chunks (two full ones and one of 22 tokens), dense and
 with the serving options (a ragged batch from a pool; the segmented scan, dense batches only, in three segments of
-one chunk), in "bf16" and "fp32", and the wgmma scans' builds on compute capability 9.0: run under compute-sanitizer's racecheck and memcheck by test_sanitizer_gpu.py."""
+one chunk), in "bf16" and "fp32", and the wgmma scans' builds on compute capability 9.0, those also over a row long
+enough for their third stage: run under compute-sanitizer's racecheck and memcheck by test_sanitizer_gpu.py."""
 
 import cupy
 import numpy
@@ -18,6 +19,26 @@ def _scans(layout, precision, K):
     return [f"{layout}{slab}{scan}" for slab in families.PREFILL_SLABS for scan in (("c64", "c64wg") if wgmma
                                                                                    else ("c64",))] + \
         ([f"{layout}64c64wt", f"{layout}64c64sg"] if wgmma else [])
+
+
+def _ring():
+    """The wgmma scans over a row long enough for their third stage (families.WG_RING_CHUNKS chunks and a partial
+    one), dense and packed with a short sequence before it; the launches made."""
+    T = 64 * families.WG_RING_CHUNKS + 22
+    launches = 0
+    for layout in ("kv", "vk"):
+        q, k, v, p, beta, g, S = forward_inputs(1, T, 1, 128, 64, xp=cupy, state_layout=layout, seed=T)
+        cu = cupy.asarray(numpy.array([0, 70, T], numpy.int32))
+        pool = cupy.concatenate([S, S])
+        for slab in families.PREFILL_SLABS:
+            variant = f"{layout}{slab}c64wg"
+            comba_forward(q, k, v, p, beta, g, initial_state=S, state_layout=layout, variant=variant)
+            comba_forward(q, k, v, p, beta, g, initial_state=pool, cu_seqlens=cu, state_layout=layout,
+                          variant=variant)
+            gated_delta_forward(q, k, v, beta, g, initial_state=pool, cu_seqlens=cu, state_layout=layout,
+                                variant=variant)
+            launches += 3
+    return launches
 
 
 def main():
@@ -51,6 +72,8 @@ def main():
                                                     state_indices=slots, cu_seqlens=cu, state_layout=layout,
                                                     variant=variant, precision=precision)
                         launches += 2
+    if families.runs_wgmma(cupy.cuda.Device().compute_capability):
+        launches += _ring()
     cupy.cuda.Device().synchronize()
     print(f"{launches} prefill launches over several chunks")
 

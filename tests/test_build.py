@@ -245,10 +245,13 @@ def test_prefill_shared_bytes_are_the_layouts():
         else:
             K, slab, sep, _, _ = args
             n = families.prefill_wg_bytes(int(K), int(slab), sep == "true")
+            ring = families.prefill_wg_bytes(int(K), int(slab), sep == "true", ring=True)
             layout = f"comba::WgLayout<{K}, {slab}, {sep}, {families.PREFILL_RECORD_BF16}>"
-            wg_checks.append(f'static_assert({layout}::BYTES == {n}, "{expression}");')
+            wg_checks.append(f'static_assert({layout}::BYTES == {n} && {layout}::RING == {"true" if ring else "false"}'
+                             f' && (!{layout}::RING || {layout}::RING_BYTES == {ring}), "{expression}");')
     wg_checks.append(f'static_assert(comba::Record<5>::SIZE == {families.PREFILL_RECORD_BF16}, "ACC 5");')
-    assert len(wg_checks) == 65
+    wg_checks.append(f'static_assert(comba::kWgRingChunks == {families.WG_RING_CHUNKS}, "the ring");')
+    assert len(wg_checks) == 66
     _compiles_with("prefill_wgmma.cu", wg_checks)
     for expression in SPECIALISATIONS["prefill.cu"]:
         args = _template_args(expression)

@@ -277,6 +277,53 @@ def test_segments_over_a_long_prompt(comba):
     assert bool((o == runs["sg"][0]).all()) and bool((S == runs["sg"][1]).all())
 
 
+@needs_wgmma
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
+def test_a_long_row_takes_the_wgmma_scans_third_stage(layout, comba):
+    """A row of families.WG_RING_CHUNKS chunks or more runs the wgmma scan through a ring of three stages, a shorter
+    one through two: dense (the last chunk partial) and packed, a short and a long sequence in one launch, on both
+    slabs, from a warmed state, to the bf16 products' bounds."""
+    T = 64 * families.WG_RING_CHUNKS + 37
+    args = forward_inputs(1, T, 2, 128, 128, state_layout=layout, seed=T, warm_steps=8, dtype=bfloat16, xp=cupy)
+    q, k, v, p, beta, g, S0 = args
+    cu = numpy.array([0, 100, T], numpy.int32)
+    pool = cupy.concatenate([S0, S0[:, ::-1]])
+    h = cupy.asnumpy
+    S_ref, o_ref = reference.comba_loop(h(pool), h(q), h(k), h(v), h(p if comba else k), h(beta), h(g),
+                                        state_layout=layout, cu_seqlens=cu)
+    tol_s, tol_o = TOL["bf16", "bfloat16"]
+    for slab in families.PREFILL_SLABS:
+        variant = f"{layout}{slab}c64wg"
+        _check(comba, args, "bf16", state_layout=layout, variant=variant)
+        o, S = _forward(comba, *args[:6], pool, state_layout=layout, cu_seqlens=cupy.asarray(cu), variant=variant)
+        assert reference.relative_error(o, o_ref) <= tol_o
+        assert reference.relative_error(S, S_ref) <= tol_s
+
+
+@needs_wgmma
+def test_the_third_stage_has_room_only_where_it_costs_no_occupancy():
+    """The wgmma scan's launch holds room for a third stage only where a row may take it (families.WG_RING_CHUNKS
+    chunks) and its CTAs take an SM each anyway: more room would leave two CTAs of an SM one."""
+    from cupy_comba import _plan
+
+    def shared(B, T, H, slab):
+        args = forward_inputs(B, T, H, 128, 128, seed=T, dtype=bfloat16, xp=cupy)
+        _plan.PLANS.clear()
+        _forward(False, *args, variant=f"kv{slab}c64wg")
+        plan, = _plan.PLANS.values()
+        return plan.launcher.shared_bytes, plan.kernel
+
+    long = 64 * families.WG_RING_CHUNKS
+    got, kernel = shared(1, long, 2, 16)
+    assert got == kernel.ring_shared_bytes == families.prefill_wg_bytes(128, 16, False, ring=True) > \
+        kernel.shared_bytes
+    assert shared(1, long - 1, 2, 16)[0] == kernel.shared_bytes  # no row takes it
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    got, kernel = shared(1, long, sms // 4 + 1, 32)  # more CTAs than SMs
+    assert got == kernel.shared_bytes
+
+
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
 @pytest.mark.parametrize("precision", ["bf16", "tf32"])
