@@ -85,18 +85,19 @@ def _mma(c):
 
 #: The shortest pass the prefill kernels take at each K, over at most so many heads: (heads, T) in order
 #: (h200-prefill-lengths.json).  Their cost rises in steps of 64 tokens and the 16-token kernel's in steps of 16,
-#: so the thresholds fall on that kernel's step boundaries: T = 49, 113 and 161 open a step of it that costs more
+#: so the thresholds fall on that kernel's step boundaries: T = 49, 97 and 161 open a step of it that costs more
 #: than the prefill chunks, and at T = 96 over 33-64 heads the two tie.  Beyond 128 heads, the most the sweeps
 #: measured, the token kernels keep every length (and no workspace of 11-21.5 KB a chunk and head is made); at
 #: K = 256 the token loops the prefill kernels replace walk 256 keys a token, and lose from T = 16 over any
 #: number of heads.
 PREFILL_MIN_T = {
     64: ((32, 49), (64, 96), (128, 161)),
-    128: ((32, 49), (64, 96), (128, 113)),
+    128: ((32, 49), (64, 96), (128, 97)),
     256: ((None, 16),),
 }
 #: The same where the scan runs on wgmma (:func:`_warpgroup`): over 65-128 heads at both K from T = 97, where
-#: its two chunks cost less than the 16-token kernel's seven steps (h200-prefill-lengths.json).
+#: its two chunks cost less than the 16-token kernel's seven steps (h200-prefill-lengths.json).  Over the heads
+#: that take the transposed scan it begins at TRANSPOSED_MIN_T where that is shorter.
 PREFILL_MIN_T_WGMMA = {K: ((32, 49), (64, 96), (128, 97)) for K in (64, 128)}
 
 
@@ -104,7 +105,7 @@ def _prefill_min_t(c):
     """The shortest pass the prefill kernels take at this head size and head count, or None."""
     for most, T in (PREFILL_MIN_T_WGMMA if _warpgroup(c) else PREFILL_MIN_T).get(c.K, ()):
         if most is None or (c.heads is not None and c.heads <= most):
-            return T
+            return min(T, TRANSPOSED_MIN_T[c.K]) if _transposed_heads(c) else T
     return None
 
 
@@ -120,9 +121,17 @@ def _prefill_slab(c):
     return 16 if c.heads is not None and c.heads <= 16 else 32
 
 
+#: From this many tokens Comba's 16-column slabs over one head take the wgmma scan (h200-prefill-wgmma.json:
+#: T = 1024 33.3 against 34.9 us; T = 256 18.1 against 17.8, and h200-prefill-lengths.json T = 49-256 12.9-16.4
+#: against 12.1-16.3).
+WGMMA_ONE_HEAD_MIN_T = 1024
+
+
 def _warpgroup(c):
-    """The prefill scan on wgmma: 32-column slabs, Gated DeltaNet's 16-column ones, and Comba's over one head."""
-    return c.wgmma and c.K in (64, 128) and (_prefill_slab(c) == 32 or not c.separate_p or c.heads == 1)
+    """The prefill scan on wgmma: 32-column slabs, Gated DeltaNet's 16-column ones, and Comba's over one head from
+    WGMMA_ONE_HEAD_MIN_T tokens."""
+    return c.wgmma and c.K in (64, 128) and (_prefill_slab(c) == 32 or not c.separate_p or
+                                             (c.heads == 1 and c.T >= WGMMA_ONE_HEAD_MIN_T))
 
 
 #: The heads from which the prefill pass takes the transposed wgmma scan (``{layout}64c64wt``), by K, from
@@ -130,14 +139,23 @@ def _warpgroup(c):
 #: bound by the tensor cores' rate on its chunk's products, which over fewer heads leave most SMs idle; at K = 64
 #: the other scan's chunks are cheaper still, and over 64 heads it keeps T = 1024 and 4096.
 TRANSPOSED_MIN_HEADS = {128: 64, 64: 128}
-#: ... the shortest pass its sweep measured (shorter ones keep the other scans until a sweep says otherwise).
-TRANSPOSED_MIN_T = 256
+#: ... by K, from so many tokens, where over those heads the prefill kernels then begin: at K = 128 from T = 49
+#: (h200-prefill-lengths.json: one chunk costs less than the 16-token kernel's four steps), at K = 64 from the
+#: shortest pass its sweep measured (h200-prefill-transposed.json, T = 256).
+TRANSPOSED_MIN_T = {128: 49, 64: 256}
+
+
+def _transposed_heads(c):
+    """Over these heads the transposed scan is the prefill pass's from TRANSPOSED_MIN_T on (up to FEW_HEADS)."""
+    most = TRANSPOSED_MIN_HEADS.get(c.K)
+    return c.transposed and c.wgmma and c.wide and most is not None and c.heads is not None and \
+        most <= c.heads <= FEW_HEADS
 
 
 def _transposed(c):
     most = TRANSPOSED_MIN_HEADS.get(c.K)
     return c.transposed and c.wgmma and c.wide and most is not None and c.heads is not None and c.heads >= most \
-        and c.T >= TRANSPOSED_MIN_T
+        and c.T >= TRANSPOSED_MIN_T[c.K]
 
 
 #: The segmented scan (``{layout}64c64sg``): a dense batch too few to fill the GPU with one CTA a (row, head, 64
@@ -201,22 +219,26 @@ RULES = (
          "h200-prefill-lengths.json (kv, T = 16-65536 and either side of each threshold), Gated DeltaNet at "
          "K = 128 unless said, prefill_scan (mma.sync) first.  The prefill kernels cost a step every 64 tokens, the "
          "16-token kernel every 16, so the thresholds fall on the latter's step boundaries: over 1-32 heads from "
-         "T = 49 (16 heads: T = 48 14.1 against 12.5 us for kv32tc16, T = 49 14.2 against 15.5, T = 65536 1865 "
-         "against 12879; K = 64: 12.8 against 14.4), 16-column slabs over 1-16 heads and 32-column ones over more "
-         "(32 heads, T = 49: 15.5 against 15.8); over 33-64 heads from T = 96 (64 heads: 24.1 against 24.3 for "
-         "kv64tc16, T = 64 20.0 against 17.5); over 65-128 heads from T = 113 (128 heads: 39.4 against 45.3, "
-         "T = 112 39.2 against 40.2; T = 65536 10988 against 20769), at K = 64 from T = 161 (T = 176 38.7 against "
+         "T = 49 (16 heads: T = 48 12.7 against 12.5 us for kv32tc16, T = 49 12.8 against 15.4, T = 65536 1814.0 "
+         "against 12764.6; K = 64: 12.8 against 14.4), 16-column slabs over 1-16 heads and 32-column ones over more "
+         "(32 heads, T = 49: 14.3 against 15.7); over 33-64 heads from T = 96 (64 heads: 23.1 against 24.6 for "
+         "kv64tc16, T = 64 18.8 against 17.7); over 65-128 heads from T = 97 (128 heads: T = 97 37.3 against 40.6, "
+         "T = 96 37.8 against 35.6; T = 65536 10738.7 against 20839.3), at K = 64 from T = 161 (T = 176 38.7 against "
          "40.8, T = 128 31.1 against 30.6); at K = 256 over every head count from T = 16 (1 head: 15.8 against "
          "18.8 us for kv32x16, 128 heads: 37.5 against 53.9), 6.6-33x the token loops from T = 256.  Where q, k, "
          "p are bf16 with bf16 products on compute capability 9.0, the same slabs' scan on wgmma "
          "(h200-prefill-wgmma.json, K = 64 / 128, kv and vk, 1-128 heads, T = 256-8192): 32-column slabs "
          "0.72-0.93 of prefill_scan's time from 64 heads (K = 128, 128 heads, T = 8192: 1241.1 against 1398.5 us; "
          "K = 64: 868.6 against 1193.0), Gated DeltaNet's 16-column slabs 0.92-0.98 (16 heads, T = 8192: 242.7 "
-         "against 248.0), Comba's 16-column ones over one head 0.91-1.02 (T = 8192 178.4 against 195.5) but over "
-         "16 heads 1.11 (289.9 against 261.5), which keeps prefill_scan; and over 65-128 heads from T = 97 at "
-         "both K (h200-prefill-lengths.json, 128 heads, T = 112: 34.8 against 40.2 us for kv64tc16, Comba 40.2 "
-         "against 42.2, K = 64 23.8 against 27.3; T = 96: 34.3 against 35.1, Comba 41.1 against 37.0).  From T = 256 the "
-         "transposed wgmma scan over 64-128 heads at K = 128 and over 128 at K = 64 (h200-prefill-transposed.json, "
+         "against 248.0), Comba's 16-column ones over one head 0.91-1.02 (T = 8192 178.4 against 195.5; from T = "
+         "1024, shorter passes keeping prefill_scan: WGMMA_ONE_HEAD_MIN_T) but over 16 heads 1.11 (289.9 against "
+         "261.5), which keeps prefill_scan; and over 65-128 heads from T = 97 at "
+         "both K (h200-prefill-lengths.json, 128 heads, T = 112: 33.1 against 40.8 us for kv64tc16, Comba 39.0 "
+         "against 43.0, K = 64 23.8 against 27.3; T = 96: 32.7 against 35.6, Comba 39.1 against 37.9).  The transposed "
+         "wgmma scan over 64-128 heads at K = 128 from T = 49, where the prefill kernels then begin "
+         "(h200-prefill-lengths.json, 128 heads: T = 49 22.9 against 25.3 us for kv64tc16, T = 48 23.0 against "
+         "20.5; T = 192 37.9 against 44.2 for kv32c64wg), and over 128 at K = 64 from T = 256 "
+         "(h200-prefill-transposed.json, "
          "32-128 heads, T = 256-4096, against the choice without it): 64 heads, T = 256 26.4 against 30.0 us for "
          "kv32c64wg, T = 4096 277.7 against 325.7 (Comba 28.3 against 34.8, 284.2 against 356.2; vk 26.9 against "
          "30.2, 276.4 against 325.1), 128 heads T = 4096 523.1 against 632.5; K = 64, 128 heads 33.6 against 35.5 "

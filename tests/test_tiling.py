@@ -126,17 +126,17 @@ def test_vk_verify_over_many_heads_on_eight_warps(heads, variant):
 @pytest.mark.parametrize("comba", [True, False])
 def test_prefill_over_few_heads_and_long_prompts(layout, comba):
     """h200-prefill-tiling.json, h200-prefill-lengths.json: 64-token chunks at K = 64 and 128 from T = 49 over
-    at most 32 heads (16-column slabs over at most 16), from T = 96 over at most 64, from T = 113 (K = 128) or
+    at most 32 heads (16-column slabs over at most 16), from T = 96 over at most 64, from T = 97 (K = 128) or
     161 (K = 64) over at most 128 (the sweeps' most); at K = 256 from T = 16 over any number; the tensor-core
     kernel or the token loop otherwise."""
     def choose(T, heads, K=128, **kw):
         return tiling.choose(layout, K, 128, comba, True, T, heads, **kw)
 
     assert choose(48, 16) == choose(48, 32) == f"{layout}32tc16"
-    assert choose(95, 33) == choose(95, 64) == choose(112, 65) == choose(255, None) == f"{layout}64tc16"
+    assert choose(95, 33) == choose(95, 64) == choose(96, 65) == choose(255, None) == f"{layout}64tc16"
     assert choose(49, 1) == choose(8192, 16) == choose(49, 16, K=64) == f"{layout}16c64"
     assert choose(49, 17) == choose(49, 32, K=64) == choose(96, 64) == choose(96, 64, K=64) == f"{layout}32c64"
-    assert choose(113, 65) == choose(65536, 128) == choose(161, 128, K=64) == f"{layout}32c64"
+    assert choose(97, 65) == choose(65536, 128) == choose(161, 128, K=64) == f"{layout}32c64"
     assert choose(160, 65, K=64) == choose(48, 1, K=64) == f"{layout}64tc16"
     assert choose(177, 129) == choose(65536, 8192) == choose(65536, None) == f"{layout}64tc16"  # beyond the sweeps
     assert choose(65536, 129, K=64) == choose(65536, None, K=64) == f"{layout}128tc16"
@@ -193,13 +193,27 @@ def test_the_forward_choice_is_within_5_percent_of_the_best_timed(name):
 @pytest.mark.parametrize("comba", [True, False])
 def test_prefill_thresholds_on_wgmma(layout, comba):
     """h200-prefill-lengths.json: where the scan runs on wgmma the prefill kernels take 65-128 heads from T = 97
-    at K = 64 and 128; the other thresholds stay."""
-    def choose(T, heads, K=128):
-        return tiling.choose(layout, K, 128, comba, True, T, heads, wgmma=True)
+    at K = 64, and at K = 128, where 64-128 heads take the transposed scan, from T = 49; the other thresholds
+    stay."""
+    def choose(T, heads, K=128, **kw):
+        return tiling.choose(layout, K, 128, comba, True, T, heads, wgmma=True, **kw)
 
-    assert choose(96, 65) == choose(96, 128, K=64) == choose(95, 64) == f"{layout}64tc16"
-    assert choose(97, 65) == choose(97, 128, K=64) == choose(96, 64) == choose(49, 32) == f"{layout}32c64wg"
+    assert choose(96, 128, K=64) == choose(48, 64) == choose(48, 128) == f"{layout}64tc16"
+    assert choose(96, 65, transposed=False) == choose(95, 63) == f"{layout}64tc16"
+    assert choose(49, 64) == choose(49, 128) == f"{layout}64c64wt"
+    assert choose(97, 65, transposed=False) == choose(97, 128, K=64) == choose(96, 63) == choose(49, 32) == \
+        f"{layout}32c64wg"
     assert choose(48, 32) == f"{layout}32tc16" and choose(97, 129) == f"{layout}64tc16"  # beyond the sweeps
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_prefill_thresholds_without_wgmma(layout):
+    """h200-prefill-lengths.json: prefill_scan takes 65-128 heads at K = 128 from T = 97, at K = 64 from T = 161."""
+    def choose(T, K=128):
+        return tiling.choose(layout, K, 128, True, True, T, 128)
+
+    assert choose(96) == choose(160, K=64) == f"{layout}64tc16"
+    assert choose(97) == choose(161, K=64) == f"{layout}32c64"
 
 
 def test_the_wgmma_scan_choice_is_within_5_percent_of_the_best_timed():
@@ -216,12 +230,13 @@ def test_the_wgmma_scan_choice_is_within_5_percent_of_the_best_timed():
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 def test_the_wgmma_scan_where_it_wins(layout):
-    """32-column slabs and Gated DeltaNet's 16-column ones on wgmma; Comba's 16-column ones only over one head;
-    never at K = 256, nor without wgmma."""
-    def choose(comba, K=128, heads=16, wgmma=True):  # the rules before the transposed scans
-        return tiling.choose(layout, K, 128, comba, True, 4096, heads, wgmma=wgmma, transposed=False)
+    """32-column slabs and Gated DeltaNet's 16-column ones on wgmma; Comba's 16-column ones only over one head, from
+    T = 1024; never at K = 256, nor without wgmma."""
+    def choose(comba, K=128, heads=16, wgmma=True, T=4096):  # the rules before the transposed scans
+        return tiling.choose(layout, K, 128, comba, True, T, heads, wgmma=wgmma, transposed=False)
     assert choose(False) == f"{layout}16c64wg" and choose(True) == f"{layout}16c64"
-    assert choose(True, heads=1) == f"{layout}16c64wg"
+    assert choose(True, heads=1) == choose(True, heads=1, T=1024) == f"{layout}16c64wg"
+    assert choose(True, heads=1, T=1023) == f"{layout}16c64"
     assert choose(True, heads=32) == choose(False, K=64, heads=64) == f"{layout}32c64wg"
     assert choose(False, K=256) == f"{layout}16c64" and choose(False, wgmma=False) == f"{layout}16c64"
 
@@ -282,10 +297,12 @@ def test_the_segmented_scan_where_it_wins(layout, comba):
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("comba", [True, False])
 def test_the_transposed_scan_where_it_wins(layout, comba):
-    """From T = 256 over 64 heads at K = 128 and 128 at K = 64, with wgmma and V a multiple of 64; nowhere else."""
+    """Over 64 heads at K = 128 from T = 49, over 128 at K = 64 from T = 256, with wgmma and V a multiple of 64;
+    nowhere else."""
     def choose(T=4096, heads=64, K=128, V=128, **kw):
         return tiling.choose(layout, K, V, comba, True, T, heads, **{"wgmma": True, **kw})
-    assert choose() == choose(heads=128) == choose(T=256) == choose(K=64, heads=128) == f"{layout}64c64wt"
-    assert choose(heads=63) == choose(T=255) == choose(K=64) == choose(V=96) == f"{layout}32c64wg"
+    assert choose() == choose(heads=128) == choose(T=49) == choose(K=64, heads=128) == \
+        choose(K=64, heads=128, T=256) == f"{layout}64c64wt"
+    assert choose(heads=63) == choose(K=64, heads=128, T=255) == choose(K=64) == choose(V=96) == f"{layout}32c64wg"
     assert choose(wgmma=False) == f"{layout}32c64" and choose(transposed=False) == f"{layout}32c64wg"
     assert not choose(heads=129).endswith("c64wt")  # beyond the prefill sweeps the token kernels keep every length
