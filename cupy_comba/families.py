@@ -403,20 +403,14 @@ def wy_record(K):
     return 32 * K + 2048 + 256
 
 
-#: Stages of ``WtLayout`` (kernels_cu/prefill_wgmma.cu): the transposed scan's ring.
-WT_STAGES = 2
-
-
 def prefill_wt_bytes(K, chain=False):
-    """Bytes of ``WtLayout<K, CHAIN>`` (kernels_cu/prefill_wgmma.cu): room to align to 1 KB, ``WT_STAGES`` stages of
-    a chunk's Q and Kc (64 rows of K bf16), record and u' slab (64 x 64 bf16), four warps' o transposes and the
-    stages' mbarriers; ``chain``: the segments' chain, whose stages hold Kc, W' and the record's tail from G fp on,
-    and u'."""
+    """Bytes of ``WtLayout<K, CHAIN>`` (kernels_cu/prefill_wgmma.cu): room to align to 1 KB, two stages of a chunk's
+    Q and Kc (64 rows of K bf16), record and u' slab (64 x 64 bf16), four warps' o transposes and two mbarriers;
+    ``chain``: the segments' chain, whose stages hold Kc, W' and the record's tail from G fp on, and u'."""
     if chain:
-        stage, rest = 2 * PREFILL_CHUNK * K * 2 + 4 * 256 + PREFILL_CHUNK * 64 * 2, 0
-    else:
-        stage, rest = 2 * PREFILL_CHUNK * K * 2 + 4 * wy_record(K) + PREFILL_CHUNK * 64 * 2, 4 * 2048
-    return 1024 + WT_STAGES * -(-stage // 1024) * 1024 + rest + -(-8 * WT_STAGES // 16) * 16
+        stage = 2 * PREFILL_CHUNK * K * 2 + 4 * 256 + PREFILL_CHUNK * 64 * 2
+        return 1024 + 2 * -(-stage // 1024) * 1024 + 16
+    return 1024 + 2 * (2 * PREFILL_CHUNK * K * 2 + 4 * wy_record(K) + PREFILL_CHUNK * 64 * 2) + 4 * 2048 + 16
 
 
 def mma_stage_bytes(K, slab, separate_p, tokens):

@@ -459,7 +459,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
 // map in boxes of 64 keys (128 bytes) by 64 tokens, 128-byte swizzled -- K-major for Q, N-major for Kc --, W' and
 // Mq as the prep wrote them (WyRecord: no swizzle, K-major), u' a slab of 64 columns in the same layout.  No
 // shared-memory round trip and no CTA barrier lies between two chunks' states: one barrier a chunk frees the
-// stage that the chunk before used.  o leaves through a per-warp transpose in shared memory, 32 bytes a token row.
+// other stage.  o leaves through a per-warp transpose in shared memory, 32 bytes a token row.
 //
 // Segments.  Over a few heads one CTA a (row, head, slab) leaves most SMs idle and the pass waits on its chain of
 // chunks.  The segmented scan cuts each row's chunks into segments of Params::seg_chunks and runs in two launches
@@ -483,9 +483,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
 enum WtPart { kWtWhole = 0, kWtChain = 1, kWtSegments = 2 };
 
 // A stage: the scan's Q and Kc rows, record and u' slab; the chain's Kc rows, W', the record's tail from G fp on
-// and u' slab.  STAGES of them form a ring, chunk c in stage c % STAGES, issued STAGES - 1 chunks ahead (a third
-// stage measured no faster; at K = 64 it leaves room for one CTA an SM where two fit).  Segments compose their maps
-// in the last stage, two M buffers of 2 K K bytes, while the first chunks arrive.
+// and u' slab: two of them, the next chunk copied while one is computed (a third measured no faster, and at
+// K = 64 leaves room for one CTA an SM where two fit: docs/design.md).  Segments compose their maps in the second
+// stage, two M buffers of 2 K K bytes.
 template <int K, bool CHAIN>
 struct WtLayout {
     using R = WyRecord<K>;
@@ -495,12 +495,10 @@ struct WtLayout {
     static constexpr int GP_AT = CHAIN ? WP_AT + WP_BYTES : REC_AT + 4 * R::GP, GP_BYTES = 4 * (R::SIZE - R::GP);
     static constexpr int U_AT = CHAIN ? GP_AT + GP_BYTES : REC_AT + REC_BYTES, U_BYTES = kPrefillChunk * 64 * 2;
     static constexpr int STAGE_BYTES = (U_AT + U_BYTES + 1023) / 1024 * 1024;
-    static constexpr int STAGES = 2;
-    static constexpr int OT_AT = STAGES * STAGE_BYTES, OT_BYTES = CHAIN ? 0 : kPrefillChunk * 16 * 2;  // a warp's o
-    static constexpr int BAR_AT = OT_AT + 4 * OT_BYTES;
-    static constexpr int BYTES = 1024 + BAR_AT + (8 * STAGES + 15) / 16 * 16;  // 1 KB to align the boxes
+    static constexpr int OT_AT = 2 * STAGE_BYTES, OT_BYTES = CHAIN ? 0 : kPrefillChunk * 16 * 2;  // a warp's o
+    static constexpr int BAR_AT = OT_AT + 4 * OT_BYTES, BYTES = 1024 + BAR_AT + 16;  // 1 KB to align the boxes
     static constexpr int M_BYTES = 2 * K * K;
-    static_assert(BYTES <= 232448, "prefill_scan_wt: the stages do not fit");
+    static_assert(BYTES <= 232448, "prefill_scan_wt: two stages do not fit");
     static_assert(CHAIN || 2 * M_BYTES <= STAGE_BYTES, "prefill_scan_wt: a stage holds two segment maps");
 };
 
@@ -586,7 +584,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_A
     const KeyCopies copies = key_copies(q, k, p, prm, 2);
     const bool bulk = maps.use != 0;
     unsigned long long* const bars = reinterpret_cast<unsigned long long*>(smem + L::BAR_AT);
-    init_stage_barriers<L::STAGES>(bars, true, tid);
+    init_stage_barriers(bars, true, tid);
     // Chunk c's rows, record and u' slab into stage s: bulk copies from thread 0 on the stage's mbarrier (the rows
     // by tensor map where the host made one, else cp.async pieces from every thread)
     auto stage_next = [&](int c, int s) {
@@ -622,14 +620,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_A
         copy_async_commit();
     };
     await_earlier();  // the records (and the segments' maps) written
-    // chunk c into its stage, or where it is past the segment an empty group of cp.async pieces, so that a chunk's
-    // copies are always followed by those of STAGES - 2 more
-    auto issue = [&](int c, int s) {
-        if (c < c_end) stage_next(c, s);
-        else if (!bulk) copy_async_commit();
-    };
-#pragma unroll
-    for (int i = 0; i + 1 < L::STAGES; ++i) issue(c_begin + i, i);
+    if (c_begin < c_end) stage_next(c_begin, 0);
 
     // S^T: rows ca = col0 + 16 warp + lg (accumulators 4 j, 4 j + 1) and cb = ca + 8 (4 j + 2, 4 j + 3), keys
     // 8 j + 2 lj, + 1
@@ -670,11 +661,11 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_A
 
     if constexpr (PART == kWtSegments) {
         // The state at the segment's start: S^T <- E_j^T + S^T M_j^T over the earlier segments j (E_0^T alone
-        // without an initial state), M_j by cp.async into the last stage, the next map while this one multiplies
+        // without an initial state), M_j by cp.async into the second stage, the next map while this one multiplies
         const int j0 = prm.has_initial ? 0 : 1;
         auto load_m = [&](int j) {
             const unsigned char* src = reinterpret_cast<const unsigned char*>(seg_map(j) + static_cast<long long>(K) * V);
-            unsigned char* const dst = smem + (L::STAGES - 1) * L::STAGE_BYTES + (j & 1) * L::M_BYTES;
+            unsigned char* const dst = smem + L::STAGE_BYTES + (j & 1) * L::M_BYTES;
             for (int i = tid; i < L::M_BYTES / 16; i += kWgThreads) copy_async16(dst + 16 * i, src + 16 * i, true);
             copy_async_commit();
         };
@@ -705,8 +696,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_A
             wg_fence();
 #pragma unroll
             for (int ks = 0; ks < KS; ++ks)
-                wgmma<K>(st, sa[ks], desc((L::STAGES - 1) * L::STAGE_BYTES + (j & 1) * L::M_BYTES + 32 * K * ks,
-                                          16 * K, 128), true);
+                wgmma<K>(st, sa[ks], desc(L::STAGE_BYTES + (j & 1) * L::M_BYTES + 32 * K * ks, 16 * K, 128), true);
             wg_commit();
             wg_wait();
             __syncthreads();  // every warp's reads of this buffer retired before it is filled again
@@ -724,14 +714,14 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_A
                           (reinterpret_cast<unsigned long long>(o) & 15) == 0;
 
     for (int c = c_begin; c < c_end; ++c) {
-        const int i = c - c_begin, s = i % L::STAGES, sg_at = s * L::STAGE_BYTES;
-        mbarrier_wait(bars + s, (i / L::STAGES) & 1);
+        const int i = c - c_begin, s = i & 1, sg_at = s * L::STAGE_BYTES;
+        mbarrier_wait(bars + s, (i >> 1) & 1);
         if (!bulk) {  // this thread's pieces of chunk c landed, and ordered before the tensor cores' reads
-            copy_async_wait<L::STAGES - 2>();
+            copy_async_wait<0>();
             fence_async_shared();
         }
-        __syncthreads();  // chunk c staged, every warp's reads of the stage chunk c - 1 used retired
-        issue(c + L::STAGES - 1, (i + L::STAGES - 1) % L::STAGES);
+        __syncthreads();  // chunk c staged, every warp's reads of the other stage retired
+        if (c + 1 < c_end) stage_next(c + 1, s ^ 1);
         unsigned char* const sg = smem + sg_at;
         const float* f = reinterpret_cast<const float*>(sg + L::GP_AT);  // G fp, scale G fq, w, G_63
         const long long t0 = static_cast<long long>(c) * C;
