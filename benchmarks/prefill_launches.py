@@ -9,12 +9,10 @@ too), then none (``CUPY_COMBA_PDL=0``).
 ``{"environment", "runs": [{"dependent": bool, "us": {"<op> B<B> T<T> H<H> <variant>": us, ...}}, ...]}``.
 """
 
-import argparse
 import importlib.util
-import json
 import os
-import subprocess
-import sys
+
+from cupy_comba.bench import processes
 
 
 def _sweep_prefill():
@@ -49,27 +47,9 @@ def measure():
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=2, help="pairs of processes (dependent launches, then in turn)")
-    ap.add_argument("--json", metavar="JSON")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    if a.worker:
-        print(json.dumps(measure()), flush=True)
-        return
-    from cupy_comba.bench import environment
-
-    runs = []
-    for _ in range(a.rounds):
-        for dependent in (True, False):
-            env = dict(os.environ, CUPY_COMBA_PDL="1" if dependent else "0")
-            done = subprocess.run([sys.executable, __file__, "--worker"], env=env, check=True, capture_output=True,
-                                  text=True)
-            runs.append({"dependent": dependent, "us": json.loads(done.stdout.strip().splitlines()[-1])})
-            print("dependent" if dependent else "in turn  ", json.dumps(runs[-1]["us"]), flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"environment": environment(), "runs": runs}, f, indent=1)
+    processes.main(measure, lambda: processes.same_tree(__file__, {
+        dependent: dict(os.environ, CUPY_COMBA_PDL="1" if dependent else "0") for dependent in (True, False)}),
+        "dependent", "pairs of processes (dependent launches, then in turn)")
 
 
 if __name__ == "__main__":

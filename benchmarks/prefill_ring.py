@@ -11,13 +11,13 @@ rows of T = 1024-8192 and packed sequences (``cu_seqlens``) of a 8192-token row,
 N<sequences>": us, ...}}, ...]}`` (N None: a dense row; auto: the rules' choice).
 """
 
-import argparse
-import json
+import contextlib
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
+
+from cupy_comba.bench import processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = [("gdn", T, 16, "kv16c64wg", None) for T in (1024, 1536, 2048, 4096, 8192)] + \
@@ -73,31 +73,18 @@ def _tree(where, edits):
     return where
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=2, help="times each tree is timed, in turn")
-    ap.add_argument("--json", metavar="JSON")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    if a.worker:
-        print(json.dumps(measure()), flush=True)
-        return
-    from cupy_comba.bench import environment
-
+@contextlib.contextmanager
+def _trees():
+    """``{name: (argv, env, cwd)}`` of the library's tree and the copies of TREES."""
     with tempfile.TemporaryDirectory() as tmp:
-        trees = {"ring": ROOT, **{name: _tree(os.path.join(tmp, str(i)), edits)
+        roots = {"ring": ROOT, **{name: _tree(os.path.join(tmp, str(i)), edits)
                                   for i, (name, edits) in enumerate(TREES.items())}}
-        runs = []
-        for _ in range(a.rounds):
-            for name, root in trees.items():
-                env = dict(os.environ, PYTHONPATH=root)
-                done = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "prefill_ring.py"),
-                                       "--worker"], env=env, check=True, capture_output=True, text=True, cwd=root)
-                runs.append({"tree": name, "us": json.loads(done.stdout.strip().splitlines()[-1])})
-                print(f"{name:12s}", json.dumps(runs[-1]["us"]), flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"environment": environment(), "runs": runs}, f, indent=1)
+        yield {name: ([sys.executable, os.path.join(root, "benchmarks", "prefill_ring.py"), "--worker"],
+                      dict(os.environ, PYTHONPATH=root), root) for name, root in roots.items()}
+
+
+def main():
+    processes.main(measure, _trees, "tree", "times each tree is timed, in turn")
 
 
 if __name__ == "__main__":
