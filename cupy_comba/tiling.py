@@ -153,9 +153,7 @@ def _transposed_heads(c):
 
 
 def _transposed(c):
-    most = TRANSPOSED_MIN_HEADS.get(c.K)
-    return c.transposed and c.wgmma and c.wide and most is not None and c.heads is not None and c.heads >= most \
-        and c.T >= TRANSPOSED_MIN_T[c.K]
+    return _transposed_heads(c) and c.T >= TRANSPOSED_MIN_T[c.K]
 
 
 #: The segmented scan (``{layout}64c64sg``): a dense batch too few to fill the GPU with one CTA a (row, head, 64
