@@ -868,11 +868,11 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     if (tid < C) gfps[tid] = gfp;
 
     // X = (I + L)^-1 blockwise over 16 x 16 blocks: the four diagonal blocks by forward substitution (thread
-    // 16 i + c holds column c of block i in registers), then the blocks below them by distance d = i - j,
+    // 16 i + c holds column c of block i in registers), then the blocks below them down each column of blocks j,
     //   X_ij = -X_ii sum_{k = j .. i - 1} L_ik X_kj,
-    // whose X_kj are diagonal or nearer ones.  X takes L's place (x_entry): a diagonal block once every thread
-    // has read L's, a block below the diagonal transposed into the one above it, which L never uses; the L_ik
-    // still to be read lie strictly below the diagonal.
+    // whose X_kj are diagonal or above X_ij in the same columns.  X takes L's place (x_entry): a diagonal block once
+    // every thread has read L's, a block below the diagonal transposed into the one above it, which L never uses;
+    // the L_ik still to be read lie strictly below the diagonal.
     float xd[16];
     if (tid < C) {
         const int base = 16 * (tid >> 4), c = tid & 15;
@@ -901,49 +901,56 @@ prefill_prep(COMBA_PREFILL_ARGS) {
         if (prm.V > 64) stage_v_block(vbuf + 8192, v, v0, true, prm, 1, n, tid);
     }
     __syncthreads();
-    // The blocks of one distance on the tensor cores, a 16 x 8 half of a block (columns c0 .. c0 + 7) a warp
-    // at a time: Z = sum_k L_ik X_kj, then X_ij = -X_ii Z, both on split operands (3xTF32, fp32-accurate as
-    // the substitution); Z passes through the warp's 16 x 8 floats at ZW_AT, [row][column], to become a B operand.
+    // The blocks below the diagonal on the tensor cores, a 16 x 8 half of a block (columns c0 .. c0 + 7) at a time:
+    // Z = sum_k L_ik X_kj, then X_ij = -X_ii Z, both on split operands (3xTF32, fp32-accurate as the
+    // substitution); Z passes through the warp's 16 x 8 floats at ZW_AT, [row][column], to become a B operand.  The
+    // halves of a column of blocks need only each other's rows above them, so each is one warp's, down the rows
+    // with no CTA barrier: warps 0 and 1 the halves of column 0 (blocks 1, 2, 3: 4 + 6 + 8 k-steps), warps 2 and 3
+    // those of columns 1 (blocks 2, 3) and 2 (block 3), 14 k-steps.
     float* const zw = reinterpret_cast<float*>(prefill_smem + Layout::ZW_AT) + 128 * warp;
-#pragma unroll
-    for (int d = 1; d < 4; ++d) {
-#pragma unroll
-        for (int job = warp; job < 2 * (4 - d); job += 4) {
-            const int j = job >> 1, i = j + d, c0 = 16 * j + 8 * (job & 1);
-            float z[4] = {0.f, 0.f, 0.f, 0.f}, x[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-            for (int kk = 16 * j; kk < 16 * i; kk += 8) {
-                const float* l = gram_p + (16 * i + lg) * S + kk + lj;
-                unsigned ah[4], al[4], bh0, bl0, bh1, bl1;
-                a_operand4<kSplit>(l[0], l[8 * S], l[4], l[8 * S + 4], ah, al);
-                operand<kSplit>(x_entry(xs, kk + lj, c0 + lg), bh0, bl0);
-                operand<kSplit>(x_entry(xs, kk + lj + 4, c0 + lg), bh1, bl1);
-                mma_acc<true, true>(z, ah, al, bh0, bh1, bl0, bl1);
-            }
-            zw[8 * lg + 2 * lj] = z[0];
-            zw[8 * lg + 2 * lj + 1] = z[1];
-            zw[8 * (lg + 8) + 2 * lj] = z[2];
-            zw[8 * (lg + 8) + 2 * lj + 1] = z[3];
-            __syncwarp();
-#pragma unroll
-            for (int ks = 0; ks < 16; ks += 8) {
-                const float* xi = xs + (16 * i + lg) * S + 16 * i + ks + lj;
-                unsigned ah[4], al[4], bh0, bl0, bh1, bl1;
-                a_operand4<kSplit>(xi[0], xi[8 * S], xi[4], xi[8 * S + 4], ah, al);
-                operand<kSplit>(zw[8 * (ks + lj) + lg], bh0, bl0);
-                operand<kSplit>(zw[8 * (ks + lj + 4) + lg], bh1, bl1);
-                mma_acc<true, true>(x, ah, al, bh0, bh1, bl0, bl1);
-            }
-            // X_ij transposed, above the diagonal: entry (16 i + lg, c0 + 2 lj) at row c0 + 2 lj, column 16 i + lg
-            float* out = xs + (c0 + 2 * lj) * S + 16 * i + lg;
-            out[0] = -x[0];
-            out[S] = -x[1];
-            out[8] = -x[2];
-            out[S + 8] = -x[3];
-            __syncwarp();  // zw read before this warp's next job writes it
+    auto below = [&](int i, int j) {
+        const int c0 = 16 * j + 8 * (warp & 1);
+        float z[4] = {0.f, 0.f, 0.f, 0.f}, x[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int kk = 16 * j; kk < 16 * i; kk += 8) {
+            const float* l = gram_p + (16 * i + lg) * S + kk + lj;
+            unsigned ah[4], al[4], bh0, bl0, bh1, bl1;
+            a_operand4<kSplit>(l[0], l[8 * S], l[4], l[8 * S + 4], ah, al);
+            operand<kSplit>(x_entry(xs, kk + lj, c0 + lg), bh0, bl0);
+            operand<kSplit>(x_entry(xs, kk + lj + 4, c0 + lg), bh1, bl1);
+            mma_acc<true, true>(z, ah, al, bh0, bh1, bl0, bl1);
         }
-        __syncthreads();
+        zw[8 * lg + 2 * lj] = z[0];
+        zw[8 * lg + 2 * lj + 1] = z[1];
+        zw[8 * (lg + 8) + 2 * lj] = z[2];
+        zw[8 * (lg + 8) + 2 * lj + 1] = z[3];
+        __syncwarp();
+#pragma unroll
+        for (int ks = 0; ks < 16; ks += 8) {
+            const float* xi = xs + (16 * i + lg) * S + 16 * i + ks + lj;
+            unsigned ah[4], al[4], bh0, bl0, bh1, bl1;
+            a_operand4<kSplit>(xi[0], xi[8 * S], xi[4], xi[8 * S + 4], ah, al);
+            operand<kSplit>(zw[8 * (ks + lj) + lg], bh0, bl0);
+            operand<kSplit>(zw[8 * (ks + lj + 4) + lg], bh1, bl1);
+            mma_acc<true, true>(x, ah, al, bh0, bh1, bl0, bl1);
+        }
+        // X_ij transposed, above the diagonal: entry (16 i + lg, c0 + 2 lj) at row c0 + 2 lj, column 16 i + lg
+        float* out = xs + (c0 + 2 * lj) * S + 16 * i + lg;
+        out[0] = -x[0];
+        out[S] = -x[1];
+        out[8] = -x[2];
+        out[S + 8] = -x[3];
+        __syncwarp();  // zw read, and X_ij visible to this warp's lanes, before its next block
+    };
+    if (warp < 2) {
+        below(1, 0);
+        below(2, 0);
+        below(3, 0);
+    } else {
+        below(2, 1);
+        below(3, 1);
+        below(3, 2);
     }
+    __syncthreads();
 
     // A and Mq as A fragments.  TF32: tile (m, ks) at m (m + 1) + ks, lane (lg, lj) the float4 (rows 16 m + lg,
     // + 8; columns 8 ks + lj, + 4).  bf16: tile (m, ks) at m (m + 1) / 2 + ks, lane (lg, lj) four bf16 pairs --
