@@ -522,82 +522,72 @@ __device__ __forceinline__ void stage_v_block(unsigned char* buf, const void* v,
 // bt, G fp in gfp) are formed: W' = A diag(G fp) P from P's staged rows (sp) and u' = A Vc from the blocks of v in
 // vbuf (two buffers of 8 KB; where v copies, the caller has issued blocks 0 and 1), with A = X diag(beta), on
 // mma.sync m16n8k16 with bf16 operands (A rounded once, as the other bf16 records) and fp32 sums, as
-// prefill_scan_wt's B tiles.  Row tile m (tokens 16 m .. 16 m + 15) takes the k-steps 0 .. m on or below the
-// diagonal of A, so that the tiles cost 1, 2, 3 and 4: warp w forms the column half w % 2 of every 64-column block
-// for the tiles 3 - w / 2 and w / 2, five k-steps a warp.
+// prefill_scan_wt's B tiles.  Warp w forms token rows 16 w .. 16 w + 15, over the k-steps 0 .. w on or below the
+// diagonal of A.
 template <int K>
 __device__ __forceinline__ void wy_record(float* rec, const float* xs, const unsigned char* sp, unsigned char* vbuf,
                                           const float* bt, const float* gfp, const void* v, long long v0, bool v_copies,
                                           const Params& prm, int n, int tid) {
     using R = WyRecord<K>;
     constexpr int KP = K + 16, S = kPrefillChunk + 4;
-    const int lane = tid & 31, warp = tid >> 5, lg = lane >> 2, lj = lane & 3, half = warp & 1;
+    const int lane = tid & 31, warp = tid >> 5, lg = lane >> 2, lj = lane & 3;
     unsigned* const words = reinterpret_cast<unsigned*>(rec);
-    // row tile m of A (w = false) or of A diag(G fp) (w = true) as A fragments, k-steps 0 .. m (zeros past it)
-    auto fragments = [&](int m, bool w, unsigned (&a)[4][4]) {
-        const int r0 = 16 * m + lg;
+    // this warp's row tile of A and of A diag(G fp) as A fragments, k-steps 0 .. warp (zeros past it)
+    const int r0 = 16 * warp + lg;
+    unsigned au[4][4], aw[4][4];
 #pragma unroll
-        for (int ks = 0; ks < 4; ++ks) {
-            const int c0 = 16 * ks + 2 * lj;
-            // X's rows r0 + 8 (i & 1) by columns c0 + (i >> 1 & 1) + 8 (i >> 2): the diagonal block in place, one
-            // below it transposed (x_entry), none above it
-            float x[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            const bool in = ks <= m;
-            if (in) {
-                const bool diagonal = ks == m;
-                const float* x0 = xs + (diagonal ? r0 * S + c0 : c0 * S + r0);
-                const int row = diagonal ? 8 * S : 8, col = diagonal ? 1 : S;
+    for (int ks = 0; ks < 4; ++ks) {
+        const int c0 = 16 * ks + 2 * lj;
+        // X's rows r0 + 8 (i & 1) by columns c0 + (i >> 1 & 1) + 8 (i >> 2): the diagonal block in place, one below
+        // it transposed (x_entry), none above it
+        float x[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        if (ks <= warp) {
+            const bool diagonal = ks == warp;
+            const float* x0 = xs + (diagonal ? r0 * S + c0 : c0 * S + r0);
+            const int row = diagonal ? 8 * S : 8, col = diagonal ? 1 : S;
 #pragma unroll
-                for (int i = 0; i < 8; ++i) x[i] = x0[row * (i & 1) + col * (i >> 1 & 1) + 8 * col * (i >> 2)];
-            }
-            float f0 = bt[c0], f1 = bt[c0 + 1], f2 = bt[c0 + 8], f3 = bt[c0 + 9];
-            if (w) f0 *= gfp[c0], f1 *= gfp[c0 + 1], f2 *= gfp[c0 + 8], f3 *= gfp[c0 + 9];
-            a[ks][0] = in ? bf16_pair(x[0] * f0, x[2] * f1) : 0u;
-            a[ks][1] = in ? bf16_pair(x[1] * f0, x[3] * f1) : 0u;
-            a[ks][2] = in ? bf16_pair(x[4] * f2, x[6] * f3) : 0u;
-            a[ks][3] = in ? bf16_pair(x[5] * f2, x[7] * f3) : 0u;
+            for (int i = 0; i < 8; ++i) x[i] = x0[row * (i & 1) + col * (i >> 1 & 1) + 8 * col * (i >> 2)];
         }
-    };
+        const float b0 = bt[c0], b1 = bt[c0 + 1], b2 = bt[c0 + 8], b3 = bt[c0 + 9];
+        const float g0 = b0 * gfp[c0], g1 = b1 * gfp[c0 + 1], g2 = b2 * gfp[c0 + 8], g3 = b3 * gfp[c0 + 9];
+        const bool in = ks <= warp;
+        au[ks][0] = in ? bf16_pair(x[0] * b0, x[2] * b1) : 0u;
+        au[ks][1] = in ? bf16_pair(x[1] * b0, x[3] * b1) : 0u;
+        au[ks][2] = in ? bf16_pair(x[4] * b2, x[6] * b3) : 0u;
+        au[ks][3] = in ? bf16_pair(x[5] * b2, x[7] * b3) : 0u;
+        aw[ks][0] = in ? bf16_pair(x[0] * g0, x[2] * g1) : 0u;
+        aw[ks][1] = in ? bf16_pair(x[1] * g0, x[3] * g1) : 0u;
+        aw[ks][2] = in ? bf16_pair(x[4] * g2, x[6] * g3) : 0u;
+        aw[ks][3] = in ? bf16_pair(x[5] * g2, x[7] * g3) : 0u;
+    }
     // ldmatrix.trans: lane l gives row (l & 7) + 8 ((l >> 3) & 1) of the k-step, 16-byte piece l >> 4 of the pair
     const int lrow = (lane & 7) + 8 * ((lane >> 3) & 1), lpiece = lane >> 4;
-    // this warp's 32 columns of a block of 64 -- rows (k) by columns (n), the 16-byte piece c of row r at
-    // piece(r, c) -- times row tile m's fragments a, into words from `out` (block of 8 columns nb at 256 nb, row r
-    // at 4 r)
-    auto product = [&](auto piece, int m, const unsigned (&a)[4][4], unsigned* out) {
-        float acc[4][4];
+    // 64 columns of rows (k) by columns (n), the 16-byte piece c of row r at piece(r, c), times this warp's
+    // fragments a, into words from `out` (block of 8 columns nb at 256 nb, row r at 4 r)
+    auto product = [&](auto piece, const unsigned (&a)[4][4], unsigned* out) {
+        float acc[8][4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+        for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) {
-            if (ks > m) break;
+            if (ks > warp) break;
 #pragma unroll
-            for (int q = 0; q < 2; ++q) {
+            for (int q = 0; q < 4; ++q) {
                 unsigned bq[4];
-                ldsm4_trans(bq, piece(16 * ks + lrow, 4 * half + 2 * q + lpiece));
+                ldsm4_trans(bq, piece(16 * ks + lrow, 2 * q + lpiece));
                 mma_bf16(acc[2 * q], a[ks][0], a[ks][1], a[ks][2], a[ks][3], bq[0], bq[1]);
                 mma_bf16(acc[2 * q + 1], a[ks][0], a[ks][1], a[ks][2], a[ks][3], bq[2], bq[3]);
             }
         }
-        const int r0 = 16 * m + lg;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            out[256 * (4 * half + i) + 4 * r0 + lj] = bf16_pair(acc[i][0], acc[i][1]);
-            out[256 * (4 * half + i) + 4 * (r0 + 8) + lj] = bf16_pair(acc[i][2], acc[i][3]);
+        for (int i = 0; i < 8; ++i) {
+            out[256 * i + 4 * r0 + lj] = bf16_pair(acc[i][0], acc[i][1]);
+            out[256 * i + 4 * (r0 + 8) + lj] = bf16_pair(acc[i][2], acc[i][3]);
         }
     };
-    const int tiles[2] = {3 - (warp >> 1), warp >> 1};
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-        unsigned aw[4][4];
-        fragments(tiles[t], true, aw);
 #pragma unroll 1
-        for (int kb = 0; kb < K / 64; ++kb)
-            product([&](int r, int c) { return sp + 2 * KP * r + 128 * kb + 16 * c; }, tiles[t], aw,
-                    words + R::WP + 2048 * kb);
-    }
-    unsigned au[2][4][4];
-    fragments(tiles[0], false, au[0]);
-    fragments(tiles[1], false, au[1]);
+    for (int half = 0; half < K / 64; ++half)
+        product([&](int r, int c) { return sp + 2 * KP * r + 128 * half + 16 * c; }, aw, words + R::WP + 2048 * half);
     const int blocks = static_cast<int>(prm.V) / 64;
     for (int vb = 0; vb < blocks; ++vb) {
         unsigned char* const buf = vbuf + 8192 * (vb & 1);
@@ -605,10 +595,7 @@ __device__ __forceinline__ void wy_record(float* rec, const float* xs, const uns
         else if (vb + 1 < blocks) copy_async_wait<1>();
         else copy_async_wait<0>();
         __syncthreads();
-#pragma unroll
-        for (int t = 0; t < 2; ++t)
-            product([&](int r, int c) { return buf + 128 * r + 16 * (c ^ (r & 7)); }, tiles[t], au[t],
-                    words + R::SIZE + 2048 * vb);
+        product([&](int r, int c) { return buf + 128 * r + 16 * (c ^ (r & 7)); }, au, words + R::SIZE + 2048 * vb);
         if (vb + 2 < blocks) {
             __syncthreads();  // buf read before block vb + 2 lands there
             if (v_copies) stage_v_block(buf, v, v0, true, prm, vb + 2, n, tid);
