@@ -99,6 +99,10 @@ def _timed(layout, K, comba, heads, T, variants, chosen, split=None):
     for variant in order + order[::-1]:
         us = time_graph(_call(comba, args, state_layout=layout, variant=variant), iters=5).median_us
         times[variant] = min(us, times.get(variant, us))
+    del args
+    # a point's inputs and records reach 10 GB at 128 heads and T = 65536: the pool's cached blocks are handed back
+    # so that the next point's larger blocks do not meet a fragmented pool
+    cupy.get_default_memory_pool().free_all_blocks()
     best = min(times, key=times.get)
     op = "comba" if comba else "gdn"
     print(f"{op:5s} {layout} K={K} heads={heads:4d} T={T:6d} " + " ".join(f"{v}={t:9.1f}" for v, t in times.items())
