@@ -85,20 +85,22 @@ def _mma(c):
 
 #: The shortest pass the prefill kernels take at each K, over at most so many heads: (heads, T) in order
 #: (h200-prefill-lengths.json).  Their cost rises in steps of 64 tokens and the 16-token kernel's in steps of 16,
-#: so the thresholds fall on that kernel's step boundaries: T = 49, 97 and 161 open a step of it that costs more
-#: than the prefill chunks, and at T = 96 over 33-64 heads the two tie.  Beyond 128 heads, the most the sweeps
+#: so the thresholds fall on that kernel's step boundaries: T = 33, 49, 97 and 161 open a step of it that costs
+#: more than the prefill chunks, and at T = 96 over 33-64 heads the two tie.  Over one head at K = 128 one chunk
+#: costs less than the 16-token kernel's three steps (T = 48: 11.2 against 12.0 us for kv32tc16; 16 heads: 12.6
+#: against 12.2, which keep it).  Beyond 128 heads, the most the sweeps
 #: measured, the token kernels keep every length (and no workspace of 11-21.5 KB a chunk and head is made); at
 #: K = 256 the token loops the prefill kernels replace walk 256 keys a token, and lose from T = 16 over any
 #: number of heads.
 PREFILL_MIN_T = {
     64: ((32, 49), (64, 96), (128, 161)),
-    128: ((32, 49), (64, 96), (128, 97)),
+    128: ((1, 33), (32, 49), (64, 96), (128, 97)),
     256: ((None, 16),),
 }
 #: The same where the scan runs on wgmma (:func:`_warpgroup`): over 65-128 heads at both K from T = 97, where
 #: its two chunks cost less than the 16-token kernel's seven steps (h200-prefill-lengths.json).  Over the heads
 #: that take the transposed scan it begins at TRANSPOSED_MIN_T where that is shorter.
-PREFILL_MIN_T_WGMMA = {K: ((32, 49), (64, 96), (128, 97)) for K in (64, 128)}
+PREFILL_MIN_T_WGMMA = {64: ((32, 49), (64, 96), (128, 97)), 128: ((1, 33), (32, 49), (64, 96), (128, 97))}
 
 
 def _prefill_min_t(c):
@@ -158,8 +160,10 @@ def _transposed(c):
 
 #: The segmented scan (``{layout}64c64sg``): a dense batch too few to fill the GPU with one CTA a (row, head, 64
 #: value columns), cut into segments whose CTAs fill it once -- from so many tokens over at most so many such CTAs
-#: (h200-prefill-segments.json).
-SEGMENTED_MIN_T = ((16, 1024), (32, 2048), (64, 8192))
+#: (h200-prefill-segments.json), and over up to 256 from T = 8192, where one segment a row already leads the
+#: transposed scan (h200-prefill-lengths.json, K = 128, 128 heads, T = 65536: 7037.8 against 7475.8 us; T = 8192
+#: 903.8 against 911.3).
+SEGMENTED_MIN_T = ((16, 1024), (32, 2048), (256, 8192))
 #: At most so many segments (the last one composes the maps of all before it, one after another), each of at
 #: least MIN_SEGMENT_CHUNKS chunks of 64 tokens.
 MAX_SEGMENTS = 16
@@ -216,12 +220,13 @@ RULES = (
          "h200-prefill-tiling.json (kv and vk, K = 64 / 128 / 256, 1-128 heads, T = 256-4096) and "
          "h200-prefill-lengths.json (kv, T = 16-65536 and either side of each threshold), Gated DeltaNet at "
          "K = 128 unless said, prefill_scan (mma.sync) first.  The prefill kernels cost a step every 64 tokens, the "
-         "16-token kernel every 16, so the thresholds fall on the latter's step boundaries: over 1-32 heads from "
-         "T = 49 (16 heads: T = 48 12.7 against 12.5 us for kv32tc16, T = 49 12.8 against 15.4, T = 65536 1814.0 "
-         "against 12764.6; K = 64: 12.8 against 14.4), 16-column slabs over 1-16 heads and 32-column ones over more "
-         "(32 heads, T = 49: 14.3 against 15.7); over 33-64 heads from T = 96 (64 heads: 23.1 against 24.6 for "
-         "kv64tc16, T = 64 18.8 against 17.7); over 65-128 heads from T = 97 (128 heads: T = 97 37.3 against 40.6, "
-         "T = 96 37.8 against 35.6; T = 65536 10738.7 against 20839.3), at K = 64 from T = 161 (T = 176 38.7 against "
+         "16-token kernel every 16, so the thresholds fall on the latter's step boundaries: over one head at K = 128 "
+         "from T = 33 (T = 48: 11.2 against 12.0 us for kv32tc16), over 1-32 heads otherwise from T = 49 (16 "
+         "heads: T = 48 12.2 against 12.2 us for kv32tc16, T = 49 12.0 against 15.3, T = 65536 1823.6 against "
+         "12864.5; K = 64: 12.8 against 14.4), 16-column slabs over 1-16 heads and 32-column ones over more "
+         "(32 heads, T = 49: 13.5 against 15.8); over 33-64 heads from T = 96 (64 heads: 22.4 against 24.2 for "
+         "kv64tc16, T = 64 18.3 against 17.4); over 65-128 heads from T = 97 (128 heads: T = 97 36.2 against 40.2, "
+         "T = 96 35.9 against 34.9; T = 65536 10656.7 against 20692.0), at K = 64 from T = 161 (T = 176 38.7 against "
          "40.8, T = 128 31.1 against 30.6); at K = 256 over every head count from T = 16 (1 head: 15.8 against "
          "18.8 us for kv32x16, 128 heads: 37.5 against 53.9), 6.6-33x the token loops from T = 256.  Where q, k, "
          "p are bf16 with bf16 products on compute capability 9.0, the same slabs' scan on wgmma "
@@ -231,11 +236,11 @@ RULES = (
          "against 248.0), Comba's 16-column ones over one head 0.91-1.02 (T = 8192 178.4 against 195.5; from T = "
          "1024, shorter passes keeping prefill_scan: WGMMA_ONE_HEAD_MIN_T) but over 16 heads 1.11 (289.9 against "
          "261.5), which keeps prefill_scan; and over 65-128 heads from T = 97 at "
-         "both K (h200-prefill-lengths.json, 128 heads, T = 112: 33.1 against 40.8 us for kv64tc16, Comba 39.0 "
-         "against 43.0, K = 64 23.8 against 27.3; T = 96: 32.7 against 35.6, Comba 39.1 against 37.9).  The transposed "
+         "both K (h200-prefill-lengths.json, 128 heads, T = 112: 31.5 against 40.2 us for kv64tc16, Comba 37.4 "
+         "against 42.3, K = 64 23.8 against 27.3; T = 96: 31.2 against 34.9, Comba 35.6 against 36.9).  The transposed "
          "wgmma scan over 64-128 heads at K = 128 from T = 49, where the prefill kernels then begin "
-         "(h200-prefill-lengths.json, 128 heads: T = 49 22.9 against 25.3 us for kv64tc16, T = 48 23.0 against "
-         "20.5; T = 192 37.9 against 44.2 for kv32c64wg), and over 128 at K = 64 from T = 256 "
+         "(h200-prefill-lengths.json, 128 heads: T = 49 22.4 against 25.1 us for kv64tc16, T = 48 22.4 against "
+         "20.2; T = 192 39.1 against 43.2 for kv32c64wg), and over 128 at K = 64 from T = 256 "
          "(h200-prefill-transposed.json, "
          "32-128 heads, T = 256-4096, against the choice without it): 64 heads, T = 256 26.4 against 30.0 us for "
          "kv32c64wg, T = 4096 277.7 against 325.7 (Comba 28.3 against 34.8, 284.2 against 356.2; vk 26.9 against "

@@ -281,13 +281,14 @@ def test_the_segmented_choice_is_within_5_percent_of_the_best_timed():
 @pytest.mark.parametrize("comba", [True, False])
 def test_the_segmented_scan_where_it_wins(layout, comba):
     """Where the segmented scan may be chosen: a dense batch of at most 16 CTAs a segment (B * H * V / 64) from
-    T = 1024, 32 from 2048, 64 from 8192; with wgmma and V a multiple of 64; never with cu_seqlens, nor without
-    the transposed scans, nor with ``segmented=False``."""
+    T = 1024, 32 from 2048, 256 from 8192 (128 heads, the most the prefill kernels take); with wgmma and V a
+    multiple of 64; never with cu_seqlens, nor without the transposed scans, nor with ``segmented=False``."""
     def choose(T, heads, **kw):
         return tiling.choose(layout, 128, 128, comba, True, T, heads, **{"wgmma": True, **kw})
     sg = f"{layout}64c64sg"
-    assert choose(1024, 8) == choose(2048, 16) == choose(8192, 32) == choose(65536, 1) == sg
-    assert choose(1023, 8) != sg and choose(2047, 16) != sg and choose(8191, 32) != sg and choose(65536, 33) != sg
+    assert choose(1024, 8) == choose(2048, 16) == choose(8192, 128) == choose(65536, 1) == sg
+    assert choose(1023, 8) != sg and choose(2047, 16) != sg and choose(8191, 128) != sg and choose(2048, 17) != sg
+    assert choose(65536, 129) != sg and tiling.choose(layout, 128, 256, comba, True, 8192, 128, wgmma=True) != sg
     assert choose(8192, 16, ragged=True) != sg and choose(8192, 16, transposed=False) != sg
     assert choose(8192, 16, wgmma=False) != sg and tiling.choose(layout, 128, 96, comba, True, 8192, 16,
                                                                 wgmma=True) != sg
