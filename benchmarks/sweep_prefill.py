@@ -48,7 +48,7 @@ import os
 import cupy
 import numpy
 
-from cupy_comba import _launcher, _plan, bfloat16, comba_forward, families, gated_delta_forward, reference, tiling
+from cupy_comba import _plan, bfloat16, comba_forward, families, gated_delta_forward, reference, tiling
 from cupy_comba.bench import environment, time_graph
 from cupy_comba.inputs import forward_inputs
 
@@ -99,11 +99,10 @@ def _timed(layout, K, comba, heads, T, variants, chosen, split=None):
     for variant in order + order[::-1]:
         us = time_graph(_call(comba, args, state_layout=layout, variant=variant), iters=5).median_us
         times[variant] = min(us, times.get(variant, us))
-    # time_graph's graphs are gone: their plans and the workspaces a capture keeps for good (1.4 GB at 128 heads and
-    # T = 65536) are let go, or a sweep's points pile up past the GPU's memory
+    # the point's plans and their workspaces (1.4 GB at 128 heads and T = 65536) are let go, or a sweep's points
+    # pile up past the GPU's memory
     del args
     _plan.PLANS.clear()
-    _launcher._CAPTURED.clear()
     cupy.get_default_memory_pool().free_all_blocks()
     best = min(times, key=times.get)
     op = "comba" if comba else "gdn"

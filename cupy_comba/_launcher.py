@@ -28,6 +28,7 @@ capability 9.0 (:mod:`cupy_comba._plan`).  ``CUPY_COMBA_PDL=0`` launches them th
 older than CUDA 12.3.
 """
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -364,3 +365,16 @@ def _programmatic(grid, block, shared_bytes):
 _WORKSPACE = 13
 #: Workspaces that a capturing stream used: a captured graph holds their addresses for as long as it lives.
 _CAPTURED = {}
+
+
+@contextlib.contextmanager
+def transient_captures():
+    """A block whose CUDA graphs are all destroyed before it ends (the timing helpers'): the workspaces first
+    captured inside it are let go on leaving it, where a caller's own captures keep theirs for good.  Not for a
+    block that another thread's capture may overlap."""
+    kept = set(_CAPTURED)
+    try:
+        yield
+    finally:
+        for key in [key for key in _CAPTURED if key not in kept]:
+            del _CAPTURED[key]

@@ -198,3 +198,23 @@ def test_cupy_contiguity_flag_stands_for_the_strides():
         if a._c_contiguous:  # the strides the launch uses address the same elements
             computed = tuple(s * a.itemsize for s in _c_strides(a.shape, 1, False))
             assert _span(a.shape, computed, a.itemsize) == sig.span(), (a.shape, a.strides)
+
+
+def test_a_transient_capture_lets_go_only_the_workspaces_it_pinned():
+    """The timing helpers' block (``_launcher.transient_captures``): a workspace first captured inside it is let go
+    on leaving it, even when the block raises; one a caller's capture pinned before it stays pinned."""
+    from cupy_comba import _launcher
+
+    saved = dict(_launcher._CAPTURED)
+    callers, timed = object(), object()
+    try:
+        _launcher._CAPTURED[id(callers)] = callers
+        with pytest.raises(RuntimeError):
+            with _launcher.transient_captures():
+                _launcher._CAPTURED[id(timed)] = timed
+                _launcher._CAPTURED[id(callers)] = callers  # captured again inside: still the caller's
+                raise RuntimeError
+        assert _launcher._CAPTURED == {**saved, id(callers): callers}
+    finally:
+        _launcher._CAPTURED.clear()
+        _launcher._CAPTURED.update(saved)

@@ -16,6 +16,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from .. import _launcher
 from .._backend import cupy
 
 
@@ -63,7 +64,8 @@ def time_graph(fn, *, iters=20, warmup=3, sample_ms=2.0, max_calls=256):
     # (a float64 reference warm-up of a 1-2 GiB state read up to 2x slow).
     cupy.cuda.Device().synchronize()
     stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
+    # the graph dies here, so the workspaces its capture pinned for good need not outlive it
+    with stream, _launcher.transient_captures():
         fn()
         stream.synchronize()
         once = _events_us(stream, fn)
@@ -75,6 +77,7 @@ def time_graph(fn, *, iters=20, warmup=3, sample_ms=2.0, max_calls=256):
         for _ in range(warmup):
             graph.launch(stream)
         per_call = [_events_us(stream, lambda: graph.launch(stream)) / calls for _ in range(iters)]
+        del graph  # every replay has finished: _events_us waited for its last one
     return Timing.from_samples(per_call, calls)
 
 
