@@ -125,14 +125,15 @@ def test_vk_verify_over_many_heads_on_eight_warps(heads, variant):
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("comba", [True, False])
 def test_prefill_over_few_heads_and_long_prompts(layout, comba):
-    """h200-prefill-tiling.json, h200-prefill-lengths.json: 64-token chunks at K = 64 and 128 from T = 49 over
-    at most 32 heads (16-column slabs over at most 16), from T = 96 over at most 64, from T = 97 (K = 128) or
+    """h200-prefill-tiling.json, h200-prefill-lengths.json: 64-token chunks over one head at K = 128 from T = 33,
+    at K = 64 and 128 from T = 49 over at most 32 heads (16-column slabs over at most 16), from T = 96 over at most 64, from T = 97 (K = 128) or
     161 (K = 64) over at most 128 (the sweeps' most); at K = 256 from T = 16 over any number; the tensor-core
     kernel or the token loop otherwise."""
     def choose(T, heads, K=128, **kw):
         return tiling.choose(layout, K, 128, comba, True, T, heads, **kw)
 
-    assert choose(48, 16) == choose(48, 32) == f"{layout}32tc16"
+    assert choose(48, 16) == choose(48, 32) == choose(32, 1) == f"{layout}32tc16"
+    assert choose(33, 1) == choose(48, 1) == f"{layout}16c64"
     assert choose(95, 33) == choose(95, 64) == choose(96, 65) == choose(255, None) == f"{layout}64tc16"
     assert choose(49, 1) == choose(8192, 16) == choose(49, 16, K=64) == f"{layout}16c64"
     assert choose(49, 17) == choose(49, 32, K=64) == choose(96, 64) == choose(96, 64, K=64) == f"{layout}32c64"
