@@ -94,7 +94,7 @@ class Plan:
             _validate.check_grid((slots * sig.H, 1, 1), sig.B, sig.H, self.variant)
             workspace = slots * sig.H * (kernel.record_words + kernel.record_words_v * sig.V) * 4
         if kernel.chain:  # the segmented scan: each segment's map after the records
-            segments, seg_chunks = tiling.segments(sig.B * sig.H, sig.V, sig.T, sm_count(self.device))
+            segments, seg_chunks = tiling.segments(sig.B * sig.H, sig.V, sig.T, sm_count(self.device), kernel.slab)
             chain_grid, grid = kernel.segment_grids(sig.B, sig.H, sig.K, sig.V, segments)
             for g in (chain_grid, grid):
                 _validate.check_grid(g, sig.B, sig.H, self.variant)
@@ -116,7 +116,7 @@ class Plan:
                                  2 if sig.bf16_keys else 4, kernel.slab, int(cc) >= 90, kernel.key_pad,
                                  kernel.swizzled_keys)
             if kernel.chain:
-                before.append((compiled(kernel.chain, kernel.chain_shared_bytes), chain_grid, kernel.block,
+                before.append((compiled(kernel.chain, kernel.chain_shared_bytes), chain_grid, kernel.chain_block,
                                kernel.chain_shared_bytes))
             shared = kernel.shared_bytes
             # the wgmma scan's third stage: where its CTAs take one SM each anyway (more room would leave those

@@ -77,6 +77,10 @@ WGMMA_CAPABILITY = "90"
 #: The families built for that target only: the wgmma scans.
 WGMMA_FAMILIES = ("prefill_scan_wg", "prefill_scan_wt")
 
+#: Warpgroups a CTA of the transposed scan (``{layout}{64 WGS}c64wt`` / ``sg``): one on a slab of 64 value columns,
+#: or two on 128 sharing each chunk's staged keys and record.
+WT_WARPGROUPS = (1, 2)
+
 
 def runs_wgmma(compute_capability):
     """Whether a GPU of ``compute_capability`` (CuPy's spelling, ``"90"``) runs the wgmma scan."""
@@ -126,7 +130,8 @@ class Kernel(NamedTuple):
     record_words_v: int = 0     #: and more words a value column (the u' slabs of prefill_scan_wt's records)
     swizzled_keys: bool = False  #: q's and k's rows in 128-byte swizzled boxes of 64 keys (prefill_scan_wt's maps)
     chain: str = ""             #: the segmented scan's first launch after the prep: each segment's map
-    chain_shared_bytes: int = 0  #: its dynamic shared memory a CTA (its block: ``block``)
+    chain_shared_bytes: int = 0  #: its dynamic shared memory a CTA
+    chain_block: int = 128      #: its threads a CTA (one warpgroup)
     ring_shared_bytes: int = 0  #: ``shared_bytes`` with room for a third stage (prefill_scan_wg), 0: none
 
     def grid(self, B, H, V):
@@ -136,7 +141,8 @@ class Kernel(NamedTuple):
 
     def segment_grids(self, B, H, K, V, segments):
         """The segmented scan's two grids: the chain's (a CTA a row, segment but the last, head and 64 of the
-        V + K columns of a segment's map) and the segments' (a CTA a row, segment, head and slab)."""
+        V + K columns of a segment's map; ``chain_block`` threads) and the segments' (a CTA a row, segment, head and
+        slab)."""
         return ((B * (segments - 1) * H * ((V + K) // 64), 1, 1), self.grid(B * segments, H, V))
 
     def segment_words(self, K, V):
@@ -211,8 +217,9 @@ def _all_tilings():
     for K in FAMILY_K:
         out += [Tiling(f"{layout}{slab}c64wg", layout, K, "prefill_scan_wg", "prefill_wgmma.cu", (slab,), slab, 128,
                        PREFILL_CHUNK, True) for layout in ("kv", "vk") for slab in PREFILL_SLABS]
-        out += [Tiling(f"{layout}64c64{name}", layout, K, "prefill_scan_wt", "prefill_wgmma.cu", (part,), 64, 128,
-                       PREFILL_CHUNK, True) for layout in ("kv", "vk") for name, part in (("wt", 0), ("sg", 2))]
+        out += [Tiling(f"{layout}{64 * wgs}c64{name}", layout, K, "prefill_scan_wt", "prefill_wgmma.cu", (part, wgs),
+                       64 * wgs, 128 * wgs, PREFILL_CHUNK, True)
+                for wgs in WT_WARPGROUPS for layout in ("kv", "vk") for name, part in (("wt", 0), ("sg", 2))]
     return tuple(out)
 
 
@@ -267,13 +274,13 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
                                 f"{_flag(serving)}>", t.slab, t.threads, prefill_wg_bytes(K, t.slab, separate_p),
                       f"comba::prefill_prep<{K}, 5, {_flag(serving)}>", prefill_prep_bytes(K, False), 128,
                       PREFILL_RECORD_BF16, 8, ring_shared_bytes=prefill_wg_bytes(K, t.slab, separate_p, ring=True))
-    if t.family == "prefill_scan_wt":  # args: (PART,), kWtWhole = 0 or kWtSegments = 2 (then kWtChain first)
-        part, = t.args
-        return Kernel(t.source, f"comba::prefill_scan_wt<{K}, {_flag(layout == 'vk')}, {_flag(serving)}, {part}>",
-                      t.slab, t.threads, prefill_wt_bytes(K), f"comba::prefill_prep<{K}, 6, {_flag(serving)}>",
+    if t.family == "prefill_scan_wt":  # args: (PART, WGS); PART kWtWhole = 0 or kWtSegments = 2 (kWtChain first)
+        part, wgs = t.args
+        return Kernel(t.source, f"comba::prefill_scan_wt<{K}, {_flag(layout == 'vk')}, {_flag(serving)}, {part}, {wgs}>",
+                      t.slab, t.threads, prefill_wt_bytes(K, wgs=wgs), f"comba::prefill_prep<{K}, 6, {_flag(serving)}>",
                       prefill_prep_bytes(K, False), 128, record_words=wy_record(K),
                       record_words_v=WY_WORDS_PER_V, swizzled_keys=True,
-                      chain=f"comba::prefill_scan_wt<{K}, false, {_flag(serving)}, 1>" if part else "",
+                      chain=f"comba::prefill_scan_wt<{K}, false, {_flag(serving)}, 1, 1>" if part else "",
                       chain_shared_bytes=prefill_wt_bytes(K, chain=True) if part else 0)
     if t.family == "prefill_scan":
         if precision is None:  # 16-bit activations: bf16 products, the fastest (docs/design.md)
@@ -403,14 +410,16 @@ def wy_record(K):
     return 32 * K + 2048 + 256
 
 
-def prefill_wt_bytes(K, chain=False):
-    """Bytes of ``WtLayout<K, CHAIN>`` (kernels_cu/prefill_wgmma.cu): room to align to 1 KB, two stages of a chunk's
-    Q and Kc (64 rows of K bf16), record and u' slab (64 x 64 bf16), four warps' o transposes and two mbarriers;
-    ``chain``: the segments' chain, whose stages hold Kc, W' and the record's tail from G fp on, and u'."""
+def prefill_wt_bytes(K, chain=False, wgs=1):
+    """Bytes of ``WtLayout<K, CHAIN, WGS>`` (kernels_cu/prefill_wgmma.cu): room to align to 1 KB, two stages of a
+    chunk's Q and Kc (64 rows of K bf16), record and the u' slabs of ``wgs`` warpgroups (64 x 64 bf16 each), their
+    warps' o transposes and two mbarriers; ``chain``: the segments' chain (one warpgroup), whose stages hold Kc, W' and
+    the record's tail from G fp on, and u'."""
     if chain:
         stage = 2 * PREFILL_CHUNK * K * 2 + 4 * 256 + PREFILL_CHUNK * 64 * 2
         return 1024 + 2 * -(-stage // 1024) * 1024 + 16
-    return 1024 + 2 * (2 * PREFILL_CHUNK * K * 2 + 4 * wy_record(K) + PREFILL_CHUNK * 64 * 2) + 4 * 2048 + 16
+    stage = 2 * PREFILL_CHUNK * K * 2 + 4 * wy_record(K) + wgs * PREFILL_CHUNK * 64 * 2
+    return 1024 + 2 * -(-stage // 1024) * 1024 + 4 * wgs * 2048 + 16
 
 
 def mma_stage_bytes(K, slab, separate_p, tokens):

@@ -178,18 +178,21 @@ def _segmented(c):
     return any(ctas <= most and c.T >= T for most, T in SEGMENTED_MIN_T)
 
 
-def segments(heads, V, T, sms):
+def segments(heads, V, T, sms, slab=64):
     """``(segments, chunks a segment)`` of the segmented scan over ``heads`` = B * H heads of V columns and T
-    tokens on a GPU of ``sms`` multiprocessors: as many segments as one CTA a multiprocessor takes, at most
-    MAX_SEGMENTS and none shorter than MIN_SEGMENT_CHUNKS chunks where the row is longer than that.
+    tokens on a GPU of ``sms`` multiprocessors, a CTA a ``slab`` of value columns: as many segments as one CTA a
+    multiprocessor takes, at most MAX_SEGMENTS and none shorter than MIN_SEGMENT_CHUNKS chunks where the row is
+    longer than that.
 
     >>> segments(16, 128, 8192, 132)      # 32 CTAs a segment: four segments of 32 chunks
     (4, 32)
     >>> segments(1, 128, 2048, 132)       # 32 chunks over one head: eight segments of four
     (8, 4)
+    >>> segments(16, 128, 8192, 132, 128) # two warpgroups a CTA, on 128 columns: eight segments of 16
+    (8, 16)
     """
     chunks = max(1, -(-T // 64))
-    n = max(1, min(MAX_SEGMENTS, chunks // MIN_SEGMENT_CHUNKS, sms // max(1, heads * (V // 64))))
+    n = max(1, min(MAX_SEGMENTS, chunks // MIN_SEGMENT_CHUNKS, sms // max(1, heads * (V // slab))))
     per = -(-chunks // n)
     return -(-chunks // per), per
 

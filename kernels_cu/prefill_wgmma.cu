@@ -486,20 +486,21 @@ enum WtPart { kWtWhole = 0, kWtChain = 1, kWtSegments = 2 };
 // and u' slab: two of them, the next chunk copied while one is computed (a third measured no faster, and at
 // K = 64 leaves room for one CTA an SM where two fit: docs/design.md).  Segments compose their maps in the second
 // stage, two M buffers of 2 K K bytes.
-template <int K, bool CHAIN>
+template <int K, bool CHAIN, int WGS = 1>
 struct WtLayout {
     using R = WyRecord<K>;
     static constexpr int BOX = kPrefillChunk * 128, TILE = K / 64 * BOX;  // Q or Kc: K / 64 swizzled boxes
     static constexpr int Q_AT = 0, KC_AT = CHAIN ? 0 : TILE, REC_AT = 2 * TILE, REC_BYTES = 4 * R::SIZE;
     static constexpr int WP_AT = CHAIN ? TILE : REC_AT + 4 * R::WP, WP_BYTES = 4 * (R::MQ - R::WP);
     static constexpr int GP_AT = CHAIN ? WP_AT + WP_BYTES : REC_AT + 4 * R::GP, GP_BYTES = 4 * (R::SIZE - R::GP);
-    static constexpr int U_AT = CHAIN ? GP_AT + GP_BYTES : REC_AT + REC_BYTES, U_BYTES = kPrefillChunk * 64 * 2;
+    static constexpr int U_AT = CHAIN ? GP_AT + GP_BYTES : REC_AT + REC_BYTES, U_BYTES = WGS * kPrefillChunk * 64 * 2;
     static constexpr int STAGE_BYTES = (U_AT + U_BYTES + 1023) / 1024 * 1024;
     static constexpr int OT_AT = 2 * STAGE_BYTES, OT_BYTES = CHAIN ? 0 : kPrefillChunk * 16 * 2;  // a warp's o
-    static constexpr int BAR_AT = OT_AT + 4 * OT_BYTES, BYTES = 1024 + BAR_AT + 16;  // 1 KB to align the boxes
+    static constexpr int BAR_AT = OT_AT + 4 * WGS * OT_BYTES, BYTES = 1024 + BAR_AT + 16;  // 1 KB to align the boxes
     static constexpr int M_BYTES = 2 * K * K;
     static_assert(BYTES <= 232448, "prefill_scan_wt: two stages do not fit");
     static_assert(CHAIN || 2 * M_BYTES <= STAGE_BYTES, "prefill_scan_wt: a stage holds two segment maps");
+    static_assert(!CHAIN || WGS == 1, "prefill_scan_wt: the chain runs one warpgroup a CTA");
 };
 
 #if COMBA_WGMMA
@@ -509,10 +510,10 @@ constexpr unsigned long long kSwizzle128 = 1ull << 62;
 // Rows t0 .. t0 + 63 of one key array into K / 64 boxes of 64 rows of 128 bytes, swizzled as the tensor map's
 // (16-byte piece j of row r at r 128 + 16 (j ^ (r % 8))), zeros from row n on: cp.async pieces where the rows
 // allow, else plain loads.
-template <int K>
+template <int K, int NTHREADS>
 __device__ __forceinline__ void stage_swizzled(unsigned char* dst, const void* src, long long row0, long long st,
                                                long long sk, long long dtype, int n, bool copyable, int tid) {
-    for (int i = tid; i < kPrefillChunk * K / 8; i += kWgThreads) {
+    for (int i = tid; i < kPrefillChunk * K / 8; i += NTHREADS) {
         const int t = i / (K / 8), piece = i % (K / 8), half = piece >> 3, j = piece & 7;
         unsigned char* to = dst + half * WtLayout<K, false>::BOX + 128 * t + 16 * (j ^ (t & 7));
         if (copyable) {
@@ -531,26 +532,28 @@ __device__ __forceinline__ void stage_swizzled(unsigned char* dst, const void* s
 
 #endif
 
-template <int K, bool VK, bool SERVING, int PART>
-__global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_ARGS) {
+template <int K, bool VK, bool SERVING, int PART, int WGS>
+__global__ void __launch_bounds__(kWgThreads * WGS, 1) prefill_scan_wt(COMBA_PREFILL_ARGS) {
 #if COMBA_WGMMA
     constexpr bool CHAIN = PART == kWtChain;
     using R = WyRecord<K>;
-    using L = WtLayout<K, CHAIN>;
-    constexpr int C = kPrefillChunk, KS = K / 16;
+    using L = WtLayout<K, CHAIN, WGS>;
+    constexpr int C = kPrefillChunk, KS = K / 16, NT = kWgThreads * WGS;
     static_assert(K == 64 || K == 128, "bad prefill_scan_wt tiling");
     extern __shared__ __align__(128) unsigned char prefill_smem[];
     // the swizzled boxes want 1 KB alignment (their pattern repeats every 1024 bytes)
     unsigned char* const smem = prefill_smem + ((1024 - (shared_address(prefill_smem) & 1023)) & 1023);
     const float* work = inter;
 
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, lg = lane >> 2, lj = lane & 3;
+    // warpgroup wg of the CTA's WGS takes the 64 columns from 64 wg of the CTA's slab; wt is its thread, warp its warp
+    const int tid = threadIdx.x, wg = tid >> 7, wt = tid & 127, lane = tid & 31, warp = wt >> 5, lg = lane >> 2,
+              lj = lane & 3;
     const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H);
     // The CTA's place; with segments, blockIdx.x = ((i B + b) H + h) slabs + slab for the i-th segment from the end
     const int row_chunks = static_cast<int>((prm.T + C - 1) / C);  // a dense row's (segments run no other)
     const int lc = PART == kWtWhole ? 1 : static_cast<int>(prm.seg_chunks);
     const int segs = PART == kWtWhole ? 1 : max(1, (row_chunks + lc - 1) / lc);
-    const int slabs = (V + (CHAIN ? K : 0)) / 64;
+    const int slabs = (V + (CHAIN ? K : 0)) / (64 * WGS);
     launch_next();
     int cta = static_cast<int>(blockIdx.x), seg = 0;
     if constexpr (PART != kWtWhole) {
@@ -562,19 +565,19 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_A
             return;
         }
     }
-    const ScanRow row = scan_row<K, 64, SERVING>(cu_seqlens, slots, prm, q, k, v, p, beta, g, o, cta, slabs);
-    const int b = row.b, h = row.h, hk = row.hk, col0 = row.col0, T = row.T, chunks = row.chunks;
+    const ScanRow row = scan_row<K, 64 * WGS, SERVING>(cu_seqlens, slots, prm, q, k, v, p, beta, g, o, cta, slabs);
+    const int b = row.b, h = row.h, hk = row.hk, col0 = row.col0 + 64 * wg, T = row.T, chunks = row.chunks;
     const long long first = row.first, head = row.head;
     if (SERVING && row.slot < 0) {  // a padding row: its o zeroed once, by the (first) segment's CTAs
         await_earlier();
         if (CHAIN || seg > 0) return;
-        return row.zero_padding(o, prm, 64, tid, kWgThreads);
+        return row.zero_padding(o, prm, 64 * WGS, tid, NT);
     }
     const int c_begin = PART == kWtWhole ? 0 : seg * lc;
     const int c_end = PART == kWtWhole ? chunks : min(chunks, c_begin + lc);
 
     const long long words = record_words<K, 6>(prm);
-    const int slab = col0 / 64;
+    const int slab = col0 / 64, slab0 = row.col0 / 64;  // this warpgroup's, the CTA's first
     const bool m_cols = CHAIN && col0 >= V;  // M's columns of [E | M]: from the identity, with u' = 0
     // [E | M] of this row's segment j and head (header, "Segments")
     auto seg_map = [&](int j) {
@@ -599,7 +602,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_A
             } else {
                 bulk_copy(at + L::REC_AT, rec, L::REC_BYTES, bars + s);
             }
-            if (!m_cols) bulk_copy(at + L::U_AT, rec + R::SIZE + 2048 * slab, L::U_BYTES, bars + s);
+            if (!m_cols) bulk_copy(at + L::U_AT, rec + R::SIZE + 2048 * slab0, L::U_BYTES, bars + s);
             if (bulk) {
                 const int t = static_cast<int>(row.start + static_cast<long long>(c) * C);
 #pragma unroll
@@ -613,9 +616,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_A
         const long long t0 = static_cast<long long>(c) * C;
         const int n = static_cast<int>(min(static_cast<long long>(C), T - t0));
         if (!CHAIN)
-            stage_swizzled<K>(at + L::Q_AT, q, b * prm.q_sb + t0 * prm.q_st + hk * prm.q_sh, prm.q_st, prm.q_sk,
+            stage_swizzled<K, NT>(at + L::Q_AT, q, b * prm.q_sb + t0 * prm.q_st + hk * prm.q_sh, prm.q_st, prm.q_sk,
                               prm.q_t, n, copies.q, tid);
-        stage_swizzled<K>(at + L::KC_AT, k, b * prm.k_sb + t0 * prm.k_st + hk * prm.k_sh, prm.k_st, prm.k_sk,
+        stage_swizzled<K, NT>(at + L::KC_AT, k, b * prm.k_sb + t0 * prm.k_st + hk * prm.k_sh, prm.k_st, prm.k_sk,
                           prm.k_t, n, copies.k, tid);
         copy_async_commit();
     };
@@ -666,11 +669,11 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_A
         auto load_m = [&](int j) {
             const unsigned char* src = reinterpret_cast<const unsigned char*>(seg_map(j) + static_cast<long long>(K) * V);
             unsigned char* const dst = smem + L::STAGE_BYTES + (j & 1) * L::M_BYTES;
-            for (int i = tid; i < L::M_BYTES / 16; i += kWgThreads) copy_async16(dst + 16 * i, src + 16 * i, true);
+            for (int i = tid; i < L::M_BYTES / 16; i += NT) copy_async16(dst + 16 * i, src + 16 * i, true);
             copy_async_commit();
         };
         auto load_e = [&](int j) {  // st = E_j^T, this thread's fragments
-            const float4* e = reinterpret_cast<const float4*>(seg_map(j) + slab * 64 * K) + tid;
+            const float4* e = reinterpret_cast<const float4*>(seg_map(j) + slab * 64 * K) + wt;
 #pragma unroll
             for (int i = 0; i < K / 8; ++i) {
                 const float4 x = e[128 * i];
@@ -705,8 +708,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_A
 
     // u' rows by ldmatrix.trans: lane l gives token row l & 7 of matrix l >> 3 = (column block 2 warp + (l >> 3 & 1),
     // token block j + (l >> 4)); the o transpose by stmatrix.trans, the same matrices into [64 tokens][16 columns]
-    const int u_lane = (2 * warp + ((lane >> 3) & 1)) * 1024 + 16 * ((lane & 7) + 8 * (lane >> 4));
-    unsigned char* const ot = smem + L::OT_AT + warp * L::OT_BYTES;
+    const int u_lane = 8192 * wg + (2 * warp + ((lane >> 3) & 1)) * 1024 + 16 * ((lane & 7) + 8 * (lane >> 4));
+    unsigned char* const ot = smem + L::OT_AT + (tid >> 5) * L::OT_BYTES;
     unsigned char* const ot_lane = ot + 32 * ((lane & 7) + 8 * (lane >> 4)) + 16 * ((lane >> 3) & 1);
     // o rows: 16 bytes (8 columns) a piece where o is bf16 with unit, 16-byte aligned columns, else value by value
     const long long o_row = b * prm.o_sb + h * prm.o_sh + static_cast<long long>(col0 + 16 * warp) * prm.o_sv;
@@ -727,7 +730,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_A
         const long long t0 = static_cast<long long>(c) * C;
         const int n = static_cast<int>(min(static_cast<long long>(C), T - t0));
         if (bulk && SERVING && prm.cu_t && n < C) {  // the boxes' rows n on hold the next sequence: zero them
-            for (int i = tid; i < (CHAIN ? 1 : 2) * (K / 64) * (C - n) * 8; i += kWgThreads) {
+            for (int i = tid; i < (CHAIN ? 1 : 2) * (K / 64) * (C - n) * 8; i += NT) {
                 const int box = i / ((C - n) * 8), r = i % ((C - n) * 8);
                 *reinterpret_cast<uint4*>(sg + box * L::BOX + 128 * n + 16 * r) = make_uint4(0, 0, 0, 0);
             }
@@ -831,7 +834,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wt(COMBA_PREFILL_A
     if constexpr (CHAIN) {  // the segment's map: E^T as fragments, M as the compose's B operand
         float* const map = seg_map(seg);
         if (!m_cols) {
-            float4* const e = reinterpret_cast<float4*>(map + slab * 64 * K) + tid;
+            float4* const e = reinterpret_cast<float4*>(map + slab * 64 * K) + wt;
 #pragma unroll
             for (int i = 0; i < K / 8; ++i) e[128 * i] = make_float4(st[4 * i], st[4 * i + 1], st[4 * i + 2], st[4 * i + 3]);
         } else {  // accumulator (row m, key) is M[key][m]: element (n = key, k = m) of the B image

@@ -18,7 +18,7 @@ def _scans(layout, precision, K):
     wgmma = precision == "bf16" and K in families.FAMILY_K and hopper
     return [f"{layout}{slab}{scan}" for slab in families.PREFILL_SLABS for scan in (("c64", "c64wg") if wgmma
                                                                                    else ("c64",))] + \
-        ([f"{layout}64c64wt", f"{layout}64c64sg"] if wgmma else [])
+        ([f"{layout}{64 * wgs}c64{part}" for wgs in families.WT_WARPGROUPS for part in ("wt", "sg")] if wgmma else [])
 
 
 def _ring():
@@ -44,7 +44,7 @@ def _ring():
 def main():
     launches = 0
     for precision in ("bf16", "fp32"):
-        for K, V in ((64, 64), (128, 64), (256, 32)):
+        for K, V in ((64, 64), (128, 64), (128, 128), (256, 32)):
             for layout in ("kv", "vk"):
                 q, k, v, p, beta, g, S = forward_inputs(2, T, 2, K, V, xp=cupy, state_layout=layout, warm_steps=2,
                                                         seed=K)

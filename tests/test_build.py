@@ -238,10 +238,10 @@ def test_prefill_shared_bytes_are_the_layouts():
                 wg_checks.append(f'static_assert(comba::WyRecord<{K}>::SIZE == {families.wy_record(int(K))} && '
                                  f'comba::WyRecord<{K}>::WORDS_PER_V == {families.WY_WORDS_PER_V}, "{expression}");')
         elif expression.startswith("comba::prefill_scan_wt"):
-            K, _, _, part = args
+            K, _, _, part, wgs = args
             chain = part == "1"
-            wg_checks.append(f'static_assert(comba::WtLayout<{K}, {"true" if chain else "false"}>::BYTES == '
-                             f'{families.prefill_wt_bytes(int(K), chain)}, "{expression}");')
+            wg_checks.append(f'static_assert(comba::WtLayout<{K}, {"true" if chain else "false"}, {wgs}>::BYTES == '
+                             f'{families.prefill_wt_bytes(int(K), chain, int(wgs))}, "{expression}");')
         else:
             K, slab, sep, _, _ = args
             n = families.prefill_wg_bytes(int(K), int(slab), sep == "true")
@@ -251,7 +251,7 @@ def test_prefill_shared_bytes_are_the_layouts():
                              f' && (!{layout}::RING || {layout}::RING_BYTES == {ring}), "{expression}");')
     wg_checks.append(f'static_assert(comba::Record<5>::SIZE == {families.PREFILL_RECORD_BF16}, "ACC 5");')
     wg_checks.append(f'static_assert(comba::kWgRingChunks == {families.WG_RING_CHUNKS}, "the ring");')
-    assert len(wg_checks) == 66
+    assert len(wg_checks) == 82
     _compiles_with("prefill_wgmma.cu", wg_checks)
     for expression in SPECIALISATIONS["prefill.cu"]:
         args = _template_args(expression)

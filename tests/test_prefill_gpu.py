@@ -77,19 +77,19 @@ def test_matches_reference(K, V, layout, comba, gate, l2norm, T, precision):
 
 
 @needs_wgmma
-@pytest.mark.parametrize("K,V", [(64, 64), (128, 128), (128, 96)])
+@pytest.mark.parametrize("K,V", [(64, 64), (64, 128), (128, 128), (128, 96)])
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
 @pytest.mark.parametrize("gate,l2norm", [("log", False), ("linear", True)], ids=["log", "linear-l2norm"])
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 200, 1000])
 def test_the_wgmma_scan_matches_reference(K, V, layout, comba, gate, l2norm, T):
     """``prefill_scan_wg`` (bf16 products on wgmma) on both slabs and ``prefill_scan_wt`` (the transposed scan,
-    64-column slabs), whole and in segments (8 CTAs a segment here: as many segments as chunks up to 16, of 1-2
-    chunks), to the bf16 products' bounds."""
+    one warpgroup a 64-column slab or two a 128-column one), whole and in segments (8 or 4 CTAs a segment here: as
+    many segments as chunks up to 16, of 1-2 chunks), to the bf16 products' bounds."""
     args = forward_inputs(2, T, 4, K, V, Hk=2, state_layout=layout, gate=gate, seed=K + T + V, dtype=bfloat16,
                           normalize_keys=not l2norm, xp=cupy, warm_steps=8 if T == 1000 else 0)
-    for variant in [f"{layout}{slab}c64wg" for slab in families.PREFILL_SLABS] + [f"{layout}64c64wt",
-                                                                                  f"{layout}64c64sg"]:
+    for variant in [f"{layout}{slab}c64wg" for slab in families.PREFILL_SLABS] + \
+            [f"{layout}{64 * wgs}c64{part}" for wgs in families.WT_WARPGROUPS for part in ("wt", "sg")]:
         if V % families.tiling(layout, K, variant).slab == 0:
             _check(comba, args, "bf16", state_layout=layout, gate=gate, use_qk_l2norm=l2norm, variant=variant)
 
@@ -145,13 +145,13 @@ def test_strided_activations(layout, dtype):
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
 @pytest.mark.parametrize("precision,scan", [("fp32", "32c64"), ("tf32", "32c64"), ("bf16", "32c64wg"),
-                                             ("bf16", "64c64wt")])
+                                             ("bf16", "64c64wt"), ("bf16", "128c64wt")])
 def test_ragged_pool_gating(layout, comba, precision, scan):
     """Packed sequences of many lengths (empty ones too) from a pool with padding rows, in-kernel gating."""
     if scan.endswith(("wg", "wt")) and not _wgmma():
         pytest.skip("the wgmma scan needs compute capability 9.0")
     lens = [0, 70, 1, 0, 200, 64, 128, 5]
-    N, H, Hk, K, V = len(lens), 4, 2, 128, 64
+    N, H, Hk, K, V = len(lens), 4, 2, 128, 128 if scan == "128c64wt" else 64
     cu = numpy.concatenate([[0], numpy.cumsum(lens)]).astype(numpy.int32)
     q, k, v, p, beta, g, _ = forward_inputs(1, int(cu[-1]), H, K, V, Hk=Hk, state_layout=layout, seed=3, xp=cupy)
     rng = numpy.random.default_rng(0)
@@ -346,6 +346,8 @@ def test_a_packed_sequence_sees_none_of_its_neighbours_tokens(layout, comba, pre
     scans = ("c64", "c64wg") if precision == "bf16" and _wgmma() else ("c64",)
     variants = [f"{layout}{slab}{scan}" for slab, scan in itertools.product(families.PREFILL_SLABS, scans)] + \
         ([f"{layout}64c64wt"] if precision == "bf16" and _wgmma() else [])
+    if scan == "128c64wt":  # two warpgroups a CTA: a 128-column slab
+        variants = [f"{layout}128c64wt"]
     for variant in variants:
         o, S = _forward(comba, q, k, v, p, beta, g, S0, state_layout=layout, cu_seqlens=cupy.asarray(cu),
                         variant=variant, precision=precision)
@@ -392,7 +394,7 @@ def test_repeated_calls_with_new_buffers():
     assert reference.relative_error(results[-1][0], o_ref) <= TOL["bf16", "bfloat16"][1]
 
 
-@pytest.mark.parametrize("variant", ["kv16c64", "kv16c64wg", "vk64c64wt", "kv64c64sg"])
+@pytest.mark.parametrize("variant", ["kv16c64", "kv16c64wg", "vk64c64wt", "kv64c64sg", "kv128c64wt", "vk128c64sg"])
 def test_programmatic_dependent_launches(variant, monkeypatch):
     """Each kernel of a plan after the first launched as a programmatic dependent of the one before (compute
     capability 9.0, CUDA >= 12.3): the first call's plain launches, then the op's graph, replayed with new buffers,
