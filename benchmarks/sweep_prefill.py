@@ -116,7 +116,8 @@ def _point(layout, K, comba, heads, T, wgmma):
     transposed scan, whole and in segments, at K = 64 and 128) and the kernel the rules after the prefill rule
     choose."""
     scans = ("c64", "c64wg") if wgmma and K in families.FAMILY_K else ("c64",)
-    transposed = (f"{layout}64c64wt", f"{layout}64c64sg") if wgmma and K in (64, 128) else ()
+    transposed = tuple(f"{layout}{slab}c64{part}" for slab in (64, 128) for part in ("wt", "sg")) \
+        if wgmma and K in (64, 128) else ()
     return _timed(layout, K, comba, heads, T, (_without_prefill(layout, K, V, comba, T, heads),
                                                *(f"{layout}{slab}{scan}" for scan in scans for slab in (16, 32)),
                                                *transposed),

@@ -36,6 +36,8 @@ variant                   kernel (``comba::``)        a CTA holds
 ``{layout}64c64sg``       ``prefill_prep`` (ACC 6),   the same over one segment of a row's chunks,
                           then ``prefill_scan_wt``    from the state that the segments before it
                           twice: chain, segments      leave (a dense batch over a few heads)
+``{layout}128c64wt``,     the same two                128 value columns on two warpgroups, which
+``{layout}128c64sg``                                  share each chunk's staged keys and record
 ========================  ==========================  ============================================
 
 The token-loop kernels have two builds: the decode step (one token from a given state to a

@@ -46,6 +46,7 @@ class Case(NamedTuple):
     transposed: bool = True  #: with ``wgmma``, the transposed scan may be chosen (False: the rules before it)
     ragged: bool = False  #: packed sequences (``cu_seqlens``), which the segmented scan does not take
     segmented: bool = True  #: with ``transposed``, the segmented scan may be chosen (False: the rules before it)
+    paired: bool = True  #: with ``transposed``, its two-warpgroup CTAs may be chosen (False: the rules before them)
 
     @property
     def few(self):
@@ -161,8 +162,8 @@ def _transposed(c):
 #: The segmented scan (``{layout}64c64sg``): a dense batch too few to fill the GPU with one CTA a (row, head, 64
 #: value columns), cut into segments whose CTAs fill it once -- from so many tokens over at most so many such CTAs
 #: (h200-prefill-segments.json), and over up to 256 from T = 8192, where one segment a row already leads the
-#: transposed scan (h200-prefill-lengths.json, K = 128, 128 heads, T = 65536: 7037.8 against 7475.8 us; T = 8192
-#: 903.8 against 911.3).
+#: transposed scan (h200-prefill-lengths.json, K = 128, 128 heads, two warpgroups a CTA: T = 65536 6495.4 against
+#: 6770.7 us, one a CTA 7380.4 against 7527.9; T = 8192 845.4 against 843.1).
 SEGMENTED_MIN_T = ((16, 1024), (32, 2048), (256, 8192))
 #: At most so many segments (the last one composes the maps of all before it, one after another), each of at
 #: least MIN_SEGMENT_CHUNKS chunks of 64 tokens.
@@ -197,12 +198,23 @@ def segments(heads, V, T, sms, slab=64):
     return -(-chunks // per), per
 
 
+#: The transposed scan (whole or in segments) runs two warpgroups a CTA on a 128-column slab (``{layout}128c64wt``,
+#: ``sg``), sharing each chunk's staged keys and record, at K = 128 where one warpgroup a 64-column slab would make
+#: more CTAs than the H200's 132 SMs (B * H * V / 64 of them, from this many): one CTA an SM either way, and two
+#: chains on each in place of a second wave (h200-prefill-lengths.json, 128 heads; docs/design.md).  Over fewer
+#: CTAs the pairs leave SMs idle, and each chain runs 1.28 times slower beside another (B = 1, T = 8192, H = 16:
+#: 301.4 against 235.5 us for the scan alone).
+PAIRED_MIN_SLABS = 133
+
+
+def _paired(c):
+    return c.paired and c.K == 128 and c.V % 128 == 0 and c.heads * (c.V // 64) >= PAIRED_MIN_SLABS
+
+
 def _prefill_variant(c):
     """The prefill rule's variant for a Case it applies to."""
-    if _segmented(c):
-        return f"{c.layout}64c64sg"
-    if _transposed(c):
-        return f"{c.layout}64c64wt"
+    if _segmented(c) or _transposed(c):
+        return f"{c.layout}{128 if _paired(c) else 64}c64{'sg' if _segmented(c) else 'wt'}"
     return f"{c.layout}{_prefill_slab(c)}c64{'wg' if _warpgroup(c) else ''}"
 
 
@@ -228,8 +240,8 @@ RULES = (
          "heads: T = 48 12.2 against 12.2 us for kv32tc16, T = 49 12.0 against 15.3, T = 65536 1823.6 against "
          "12864.5; K = 64: 12.8 against 14.4), 16-column slabs over 1-16 heads and 32-column ones over more "
          "(32 heads, T = 49: 13.5 against 15.8); over 33-64 heads from T = 96 (64 heads: 22.4 against 24.2 for "
-         "kv64tc16, T = 64 18.3 against 17.4); over 65-128 heads from T = 97 (128 heads: T = 97 36.2 against 40.2, "
-         "T = 96 35.9 against 34.9; T = 65536 10656.7 against 20692.0), at K = 64 from T = 161 (T = 176 38.7 against "
+         "kv64tc16, T = 64 18.3 against 17.4); over 65-128 heads from T = 97 (128 heads: T = 97 36.6 against 40.4, "
+         "T = 96 36.6 against 35.4; T = 65536 10646.6 against 20660.8), at K = 64 from T = 161 (T = 176 38.7 against "
          "40.8, T = 128 31.1 against 30.6); at K = 256 over every head count from T = 16 (1 head: 15.8 against "
          "18.8 us for kv32x16, 128 heads: 37.5 against 53.9), 6.6-33x the token loops from T = 256.  Where q, k, "
          "p are bf16 with bf16 products on compute capability 9.0, the same slabs' scan on wgmma "
@@ -239,17 +251,19 @@ RULES = (
          "against 248.0), Comba's 16-column ones over one head 0.91-1.02 (T = 8192 178.4 against 195.5; from T = "
          "1024, shorter passes keeping prefill_scan: WGMMA_ONE_HEAD_MIN_T) but over 16 heads 1.11 (289.9 against "
          "261.5), which keeps prefill_scan; and over 65-128 heads from T = 97 at "
-         "both K (h200-prefill-lengths.json, 128 heads, T = 112: 31.5 against 40.2 us for kv64tc16, Comba 37.4 "
-         "against 42.3, K = 64 23.8 against 27.3; T = 96: 31.2 against 34.9, Comba 35.6 against 36.9).  The transposed "
+         "both K (h200-prefill-lengths.json, 128 heads, T = 112: 32.3 against 40.5 us for kv64tc16, Comba 37.3 "
+         "against 42.1, K = 64 23.8 against 27.3; T = 96: 31.6 against 35.4, Comba 36.2 against 36.6).  The transposed "
          "wgmma scan over 64-128 heads at K = 128 from T = 49, where the prefill kernels then begin "
-         "(h200-prefill-lengths.json, 128 heads: T = 49 22.4 against 25.1 us for kv64tc16, T = 48 22.4 against "
-         "20.2; T = 192 39.1 against 43.2 for kv32c64wg), and over 128 at K = 64 from T = 256 "
+         "(h200-prefill-lengths.json, 128 heads, in two-warpgroup CTAs: T = 49 20.2 against 25.2 us for kv64tc16, "
+         "T = 48 20.4 against 20.2; T = 192 35.3 against 43.3 for kv32c64wg), and over 128 at K = 64 from T = 256 "
          "(h200-prefill-transposed.json, "
          "32-128 heads, T = 256-4096, against the choice without it): 64 heads, T = 256 26.4 against 30.0 us for "
          "kv32c64wg, T = 4096 277.7 against 325.7 (Comba 28.3 against 34.8, 284.2 against 356.2; vk 26.9 against "
          "30.2, 276.4 against 325.1), 128 heads T = 4096 523.1 against 632.5; K = 64, 128 heads 33.6 against 35.5 "
          "(T = 256) to 402.1 against 443.8 (T = 4096), but 64 heads at T = 1024 68.4 against 61.1; over 32 heads "
-         "it loses (T = 4096: 199.1 against 169.6)."),
+         "it loses (T = 4096: 199.1 against 169.6).  At K = 128 the transposed scans run two warpgroups a CTA "
+         "where one a 64-column slab would make more than 132 CTAs (PAIRED_MIN_SLABS; h200-prefill-lengths.json, "
+         "128 heads: T = 1024 127.6 against 138.0 us, T = 65536 in segments 6495.4 against 7380.4)."),
     Rule("K = 256: the kv token loop",
          lambda c: c.K == 256 and c.layout == "kv",
          lambda c: "kv64x16" if c.wide and (c.heads is None or c.heads > 1024) else "kv32x16",
@@ -351,7 +365,7 @@ def _decide(case):
 
 
 def choose(layout, K, V, separate_p, multi=False, T=1, heads=None, wide_keys=False, max_shared=MAX_SHARED,
-           verify=False, wgmma=False, transposed=True, ragged=False, segmented=True):
+           verify=False, wgmma=False, transposed=True, ragged=False, segmented=True, paired=True):
     """The variant for a shape: ``multi`` for T-token passes (T of them), ``heads`` = B * H; ``wide_keys``
     not all of q, k, p bf16; ``max_shared`` the bytes of shared memory the GPU allows a CTA (a prefill
     build that needs more leaves the shape to the rules after it: on an A100, 163 KB, Comba's and the
@@ -359,7 +373,8 @@ def choose(layout, K, V, separate_p, multi=False, T=1, heads=None, wide_keys=Fal
     every token stored (speculative verify), which only the token loop does (T is then 1); ``wgmma``: bf16 q, k,
     p with bf16 products on a GPU of compute capability 9.0, where the prefill scan also runs on wgmma;
     ``transposed=False`` leaves out the transposed wgmma scans (the sweeps that predate them); ``ragged``:
-    packed sequences (``cu_seqlens``; T their mean length); ``segmented=False`` leaves out the segmented scan (the
-    sweeps that predate it)."""
+    packed sequences (``cu_seqlens``; T their mean length); ``segmented=False`` leaves out the segmented scan and
+    ``paired=False`` the transposed scan's two-warpgroup CTAs (the sweeps that predate them)."""
     return _decide(Case(layout, K, V, bool(separate_p), bool(multi), T, heads, bool(wide_keys), max_shared,
-                        bool(verify), bool(wgmma), bool(transposed), bool(ragged), bool(segmented)))[1]
+                        bool(verify), bool(wgmma), bool(transposed), bool(ragged), bool(segmented),
+                        bool(paired)))[1]

@@ -477,9 +477,12 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
 // the accumulators' fragment order: float4 i of thread t at 4 (128 i + t)), then M as the compose's bf16 B operand,
 // element (n, k) = M[n][k] at byte 16 K (k / 8) + 16 n + 2 (k % 8) (K-major, no swizzle).
 //
-// Launch geometry: one 128-thread CTA (one warpgroup) a (row, value head, slab of 64 value columns); warp w
-// holds value columns 16 w .. 16 w + 15 of the slab (rows of S^T, U^T and O^T).  Numerics: bf16 operands (S^T,
-// U^T, W', Mq, the keys, M) and fp32 sums, the state fp32 from the first chunk to the last -- the "bf16" precision.
+// Launch geometry: one CTA of WGS warpgroups (128 WGS threads) a (row, value head, slab of 64 WGS value columns);
+// warpgroup g holds the slab's columns 64 g .. 64 g + 63, its warp w columns 64 g + 16 w .. + 15 (rows of S^T, U^T
+// and O^T).  The warpgroups of a CTA share each chunk's stage -- Q, Kc and the record, staged once -- and differ in
+// their u' slabs, which one bulk copy brings side by side.  The chain runs one warpgroup a CTA.  Numerics: bf16
+// operands (S^T, U^T, W', Mq, the keys, M) and fp32 sums, the state fp32 from the first chunk to the last -- the
+// "bf16" precision.
 enum WtPart { kWtWhole = 0, kWtChain = 1, kWtSegments = 2 };
 
 // A stage: the scan's Q and Kc rows, record and u' slab; the chain's Kc rows, W', the record's tail from G fp on

@@ -1,12 +1,13 @@
 """Every build of the 64-token prefill kernels over several chunks (two full ones and one of 22 tokens), dense and
 with the serving options (a ragged batch from a pool; the segmented scan, dense batches only, in three segments of
 one chunk), in "bf16" and "fp32", and the wgmma scans' builds on compute capability 9.0, those also over a row long
-enough for their third stage: run under compute-sanitizer's racecheck and memcheck by test_sanitizer_gpu.py."""
+enough for their third stage, and the transposed scan's two-warpgroup CTAs over 128 value columns: run under
+compute-sanitizer's racecheck and memcheck by test_sanitizer_gpu.py."""
 
 import cupy
 import numpy
 
-from cupy_comba import comba_forward, families, gated_delta_forward
+from cupy_comba import comba_forward, families, gated_delta_forward, tiling
 from cupy_comba.inputs import forward_inputs
 
 T = 150
@@ -42,6 +43,7 @@ def _ring():
 
 
 def main():
+    tiling.MIN_SEGMENT_CHUNKS = 1  # segments of one chunk: the chain and the compose run at T = 150
     launches = 0
     for precision in ("bf16", "fp32"):
         for K, V in ((64, 64), (128, 64), (128, 128), (256, 32)):
@@ -54,8 +56,9 @@ def main():
                 for variant in _scans(layout, precision, K):
                     t = families.tiling(layout, K, variant)
                     for comba in (False, True):
-                        if V % t.slab or (t.family == "prefill_scan" and
-                                          not families.prefill_fits(K, t.slab, comba, False)):
+                        if V % t.slab or (V == 128 and t.slab != 128) or (t.family == "prefill_scan" and
+                                                                          not families.prefill_fits(K, t.slab, comba,
+                                                                                                    False)):
                             continue
                         pool = cupy.concatenate([S, S[:1]])
                         if comba:

@@ -12,7 +12,7 @@ import itertools
 import numpy
 import pytest
 
-from cupy_comba import bfloat16, comba_forward, families, gated_delta_forward, reference
+from cupy_comba import _plan, bfloat16, comba_forward, families, gated_delta_forward, reference, tiling
 from cupy_comba.inputs import forward_inputs
 
 cupy = pytest.importorskip("cupy")
@@ -82,10 +82,13 @@ def test_matches_reference(K, V, layout, comba, gate, l2norm, T, precision):
 @pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
 @pytest.mark.parametrize("gate,l2norm", [("log", False), ("linear", True)], ids=["log", "linear-l2norm"])
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 200, 1000])
-def test_the_wgmma_scan_matches_reference(K, V, layout, comba, gate, l2norm, T):
+def test_the_wgmma_scan_matches_reference(K, V, layout, comba, gate, l2norm, T, monkeypatch):
     """``prefill_scan_wg`` (bf16 products on wgmma) on both slabs and ``prefill_scan_wt`` (the transposed scan,
-    one warpgroup a 64-column slab or two a 128-column one), whole and in segments (8 or 4 CTAs a segment here: as
-    many segments as chunks up to 16, of 1-2 chunks), to the bf16 products' bounds."""
+    one warpgroup a 64-column slab or two a 128-column one), whole and in segments (8 or 4 CTAs a segment here,
+    segments of one chunk allowed: as many segments as chunks up to 8 or 16, of 1-2 chunks), to the bf16 products'
+    bounds."""
+    monkeypatch.setattr(tiling, "MIN_SEGMENT_CHUNKS", 1)
+    monkeypatch.setattr(_plan, "PLANS", {})  # a plan holds its segments
     args = forward_inputs(2, T, 4, K, V, Hk=2, state_layout=layout, gate=gate, seed=K + T + V, dtype=bfloat16,
                           normalize_keys=not l2norm, xp=cupy, warm_steps=8 if T == 1000 else 0)
     for variant in [f"{layout}{slab}c64wg" for slab in families.PREFILL_SLABS] + \
@@ -206,8 +209,8 @@ def test_segments_from_a_pool(layout, comba, K, segments, monkeypatch):
     gates: rows from a pool with a padding row and in-kernel gating, and rows from no initial state; with and
     without the final state.  Each is as close to the reference as the whole transposed scan; the padding row's o
     is zeros and the slots no row names are untouched, bit for bit."""
-    from cupy_comba import _plan, tiling
-    monkeypatch.setattr(tiling, "segments", lambda heads, V, T, sms: (segments, -(-((T + 63) // 64) // segments)))
+    monkeypatch.setattr(tiling, "segments", lambda heads, V, T, sms, slab=64: (segments,
+                                                                                -(-((T + 63) // 64) // segments)))
     monkeypatch.setattr(_plan, "PLANS", {})
     B, T, H, V = 3, 13 * 64 - 20, 2, 128
     q, k, v, p, beta, g, _ = forward_inputs(B, T, H, K, V, state_layout=layout, seed=segments, xp=cupy)

@@ -65,13 +65,15 @@ def test_wide_slab_at_k64_over_many_heads(layout):
 
 
 def test_mma_variant_names():
-    assert families.variants("kv", 128, 128, multi=True)[-10:] == ("kv64tc", "kv64tc16", "kv32tc", "kv32tc16",
+    assert families.variants("kv", 128, 128, multi=True)[-12:] == ("kv64tc", "kv64tc16", "kv32tc", "kv32tc16",
                                                                        "kv32c64", "kv16c64", "kv32c64wg", "kv16c64wg",
-                                                                       "kv64c64wt", "kv64c64sg")
+                                                                       "kv64c64wt", "kv64c64sg", "kv128c64wt",
+                                                                       "kv128c64sg")
     assert not {"kv64c64wt", "kv64c64sg"} & set(families.variants("kv", 128, 96, multi=True))  # 64-column slabs
+    assert not {"kv128c64wt", "kv128c64sg"} & set(families.variants("kv", 128, 192, multi=True))  # 128-column ones
     assert not any(v.endswith("tc16") for v in families.variants("vk", 128, 128))  # T-token passes only
     assert families.tiling("vk", 128, "vk32tc16").passes_only
-    assert families.variants("kv", 64, 128, multi=True)[-7] == "kv128tc16"  # K = 64 only, V a multiple of 128
+    assert families.variants("kv", 64, 128, multi=True)[-9] == "kv128tc16"  # K = 64 only, V a multiple of 128
     assert "vk128tc16" in families.variants("vk", 64, 256, multi=True)
     assert not any("128tc" in v for layout, K, V in (("kv", 128, 128), ("vk", 128, 256), ("kv", 64, 192))
                    for v in families.variants(layout, K, V, multi=True))
@@ -178,10 +180,10 @@ def test_the_forward_choice_is_within_5_percent_of_the_best_timed(name):
     with open(RESULTS / name) as f:
         report = json.load(f)
     rows = report["rows"]
-    for r in rows:  # a row that did not time the transposed scans: the choice without them (a sweep before them)
-        timed = f"{r['layout']}64c64wt" in r["us"]
+    for r in rows:  # a row that did not time the transposed scans (or their pairs): the choice without them
+        timed, pairs = (f"{r['layout']}{slab}c64wt" in r["us"] for slab in (64, 128))
         chosen = tiling.choose(r["layout"], r["K"], r["V"], r["op"] == "comba", True, r["T"], r["B"] * r["H"],
-                               wgmma=report.get("wgmma", False), transposed=timed)
+                               wgmma=report.get("wgmma", False), transposed=timed, paired=pairs)
         assert r["us"][chosen] <= 1.05 * min(r["us"].values()), r
         if report.get("wgmma", False):  # the choice of a GPU without it, among the kernels such a GPU has
             chosen = tiling.choose(r["layout"], r["K"], r["V"], r["op"] == "comba", True, r["T"], r["B"] * r["H"])
@@ -201,7 +203,9 @@ def test_prefill_thresholds_on_wgmma(layout, comba):
 
     assert choose(96, 128, K=64) == choose(48, 64) == choose(48, 128) == f"{layout}64tc16"
     assert choose(96, 65, transposed=False) == choose(95, 63) == f"{layout}64tc16"
-    assert choose(49, 64) == choose(49, 128) == f"{layout}64c64wt"
+    assert choose(49, 64) == choose(49, 128, paired=False) == f"{layout}64c64wt"
+    assert choose(49, 67) == choose(49, 128) == f"{layout}128c64wt"  # more 64-column CTAs than SMs: pairs
+    assert choose(8192, 128) == f"{layout}128c64sg" and choose(8192, 16) == f"{layout}64c64sg"
     assert choose(97, 65, transposed=False) == choose(97, 128, K=64) == choose(96, 63) == choose(49, 32) == \
         f"{layout}32c64wg"
     assert choose(48, 32) == f"{layout}32tc16" and choose(97, 129) == f"{layout}64tc16"  # beyond the sweeps
@@ -249,16 +253,16 @@ def test_the_transposed_choice_is_within_5_percent_of_the_best_timed():
     faster at every point."""
     with open(RESULTS / "h200-prefill-transposed.json") as f:
         rows = json.load(f)["rows"]
-    for r in rows:
+    for r in rows:  # the three files predate the transposed scan's two-warpgroup CTAs
         chosen = tiling.choose(r["layout"], r["K"], r["V"], r["op"] == "comba", True, r["T"], r["B"] * r["H"],
-                               wgmma=True)
+                               wgmma=True, paired=False)
         assert r["us"][chosen] <= 1.05 * min(r["us"].values()), r
     assert len(rows) == 36
     with open(RESULTS / "h200-prefill-parts.json") as f:
         rows = json.load(f)["rows"]
     for r in rows:  # it predates the segmented scan, which takes dense batches only: a ragged batch's choice
         chosen = tiling.choose("kv", 128, 128, r["op"] == "comba", True, r["T"], r["B"] * r["H"], wgmma=True,
-                               ragged=True)
+                               ragged=True, paired=False)
         whole = {v: t for v, t in r.items() if v.startswith("kv") and ":" not in v}
         assert whole[chosen] <= 1.05 * min(whole.values()), r
     assert len(rows) == 14
@@ -272,7 +276,8 @@ def test_the_segmented_choice_is_within_5_percent_of_the_best_timed():
         rows = json.load(f)["rows"]
     for r in rows:
         heads = r["B"] * r["H"]
-        chosen = tiling.choose(r["layout"], r["K"], r["V"], r["op"] == "comba", True, r["T"], heads, wgmma=True)
+        chosen = tiling.choose(r["layout"], r["K"], r["V"], r["op"] == "comba", True, r["T"], heads, wgmma=True,
+                               paired=False)
         assert r["us"][chosen] <= 1.05 * min(r["us"].values()), r
         assert r["auto_segments"] == tiling.segments(heads, r["V"], r["T"], 132)[0]
     assert len(rows) == 74
@@ -287,8 +292,10 @@ def test_the_segmented_scan_where_it_wins(layout, comba):
     def choose(T, heads, **kw):
         return tiling.choose(layout, 128, 128, comba, True, T, heads, **{"wgmma": True, **kw})
     sg = f"{layout}64c64sg"
-    assert choose(1024, 8) == choose(2048, 16) == choose(8192, 128) == choose(65536, 1) == sg
-    assert choose(1023, 8) != sg and choose(2047, 16) != sg and choose(8191, 128) != sg and choose(2048, 17) != sg
+    assert choose(1024, 8) == choose(2048, 16) == choose(8192, 128, paired=False) == choose(65536, 1) == sg
+    assert choose(8192, 128) == f"{layout}128c64sg"  # two warpgroups a CTA: 128 heads make 256 CTAs of 64 columns
+    assert choose(1023, 8) != sg and choose(2047, 16) != sg and not choose(8191, 128).endswith("sg") and \
+        choose(2048, 17) != sg
     assert choose(65536, 129) != sg and tiling.choose(layout, 128, 256, comba, True, 8192, 128, wgmma=True) != sg
     assert choose(8192, 16, ragged=True) != sg and choose(8192, 16, transposed=False) != sg
     assert choose(8192, 16, wgmma=False) != sg and tiling.choose(layout, 128, 96, comba, True, 8192, 16,
@@ -303,8 +310,9 @@ def test_the_transposed_scan_where_it_wins(layout, comba):
     nowhere else."""
     def choose(T=4096, heads=64, K=128, V=128, **kw):
         return tiling.choose(layout, K, V, comba, True, T, heads, **{"wgmma": True, **kw})
-    assert choose() == choose(heads=128) == choose(T=49) == choose(K=64, heads=128) == \
-        choose(K=64, heads=128, T=256) == f"{layout}64c64wt"
+    assert choose() == choose(heads=128, paired=False) == choose(T=49) == choose(K=64, heads=128) == \
+        choose(K=64, heads=128, T=256) == choose(heads=66) == f"{layout}64c64wt"
+    assert choose(heads=67) == choose(heads=128) == f"{layout}128c64wt"  # pairs where 64-column CTAs pass the SMs
     assert choose(heads=63) == choose(K=64, heads=128, T=255) == choose(K=64) == choose(V=96) == f"{layout}32c64wg"
     assert choose(wgmma=False) == f"{layout}32c64" and choose(transposed=False) == f"{layout}32c64wg"
     assert not choose(heads=129).endswith("c64wt")  # beyond the prefill sweeps the token kernels keep every length
