@@ -485,10 +485,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
 // "bf16" precision.
 enum WtPart { kWtWhole = 0, kWtChain = 1, kWtSegments = 2 };
 
-// A stage: the scan's Q and Kc rows, record and u' slab; the chain's Kc rows, W', the record's tail from G fp on
-// and u' slab: two of them, the next chunk copied while one is computed (a third measured no faster, and at
-// K = 64 leaves room for one CTA an SM where two fit: docs/design.md).  Segments compose their maps in the second
-// stage, two M buffers of 2 K K bytes.
+// A stage: the scan's Q and Kc rows, record and u' slabs (one a warpgroup, side by side); the chain's Kc rows, W',
+// the record's tail from G fp on and u' slab: two of them, the next chunk copied while one is computed (a third
+// measured no faster, and at K = 64 leaves room for one CTA an SM where two fit: docs/design.md).  Segments compose
+// their maps in the second stage, two M buffers of 2 K K bytes.
 template <int K, bool CHAIN, int WGS = 1>
 struct WtLayout {
     using R = WyRecord<K>;
@@ -619,10 +619,10 @@ __global__ void __launch_bounds__(kWgThreads * WGS, 1) prefill_scan_wt(COMBA_PRE
         const long long t0 = static_cast<long long>(c) * C;
         const int n = static_cast<int>(min(static_cast<long long>(C), T - t0));
         if (!CHAIN)
-            stage_swizzled<K, NT>(at + L::Q_AT, q, b * prm.q_sb + t0 * prm.q_st + hk * prm.q_sh, prm.q_st, prm.q_sk,
-                              prm.q_t, n, copies.q, tid);
+            stage_swizzled<K, NT>(at + L::Q_AT, q, b * prm.q_sb + t0 * prm.q_st + hk * prm.q_sh, prm.q_st,
+                                  prm.q_sk, prm.q_t, n, copies.q, tid);
         stage_swizzled<K, NT>(at + L::KC_AT, k, b * prm.k_sb + t0 * prm.k_st + hk * prm.k_sh, prm.k_st, prm.k_sk,
-                          prm.k_t, n, copies.k, tid);
+                              prm.k_t, n, copies.k, tid);
         copy_async_commit();
     };
     await_earlier();  // the records (and the segments' maps) written
