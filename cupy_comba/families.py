@@ -106,7 +106,7 @@ class Tiling(NamedTuple):
     K: int
     family: str         #: the ``__global__`` template, in namespace ``comba``
     source: str         #: its file in ``kernels_cu/``
-    args: tuple         #: template arguments between K and the flags
+    args: tuple         #: template arguments between K and the flags (prefill_scan_wt: PART and WGS, after them)
     slab: int           #: value columns (or rows of V) a CTA holds: V must be a multiple
     threads: int        #: threads a CTA
     tokens: int         #: tokens a pass over the state: 1 (token loop), 4 (chunked), 8 or 16, 64 (prefill)
@@ -278,7 +278,8 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
                       PREFILL_RECORD_BF16, 8, ring_shared_bytes=prefill_wg_bytes(K, t.slab, separate_p, ring=True))
     if t.family == "prefill_scan_wt":  # args: (PART, WGS); PART kWtWhole = 0 or kWtSegments = 2 (kWtChain first)
         part, wgs = t.args
-        return Kernel(t.source, f"comba::prefill_scan_wt<{K}, {_flag(layout == 'vk')}, {_flag(serving)}, {part}, {wgs}>",
+        flags = f"{_flag(layout == 'vk')}, {_flag(serving)}"
+        return Kernel(t.source, f"comba::prefill_scan_wt<{K}, {flags}, {part}, {wgs}>",
                       t.slab, t.threads, prefill_wt_bytes(K, wgs=wgs), f"comba::prefill_prep<{K}, 6, {_flag(serving)}>",
                       prefill_prep_bytes(K, False), 128, record_words=wy_record(K),
                       record_words_v=WY_WORDS_PER_V, swizzled_keys=True,
