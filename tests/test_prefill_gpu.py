@@ -308,7 +308,6 @@ def test_a_long_row_takes_the_wgmma_scans_third_stage(layout, comba):
 def test_the_third_stage_has_room_only_where_it_costs_no_occupancy():
     """The wgmma scan's launch holds room for a third stage only where a row may take it (families.WG_RING_CHUNKS
     chunks) and its CTAs take an SM each anyway: more room would leave two CTAs of an SM one."""
-    from cupy_comba import _plan
 
     def shared(B, T, H, slab):
         args = forward_inputs(B, T, H, 128, 128, seed=T, dtype=bfloat16, xp=cupy)
@@ -403,7 +402,7 @@ def test_programmatic_dependent_launches(variant, monkeypatch):
     capability 9.0, CUDA >= 12.3): the first call's plain launches, then the op's graph, replayed with new buffers,
     then a caller's capture with a padding row, each bit for bit what the same kernels give launched one after
     the other, and near the reference."""
-    from cupy_comba import _launcher, _plan
+    from cupy_comba import _launcher
     if variant[2:] != "16c64" and not _wgmma():
         pytest.skip("the wgmma scans need compute capability 9.0")
     layout = variant[:2]
@@ -463,7 +462,6 @@ def test_variants_that_do_not_fit_are_refused():
 @pytest.fixture
 def a100_limit():
     """The current GPU told it allows an A100's 163 KB of shared memory a CTA; plans made under it are dropped."""
-    from cupy_comba import _plan
     device = cupy.cuda.Device().id
     saved = _plan.shared_limit(device)
     _plan.PLANS.clear()
@@ -484,7 +482,6 @@ def test_a_gpu_with_less_shared_memory(a100_limit):
         _check(comba, args, None)
     with pytest.raises(ValueError, match="181264 bytes of shared memory a CTA; GPU .* allows 166912"):  # bf16
         comba_forward(*args[:6], initial_state=args[6], variant="kv16c64")
-    from cupy_comba import _plan
     assert [plan.variant for plan in _plan.PLANS.values()] == ["kv32tc16", "kv16c64wg" if _wgmma() else "kv16c64"]
 
 
