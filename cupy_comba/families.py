@@ -133,7 +133,7 @@ class Kernel(NamedTuple):
     swizzled_keys: bool = False  #: q's and k's rows in 128-byte swizzled boxes of 64 keys (prefill_scan_wt's maps)
     chain: str = ""             #: the segmented scan's first launch after the prep: each segment's map
     chain_shared_bytes: int = 0  #: its dynamic shared memory a CTA
-    chain_block: int = 128      #: its threads a CTA (one warpgroup)
+    chain_block: int = 128      #: its threads a CTA (128 a warpgroup)
     ring_shared_bytes: int = 0  #: ``shared_bytes`` with room for a third stage (prefill_scan_wg), 0: none
 
     def grid(self, B, H, V):
@@ -143,9 +143,10 @@ class Kernel(NamedTuple):
 
     def segment_grids(self, B, H, K, V, segments):
         """The segmented scan's two grids: the chain's (a CTA a row, segment but the last, head and 64 of the
-        V + K columns of a segment's map; ``chain_block`` threads) and the segments' (a CTA a row, segment, head and
-        slab)."""
-        return ((B * (segments - 1) * H * ((V + K) // 64), 1, 1), self.grid(B * segments, H, V))
+        V + K columns of a segment's map a warpgroup of its ``chain_block`` threads) and the segments' (a CTA a row,
+        segment, head and slab)."""
+        chain_cols = 64 * (self.chain_block // 128)
+        return ((B * (segments - 1) * H * ((V + K) // chain_cols), 1, 1), self.grid(B * segments, H, V))
 
     def segment_words(self, K, V):
         """32-bit words of the workspace a (row, segment but the last, value head) past the records: E (K x V
@@ -278,13 +279,17 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
                       PREFILL_RECORD_BF16, 8, ring_shared_bytes=prefill_wg_bytes(K, t.slab, separate_p, ring=True))
     if t.family == "prefill_scan_wt":  # args: (PART, WGS); PART kWtWhole = 0 or kWtSegments = 2 (kWtChain first)
         part, wgs = t.args
+        # the chain on 128 of the V + K columns of [E | M] a CTA where the segments run pairs and K = 128 (V + K is
+        # then a multiple of 128 too): each chunk's Kc and W' staged once for both warpgroups
+        chain_wgs = wgs if K == 128 else 1
         flags = f"{_flag(layout == 'vk')}, {_flag(serving)}"
         return Kernel(t.source, f"comba::prefill_scan_wt<{K}, {flags}, {part}, {wgs}>",
                       t.slab, t.threads, prefill_wt_bytes(K, wgs=wgs), f"comba::prefill_prep<{K}, 6, {_flag(serving)}>",
                       prefill_prep_bytes(K, False), 128, record_words=wy_record(K),
                       record_words_v=WY_WORDS_PER_V, swizzled_keys=True,
-                      chain=f"comba::prefill_scan_wt<{K}, false, {_flag(serving)}, 1, 1>" if part else "",
-                      chain_shared_bytes=prefill_wt_bytes(K, chain=True) if part else 0)
+                      chain=f"comba::prefill_scan_wt<{K}, false, {_flag(serving)}, 1, {chain_wgs}>" if part else "",
+                      chain_shared_bytes=prefill_wt_bytes(K, chain=True, wgs=chain_wgs) if part else 0,
+                      chain_block=128 * chain_wgs)
     if t.family == "prefill_scan":
         if precision is None:  # 16-bit activations: bf16 products, the fastest (docs/design.md)
             precision = "bf16"
@@ -416,10 +421,10 @@ def wy_record(K):
 def prefill_wt_bytes(K, chain=False, wgs=1):
     """Bytes of ``WtLayout<K, CHAIN, WGS>`` (kernels_cu/prefill_wgmma.cu): room to align to 1 KB, two stages of a
     chunk's Q and Kc (64 rows of K bf16), record and the u' slabs of ``wgs`` warpgroups (64 x 64 bf16 each), their
-    warps' o transposes and two mbarriers; ``chain``: the segments' chain (one warpgroup), whose stages hold Kc, W' and
-    the record's tail from G fp on, and u'."""
+    warps' o transposes and two mbarriers; ``chain``: the segments' chain, whose stages hold Kc, W', the record's tail
+    from G fp on and the u' slabs of ``wgs`` warpgroups."""
     if chain:
-        stage = 2 * PREFILL_CHUNK * K * 2 + 4 * 256 + PREFILL_CHUNK * 64 * 2
+        stage = 2 * PREFILL_CHUNK * K * 2 + 4 * 256 + wgs * PREFILL_CHUNK * 64 * 2
         return 1024 + 2 * -(-stage // 1024) * 1024 + 16
     stage = 2 * PREFILL_CHUNK * K * 2 + 4 * wy_record(K) + wgs * PREFILL_CHUNK * 64 * 2
     return 1024 + 2 * -(-stage // 1024) * 1024 + 4 * wgs * 2048 + 16

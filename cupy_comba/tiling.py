@@ -162,8 +162,8 @@ def _transposed(c):
 #: The segmented scan (``{layout}64c64sg``): a dense batch too few to fill the GPU with one CTA a (row, head, 64
 #: value columns), cut into segments whose CTAs fill it once -- from so many tokens over at most so many such CTAs
 #: (h200-prefill-segments.json), and over up to 256 from T = 8192, where one segment a row already leads the
-#: transposed scan (h200-prefill-lengths.json, K = 128, 128 heads, two warpgroups a CTA: T = 65536 6495.4 against
-#: 6770.7 us, one a CTA 7380.4 against 7527.9; T = 8192 845.4 against 843.1).
+#: transposed scan (h200-prefill-lengths.json, K = 128, 128 heads, two warpgroups a CTA: T = 65536 6698.3 against
+#: 6831.7 us, one a CTA 7441.0 against 7581.0; T = 8192 853.2 against 844.0).
 SEGMENTED_MIN_T = ((16, 1024), (32, 2048), (256, 8192))
 #: At most so many segments (the last one composes the maps of all before it, one after another), each of at
 #: least MIN_SEGMENT_CHUNKS chunks of 64 tokens.
@@ -205,10 +205,22 @@ def segments(heads, V, T, sms, slab=64):
 #: CTAs the pairs leave SMs idle, and each chain runs 1.28 times slower beside another (B = 1, T = 8192, H = 16:
 #: 301.4 against 235.5 us for the scan alone).
 PAIRED_MIN_SLABS = 133
+#: The segmented scan takes the pairs over fewer heads too at K = 128: over 32-64 slabs of 64 columns (B * H = 16-32
+#: at V = 128) from T = 8192.  tiling.segments then cuts twice as many segments, and the chain runs two warpgroups a
+#: CTA on 128 of the V + K columns of a segment's map, each chunk's Kc and W' staged once for both (h200-prefill-
+#: lengths.json: H = 16, T = 65536 1086.6 against 1231.6 us, H = 32 2114.0 against 2354.9).  Over one head both
+#: cut the most segments, and the pairs' chains run slower (T = 8192: 70.2 against 57.5); over 64 heads they lose to
+#: one segment of one warpgroup a CTA (T = 8192: 528.7 against 468.1).
+PAIRED_SEGMENT_SLABS = (32, 64)
+PAIRED_SEGMENTS_MIN_T = 8192
 
 
 def _paired(c):
-    return c.paired and c.K == 128 and c.V % 128 == 0 and c.heads * (c.V // 64) >= PAIRED_MIN_SLABS
+    if not (c.paired and c.K == 128 and c.V % 128 == 0):
+        return False
+    slabs = c.heads * (c.V // 64)
+    return slabs >= PAIRED_MIN_SLABS or (_segmented(c) and c.T >= PAIRED_SEGMENTS_MIN_T and
+                                         PAIRED_SEGMENT_SLABS[0] <= slabs <= PAIRED_SEGMENT_SLABS[1])
 
 
 def _prefill_variant(c):
@@ -263,7 +275,9 @@ RULES = (
          "(T = 256) to 402.1 against 443.8 (T = 4096), but 64 heads at T = 1024 68.4 against 61.1; over 32 heads "
          "it loses (T = 4096: 199.1 against 169.6).  At K = 128 the transposed scans run two warpgroups a CTA "
          "where one a 64-column slab would make more than 132 CTAs (PAIRED_MIN_SLABS; h200-prefill-lengths.json, "
-         "128 heads: T = 1024 127.6 against 138.0 us, T = 65536 in segments 6495.4 against 7380.4)."),
+         "128 heads: T = 1024 127.6 against 138.0 us, T = 65536 in segments 6698.3 against 7441.0), and the "
+         "segmented scan over 16-32 heads from T = 8192 (PAIRED_SEGMENT_SLABS: 16 heads, T = 65536 1086.6 "
+         "against 1231.6)."),
     Rule("K = 256: the kv token loop",
          lambda c: c.K == 256 and c.layout == "kv",
          lambda c: "kv64x16" if c.wide and (c.heads is None or c.heads > 1024) else "kv32x16",

@@ -464,7 +464,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
 // Segments.  Over a few heads one CTA a (row, head, slab) leaves most SMs idle and the pass waits on its chain of
 // chunks.  The segmented scan cuts each row's chunks into segments of Params::seg_chunks and runs in two launches
 // after the prep (PART):
-//   kWtChain     a CTA a (row, segment but the last, head, slab of 64 of the V + K columns of [E | M]): the chunks'
+//   kWtChain     a CTA a (row, segment but the last, head, slab of 64 WGS of the V + K columns of [E | M]): the chunks'
 //                S -> G_63 S + Kc^T diag(w) (u' - W' S), which acts on every column alike, from [E | M] = [0 | I]
 //                with u' = 0 in M's columns and neither Rq nor o, leaves the segment's map S_end = M S_start + E;
 //   kWtSegments  a CTA a (row, segment, head, slab of V): the state at the segment's start composed from the
@@ -480,13 +480,14 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
 // Launch geometry: one CTA of WGS warpgroups (128 WGS threads) a (row, value head, slab of 64 WGS value columns);
 // warpgroup g holds the slab's columns 64 g .. 64 g + 63, its warp w columns 64 g + 16 w .. + 15 (rows of S^T, U^T
 // and O^T).  The warpgroups of a CTA share each chunk's stage -- Q, Kc and the record, staged once -- and differ in
-// their u' slabs, which one bulk copy brings side by side.  The chain runs one warpgroup a CTA.  Numerics: bf16
-// operands (S^T, U^T, W', Mq, the keys, M) and fp32 sums, the state fp32 from the first chunk to the last -- the
-// "bf16" precision.
+// their u' slabs, which one bulk copy brings side by side.  The chain takes two warpgroups a CTA where K = 128 and
+// the segments do (V a multiple of 128: a CTA's warpgroups then lie both in E's columns or both in M's), else one.
+// Numerics: bf16 operands (S^T, U^T, W', Mq, the keys, M) and fp32 sums, the state fp32 from the first chunk to the
+// last -- the "bf16" precision.
 enum WtPart { kWtWhole = 0, kWtChain = 1, kWtSegments = 2 };
 
 // A stage: the scan's Q and Kc rows, record and u' slabs (one a warpgroup, side by side); the chain's Kc rows, W',
-// the record's tail from G fp on and u' slab: two of them, the next chunk copied while one is computed (a third
+// the record's tail from G fp on and u' slabs: two of them, the next chunk copied while one is computed (a third
 // measured no faster, and at K = 64 leaves room for one CTA an SM where two fit: docs/design.md).  Segments compose
 // their maps in the second stage, two M buffers of 2 K K bytes.
 template <int K, bool CHAIN, int WGS = 1>
@@ -503,7 +504,6 @@ struct WtLayout {
     static constexpr int M_BYTES = 2 * K * K;
     static_assert(BYTES <= 232448, "prefill_scan_wt: two stages do not fit");
     static_assert(CHAIN || 2 * M_BYTES <= STAGE_BYTES, "prefill_scan_wt: a stage holds two segment maps");
-    static_assert(!CHAIN || WGS == 1, "prefill_scan_wt: the chain runs one warpgroup a CTA");
 };
 
 #if COMBA_WGMMA

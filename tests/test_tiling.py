@@ -205,7 +205,10 @@ def test_prefill_thresholds_on_wgmma(layout, comba):
     assert choose(96, 65, transposed=False) == choose(95, 63) == f"{layout}64tc16"
     assert choose(49, 64) == choose(49, 128, paired=False) == f"{layout}64c64wt"
     assert choose(49, 67) == choose(49, 128) == f"{layout}128c64wt"  # more 64-column CTAs than SMs: pairs
-    assert choose(8192, 128) == f"{layout}128c64sg" and choose(8192, 16) == f"{layout}64c64sg"
+    assert choose(8192, 128) == f"{layout}128c64sg" and choose(4096, 16) == f"{layout}64c64sg"
+    # the segments on pairs over 16-32 heads from T = 8192; over one head and over 64 on one warpgroup a CTA
+    assert choose(8192, 16) == choose(65536, 32) == f"{layout}128c64sg"
+    assert choose(8192, 1) == choose(8192, 64) == choose(8192, 16, paired=False) == f"{layout}64c64sg"
     assert choose(97, 65, transposed=False) == choose(97, 128, K=64) == choose(96, 63) == choose(49, 32) == \
         f"{layout}32c64wg"
     assert choose(48, 32) == f"{layout}32tc16" and choose(97, 129) == f"{layout}64tc16"  # beyond the sweeps
