@@ -1,12 +1,13 @@
 """The prefill plans' kernels launched as programmatic dependents of the kernel before them against launched one
 after the other: the default choice at flash-linear-attention's table's shapes (bf16, K = V = 128, "kv", from a
-state, graph replay), each setting in its own process, alternating ``--rounds`` times: every kernel after a plan's
-first a dependent (``CUPY_COMBA_PDL=1`` and ``_plan.SEGMENTS_DEPENDENT``: the segmented scan's chain and segments
-too), then none (``CUPY_COMBA_PDL=0``).
+state, graph replay) and the wgmma scan at K = 64 over 1-64 heads (Gated DeltaNet, ``K64_POINTS``), each setting
+in its own process, alternating ``--rounds`` times: every kernel after a plan's first a dependent
+(``CUPY_COMBA_PDL=1`` and ``_plan.ALL_DEPENDENT``: those whose ``families.Kernel.dependent`` is False too), then
+none (``CUPY_COMBA_PDL=0``).
 
     PYTHONPATH=. python benchmarks/prefill_launches.py --json benchmarks/results/h200-prefill-launches.json
 
-``{"environment", "runs": [{"dependent": bool, "us": {"<op> B<B> T<T> H<H> <variant>": us, ...}}, ...]}``.
+``{"environment", "runs": [{"dependent": bool, "us": {"<op> B<B> T<T> H<H> [K64 ]<variant>": us, ...}}, ...]}``.
 """
 
 import importlib.util
@@ -24,9 +25,15 @@ def _sweep_prefill():
     return module
 
 
+#: (B, T, H, variant) of the wgmma scan at K = 64, V = 128.
+K64_POINTS = ((1, 512, 16, "kv16c64wg"), (1, 1024, 16, "kv16c64wg"), (1, 8192, 1, "kv16c64wg"),
+              (1, 8192, 32, "kv16c64wg"), (1, 256, 32, "kv32c64wg"), (1, 1024, 32, "kv32c64wg"),
+              (1, 1024, 64, "kv32c64wg"))
+
+
 def measure():
     """One process's timings, as ``{name: us}``, under the CUPY_COMBA_PDL it was started with: the shapes of
-    flash-linear-attention's table and B = 1, T = 2048, H = 16."""
+    flash-linear-attention's table and B = 1, T = 2048, H = 16, then K64_POINTS."""
     import cupy
 
     from cupy_comba import _plan
@@ -34,7 +41,7 @@ def measure():
     from cupy_comba.inputs import forward_inputs
 
     sweep = _sweep_prefill()
-    _plan.SEGMENTS_DEPENDENT = True
+    _plan.ALL_DEPENDENT = True
     res = {}
     for comba in (False, True):
         for B, T, H in sweep.FLA_SHAPES[:1] + ((1, 2048, 16),) + sweep.FLA_SHAPES[1:]:
@@ -43,6 +50,10 @@ def measure():
             us = time_graph(sweep._call(comba, args), iters=9).median_us
             variant = list(_plan.PLANS.values())[0].variant
             res[f"{'comba' if comba else 'gdn'} B{B} T{T} H{H} {variant}"] = round(us, 1)
+    for B, T, H, variant in K64_POINTS:
+        args = forward_inputs(B, T, H, 64, sweep.V, xp=cupy, warm_steps=2, seed=T)
+        us = time_graph(sweep._call(False, args, variant=variant), iters=9).median_us
+        res[f"gdn B{B} T{T} H{H} K64 {variant}"] = round(us, 1)
     return res
 
 

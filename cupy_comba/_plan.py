@@ -31,10 +31,12 @@ _NO_SERVING = (None,) * 6
 PLANS = {}
 PLANS_MAX = 256
 
-#: Whether the segmented scan's chain and segments launch as programmatic dependents too (the prep's scan does, on
-#: compute capability 9.0): measured 1.0-3.1 % slower than launched in turn at B = 1, H = 16, T = 2048-4096 and
-#: 2.5 % at H = 32, T = 32768, 0.5-0.8 % faster at H = 16, T = 8192 (h200-prefill-launches.json).
-SEGMENTS_DEPENDENT = False
+#: Whether every kernel after a plan's first launches as a programmatic dependent of the one before on compute
+#: capability 9.0, not only the scans whose ``families.Kernel.dependent`` is set.  The others measured slower so:
+#: the segmented scan's chain and segments 1.0-3.1 % at B = 1, H = 16, T = 2048-4096 and 2.5 % at H = 32, T = 32768
+#: (0.5-0.8 % faster at H = 16, T = 8192; h200-prefill-launches.json), and the wgmma scan at K = 64 over 1-32 heads
+#: (docs/design.md, "Host path").  benchmarks/prefill_launches.py sets it.
+ALL_DEPENDENT = False
 
 
 class Plan:
@@ -127,7 +129,7 @@ class Plan:
             self.launcher = Launcher(compiled(kernel.expression, shared), grid, kernel.block,
                                      pack_params(sig, kernel.grid3, seg_chunks), numpy.float32(sig.scale), shared,
                                      before=before, workspace=workspace, maps=maps,
-                                     dependent=int(cc) >= 90 and (SEGMENTS_DEPENDENT or not kernel.chain))
+                                     dependent=int(cc) >= 90 and (ALL_DEPENDENT or kernel.dependent))
 
 
 def _activation_build(sig):

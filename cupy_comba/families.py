@@ -135,6 +135,8 @@ class Kernel(NamedTuple):
     chain_shared_bytes: int = 0  #: its dynamic shared memory a CTA
     chain_block: int = 128      #: its threads a CTA (128 a warpgroup)
     ring_shared_bytes: int = 0  #: ``shared_bytes`` with room for a third stage (prefill_scan_wg), 0: none
+    dependent: bool = True      #: launched as a programmatic dependent of the prep on compute capability 9.0 (the
+                                #: prefill family's scans; not where that measured slower: _plan.ALL_DEPENDENT)
 
     def grid(self, B, H, V):
         """The launch's grid ``(x, y, z)`` for B x H heads of V value columns: one CTA a slab of a head."""
@@ -276,7 +278,8 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
         return Kernel(t.source, f"comba::prefill_scan_wg<{K}, {t.slab}, {_flag(separate_p)}, {_flag(layout == 'vk')}, "
                                 f"{_flag(serving)}>", t.slab, t.threads, prefill_wg_bytes(K, t.slab, separate_p),
                       f"comba::prefill_prep<{K}, 5, {_flag(serving)}>", prefill_prep_bytes(K, False), 128,
-                      PREFILL_RECORD_BF16, 8, ring_shared_bytes=prefill_wg_bytes(K, t.slab, separate_p, ring=True))
+                      PREFILL_RECORD_BF16, 8, ring_shared_bytes=prefill_wg_bytes(K, t.slab, separate_p, ring=True),
+                      dependent=K != 64)
     if t.family == "prefill_scan_wt":  # args: (PART, WGS); PART kWtWhole = 0 or kWtSegments = 2 (kWtChain first)
         part, wgs = t.args
         # the chain on 128 of the V + K columns of [E | M] a CTA where the segments run pairs and K = 128 (V + K is
@@ -289,7 +292,7 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
                       record_words_v=WY_WORDS_PER_V, swizzled_keys=True,
                       chain=f"comba::prefill_scan_wt<{K}, false, {_flag(serving)}, 1, {chain_wgs}>" if part else "",
                       chain_shared_bytes=prefill_wt_bytes(K, chain=True, wgs=chain_wgs) if part else 0,
-                      chain_block=128 * chain_wgs)
+                      chain_block=128 * chain_wgs, dependent=not part)
     if t.family == "prefill_scan":
         if precision is None:  # 16-bit activations: bf16 products, the fastest (docs/design.md)
             precision = "bf16"
