@@ -79,6 +79,10 @@ WGMMA_CAPABILITY = "90"
 #: The families built for that target only: the wgmma scans.
 WGMMA_FAMILIES = ("prefill_scan_wg", "prefill_scan_wt")
 
+#: prefill_scan_wt's PART (``WtPart``, kernels_cu/prefill_wgmma.cu): the whole scan, the segmented scan's chain, its
+#: segments.
+WT_WHOLE, WT_CHAIN, WT_SEGMENTS = 0, 1, 2
+
 #: Warpgroups a CTA of the transposed scan (``{layout}{64 WGS}c64wt`` / ``sg``): one on a slab of 64 value columns,
 #: or two on 128 sharing each chunk's staged keys and record.
 WT_WARPGROUPS = (1, 2)
@@ -224,7 +228,7 @@ def _all_tilings():
                        PREFILL_CHUNK, True) for layout in ("kv", "vk") for slab in PREFILL_SLABS]
         out += [Tiling(f"{layout}{64 * wgs}c64{name}", layout, K, "prefill_scan_wt", "prefill_wgmma.cu", (part, wgs),
                        64 * wgs, 128 * wgs, PREFILL_CHUNK, True)
-                for wgs in WT_WARPGROUPS for layout in ("kv", "vk") for name, part in (("wt", 0), ("sg", 2))]
+                for wgs in WT_WARPGROUPS for layout in ("kv", "vk") for name, part in (("wt", WT_WHOLE), ("sg", WT_SEGMENTS))]
     return tuple(out)
 
 
@@ -280,8 +284,9 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
                       f"comba::prefill_prep<{K}, 5, {_flag(serving)}>", prefill_prep_bytes(K, False), 128,
                       PREFILL_RECORD_BF16, 8, ring_shared_bytes=prefill_wg_bytes(K, t.slab, separate_p, ring=True),
                       dependent=K != 64)
-    if t.family == "prefill_scan_wt":  # args: (PART, WGS); PART kWtWhole = 0 or kWtSegments = 2 (kWtChain first)
+    if t.family == "prefill_scan_wt":  # args: (PART, WGS); PART WT_WHOLE or WT_SEGMENTS (after WT_CHAIN)
         part, wgs = t.args
+        segmented = part == WT_SEGMENTS
         # the chain on 128 of the V + K columns of [E | M] a CTA where the segments run pairs and K = 128 (V + K is
         # then a multiple of 128 too): each chunk's Kc and W' staged once for both warpgroups
         chain_wgs = wgs if K == 128 else 1
@@ -290,9 +295,10 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
                       t.slab, t.threads, prefill_wt_bytes(K, wgs=wgs), f"comba::prefill_prep<{K}, 6, {_flag(serving)}>",
                       prefill_prep_bytes(K, False), 128, record_words=wy_record(K),
                       record_words_v=WY_WORDS_PER_V, swizzled_keys=True,
-                      chain=f"comba::prefill_scan_wt<{K}, false, {_flag(serving)}, 1, {chain_wgs}>" if part else "",
-                      chain_shared_bytes=prefill_wt_bytes(K, chain=True, wgs=chain_wgs) if part else 0,
-                      chain_block=128 * chain_wgs, dependent=not part)
+                      chain=f"comba::prefill_scan_wt<{K}, false, {_flag(serving)}, {WT_CHAIN}, {chain_wgs}>"
+                      if segmented else "",
+                      chain_shared_bytes=prefill_wt_bytes(K, chain=True, wgs=chain_wgs) if segmented else 0,
+                      chain_block=128 * chain_wgs, dependent=not segmented)
     if t.family == "prefill_scan":
         if precision is None:  # 16-bit activations: bf16 products, the fastest (docs/design.md)
             precision = "bf16"

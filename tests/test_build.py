@@ -267,7 +267,9 @@ def test_prefill_shared_bytes_are_the_layouts():
                              f' && (!{layout}::RING || {layout}::RING_BYTES == {ring}), "{expression}");')
     wg_checks.append(f'static_assert(comba::Record<5>::SIZE == {families.PREFILL_RECORD_BF16}, "ACC 5");')
     wg_checks.append(f'static_assert(comba::kWgRingChunks == {families.WG_RING_CHUNKS}, "the ring");')
-    assert len(wg_checks) == 84
+    wg_checks.append(f'static_assert(comba::kWtWhole == {families.WT_WHOLE} && comba::kWtChain == {families.WT_CHAIN} '
+                     f'&& comba::kWtSegments == {families.WT_SEGMENTS}, "WtPart");')
+    assert len(wg_checks) == 85
     _compiles_with("prefill_wgmma.cu", wg_checks)
     for expression in SPECIALISATIONS["prefill.cu"]:
         args = _template_args(expression)
