@@ -889,22 +889,26 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     }
     __syncthreads();
     // The blocks below the diagonal on the tensor cores, a 16 x 8 half of a block (columns c0 .. c0 + 7) at a time:
-    // Z = sum_k L_ik X_kj, then X_ij = -X_ii Z, both on split operands (3xTF32, fp32-accurate as the
-    // substitution); Z passes through the warp's 16 x 8 floats at ZW_AT, [row][column], to become a B operand.  The
-    // halves of a column of blocks need only each other's rows above them, so each is one warp's, down the rows
-    // with no CTA barrier: warps 0 and 1 the halves of column 0 (blocks 1, 2, 3: 4 + 6 + 8 k-steps), warps 2 and 3
-    // those of columns 1 (blocks 2, 3) and 2 (block 3), 14 k-steps.
+    // Z = sum_k L_ik X_kj, then X_ij = -X_ii Z.  The TF32 records take split operands (3xTF32, fp32-accurate as the
+    // substitution); the bf16 records (XM = kRound) TF32-rounded ones, one product each: they round A to bf16 once
+    // it is formed, so the split's extra products cost them issue slots and bought no accuracy.  Z passes through
+    // the warp's 16 x 8 floats at ZW_AT, [row][column], to become a B operand.  The halves of a column of blocks
+    // need only each other's rows above them, so each is one warp's, down the rows with no CTA barrier: warps 0 and
+    // 1 the halves of column 0 (blocks 1, 2, 3: 4 + 6 + 8 k-steps), warps 2 and 3 those of columns 1 (blocks 2, 3)
+    // and 2 (block 3), 14 k-steps.
     float* const zw = reinterpret_cast<float*>(prefill_smem + Layout::ZW_AT) + 128 * warp;
+    constexpr int XM = bf16_products(ACC) || ACC == 6 ? kRound : kSplit;
+    constexpr bool XL = XM == kSplit;
     auto below = [&](int i, int j) {
         const int c0 = 16 * j + 8 * (warp & 1);
         float z[4] = {0.f, 0.f, 0.f, 0.f}, x[4] = {0.f, 0.f, 0.f, 0.f};
         for (int kk = 16 * j; kk < 16 * i; kk += 8) {
             const float* l = gram_p + (16 * i + lg) * S + kk + lj;
             unsigned ah[4], al[4], bh0, bl0, bh1, bl1;
-            a_operand4<kSplit>(l[0], l[8 * S], l[4], l[8 * S + 4], ah, al);
-            operand<kSplit>(x_entry(xs, kk + lj, c0 + lg), bh0, bl0);
-            operand<kSplit>(x_entry(xs, kk + lj + 4, c0 + lg), bh1, bl1);
-            mma_acc<true, true>(z, ah, al, bh0, bh1, bl0, bl1);
+            a_operand4<XM>(l[0], l[8 * S], l[4], l[8 * S + 4], ah, al);
+            operand<XM>(x_entry(xs, kk + lj, c0 + lg), bh0, bl0);
+            operand<XM>(x_entry(xs, kk + lj + 4, c0 + lg), bh1, bl1);
+            mma_acc<XL, XL>(z, ah, al, bh0, bh1, bl0, bl1);
         }
         zw[8 * lg + 2 * lj] = z[0];
         zw[8 * lg + 2 * lj + 1] = z[1];
@@ -915,10 +919,10 @@ prefill_prep(COMBA_PREFILL_ARGS) {
         for (int ks = 0; ks < 16; ks += 8) {
             const float* xi = xs + (16 * i + lg) * S + 16 * i + ks + lj;
             unsigned ah[4], al[4], bh0, bl0, bh1, bl1;
-            a_operand4<kSplit>(xi[0], xi[8 * S], xi[4], xi[8 * S + 4], ah, al);
-            operand<kSplit>(zw[8 * (ks + lj) + lg], bh0, bl0);
-            operand<kSplit>(zw[8 * (ks + lj + 4) + lg], bh1, bl1);
-            mma_acc<true, true>(x, ah, al, bh0, bh1, bl0, bl1);
+            a_operand4<XM>(xi[0], xi[8 * S], xi[4], xi[8 * S + 4], ah, al);
+            operand<XM>(zw[8 * (ks + lj) + lg], bh0, bl0);
+            operand<XM>(zw[8 * (ks + lj + 4) + lg], bh1, bl1);
+            mma_acc<XL, XL>(x, ah, al, bh0, bh1, bl0, bl1);
         }
         // X_ij transposed, above the diagonal: entry (16 i + lg, c0 + 2 lj) at row c0 + 2 lj, column 16 i + lg
         float* out = xs + (c0 + 2 * lj) * S + 16 * i + lg;
