@@ -352,8 +352,6 @@ def test_a_packed_sequence_sees_none_of_its_neighbours_tokens(layout, comba, pre
     scans = ("c64", "c64wg") if precision == "bf16" and _wgmma() else ("c64",)
     variants = [f"{layout}{slab}{scan}" for slab, scan in itertools.product(families.PREFILL_SLABS, scans)] + \
         ([f"{layout}64c64wt"] if precision == "bf16" and _wgmma() else [])
-    if scan == "128c64wt":  # two warpgroups a CTA: a 128-column slab
-        variants = [f"{layout}128c64wt"]
     for variant in variants:
         o, S = _forward(comba, q, k, v, p, beta, g, S0, state_layout=layout, cu_seqlens=cupy.asarray(cu),
                         variant=variant, precision=precision)
