@@ -9,8 +9,8 @@ flash-linear-attention's chunked kernels in the same process (bf16, K = V = 128,
     PYTHONPATH=. python benchmarks/sweep_prefill.py --segments benchmarks/results/h200-prefill-segments.json
     PYTHONPATH=. python benchmarks/sweep_prefill.py --slow-gates benchmarks/results/h200-prefill-slow-gates.json
 
-A row times each of its variants in two passes over them, the second in reverse order, and keeps the smaller
-median of the two.
+A row times each of its variants in three passes over them, the second in reverse order, and keeps the smallest
+median of the three (the results files' notes say which of their rows were timed in two).
 
 ``--tiling``: Gated DeltaNet and Comba, "kv" and "vk", over 1-128 heads (H = 16; H = 32 from 32 heads
 on) and T = 256-4096, at each K of ``--head-sizes``: both 64-token slabs and the kernel the rules
@@ -92,11 +92,11 @@ def _timed(layout, K, comba, heads, T, variants, chosen, split=None):
     else:
         B, H = split
         args = forward_inputs(B, T, H, K, V, xp=cupy, state_layout=layout, warm_steps=0, seed=T)
-    # two passes over the variants, the second in reverse order, each variant's smaller median kept: a point's
+    # three passes over the variants, the second in reverse order, each variant's smallest median kept: a point's
     # variants differ by a few per cent, about what one pass's interference can add to one of them
     order = list(dict.fromkeys((chosen, *variants)))
     times = {}
-    for variant in order + order[::-1]:
+    for variant in order + order[::-1] + order:
         us = time_graph(_call(comba, args, state_layout=layout, variant=variant), iters=5).median_us
         times[variant] = min(us, times.get(variant, us))
     # the point's plans and their workspaces (1.4 GB at 128 heads and T = 65536) are let go, or a sweep's points
@@ -130,8 +130,8 @@ def sweep_tiling(layouts, head_sizes, wgmma):
 
 
 #: ``--lengths``: T = 16-65536, with both sides of each of the tiling's prefill thresholds (tiling.PREFILL_MIN_T,
-#: tiling.PREFILL_MIN_T_WGMMA)
-LENGTHS = (16, 32, 48, 49, 64, 96, 97, 112, 113, 128, 160, 161, 176, 177, 192, 256, 1024, 8192, 65536)
+#: tiling.PREFILL_MIN_T_WGMMA, tiling.ONE_WAVE_TRANSPOSED_MAX_T)
+LENGTHS = (16, 32, 48, 49, 64, 96, 97, 112, 113, 128, 160, 161, 176, 177, 192, 256, 320, 321, 1024, 8192, 65536)
 
 
 def sweep_lengths(head_sizes, wgmma, rows=(), save=None):

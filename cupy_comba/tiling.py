@@ -86,22 +86,25 @@ def _mma(c):
 
 #: The shortest pass the prefill kernels take at each K, over at most so many heads: (heads, T) in order
 #: (h200-prefill-lengths.json).  Their cost rises in steps of 64 tokens and the 16-token kernel's in steps of 16,
-#: so the thresholds fall on that kernel's step boundaries: T = 33, 49, 97 and 161 open a step of it that costs
+#: so the thresholds fall on that kernel's step boundaries: T = 33, 49, 97 and 113 open a step of it that costs
 #: more than the prefill chunks, and at T = 96 over 33-64 heads the two tie.  Over one head at K = 128 one chunk
 #: costs less than the 16-token kernel's three steps (T = 48: 11.2 against 12.0 us for kv32tc16; 16 heads: 12.6
-#: against 12.2, which keep it).  Beyond 128 heads, the most the sweeps
-#: measured, the token kernels keep every length (and no workspace of 11-21.5 KB a chunk and head is made); at
-#: K = 256 the token loops the prefill kernels replace walk 256 keys a token, and lose from T = 16 over any
-#: number of heads.
+#: against 12.2, which keep it), and so at K = 64 over 1-32 heads (T = 48: 9.8 against 11.4 us for kv64tc16 over
+#: 16 heads, 10.8 against 11.6 over 32; T = 32: 9.9 against 8.7, which keep it); there over 65-128 heads
+#: prefill_scan's two chunks cost less than the 16-token kernel's eight steps (128 heads, T = 113: 28.3 against
+#: 30.6).  Beyond 128 heads, the most the sweeps measured, the token kernels keep every length (and no workspace
+#: of 11-21.5 KB a chunk and head is made); at K = 256 the token loops the prefill kernels replace walk 256 keys a
+#: token, and lose from T = 16 over any number of heads.
 PREFILL_MIN_T = {
-    64: ((32, 49), (64, 96), (128, 161)),
+    64: ((32, 33), (64, 96), (128, 113)),
     128: ((1, 33), (32, 49), (64, 96), (128, 97)),
     256: ((None, 16),),
 }
-#: The same where the scan runs on wgmma (:func:`_warpgroup`): over 65-128 heads at both K from T = 97, where
-#: its two chunks cost less than the 16-token kernel's seven steps (h200-prefill-lengths.json).  Over the heads
-#: that take the transposed scan it begins at TRANSPOSED_MIN_T where that is shorter.
-PREFILL_MIN_T_WGMMA = {64: ((32, 49), (64, 96), (128, 97)), 128: ((1, 33), (32, 49), (64, 96), (128, 97))}
+#: The same where the scan runs on wgmma (:func:`_warpgroup`): over 65-128 heads at K = 128 from T = 97, where
+#: its two chunks cost less than the 16-token kernel's seven steps, and at K = 64 over 33-128 heads from T = 49,
+#: where the transposed scan's one chunk costs less than four steps (h200-prefill-lengths.json, 128 heads: 15.3
+#: against 17.1 us).  Over the heads that take the transposed scan it begins at TRANSPOSED_MIN_T where that is shorter.
+PREFILL_MIN_T_WGMMA = {64: ((32, 33), (128, 49)), 128: ((1, 33), (32, 49), (64, 96), (128, 97))}
 
 
 def _prefill_min_t(c):
@@ -126,26 +129,39 @@ def _prefill_slab(c):
 
 #: From this many tokens Comba's 16-column slabs over one head take the wgmma scan (h200-prefill-wgmma.json:
 #: T = 1024 33.3 against 34.9 us; T = 256 18.1 against 17.8, and h200-prefill-lengths.json T = 49-256 12.9-16.4
-#: against 12.1-16.3).
-WGMMA_ONE_HEAD_MIN_T = 1024
+#: against 12.1-16.3), and at K = 64 every slab over at most NARROW_HEADS heads, where prefill_scan's chunks cost
+#: less before (h200-prefill-lengths.json, K = 64: 16 heads, T = 64 9.7 against 10.5 us for kv16c64wg, Comba
+#: over 32 heads 11.3 against 12.6; T = 8192 194.9 against 180.8).
+WGMMA_MIN_T = 1024
 
 
 def _warpgroup(c):
     """The prefill scan on wgmma: 32-column slabs, Gated DeltaNet's 16-column ones, and Comba's over one head from
-    WGMMA_ONE_HEAD_MIN_T tokens."""
-    return c.wgmma and c.K in (64, 128) and (_prefill_slab(c) == 32 or not c.separate_p or
-                                             (c.heads == 1 and c.T >= WGMMA_ONE_HEAD_MIN_T))
+    WGMMA_MIN_T tokens; at K = 64 over at most NARROW_HEADS heads from WGMMA_MIN_T tokens only."""
+    if not (c.wgmma and c.K in (64, 128)):
+        return False
+    if c.K == 64 and c.heads is not None and c.heads <= NARROW_HEADS and c.T < WGMMA_MIN_T:
+        return False
+    return _prefill_slab(c) == 32 or not c.separate_p or (c.heads == 1 and c.T >= WGMMA_MIN_T)
 
 
 #: The heads from which the prefill pass takes the transposed wgmma scan (``{layout}64c64wt``), by K, from
 #: TRANSPOSED_MIN_T tokens with V a multiple of 64 (h200-prefill-transposed.json): two CTAs a head of V = 128, each
-#: bound by the tensor cores' rate on its chunk's products, which over fewer heads leave most SMs idle; at K = 64
-#: the other scan's chunks are cheaper still, and over 64 heads it keeps T = 1024 and 4096.
-TRANSPOSED_MIN_HEADS = {128: 64, 64: 128}
-#: ... by K, from so many tokens, where over those heads the prefill kernels then begin: at K = 128 from T = 49
-#: (h200-prefill-lengths.json: one chunk costs less than the 16-token kernel's four steps), at K = 64 from the
-#: shortest pass its sweep measured (h200-prefill-transposed.json, T = 256).
-TRANSPOSED_MIN_T = {128: 49, 64: 256}
+#: bound by the tensor cores' rate on its chunk's products, which over fewer heads leave most SMs idle.
+TRANSPOSED_MIN_HEADS = {128: 64, 64: 64}
+#: ... by K, from so many tokens, where over those heads the prefill kernels then begin: one chunk costs less than
+#: the 16-token kernel's four steps (h200-prefill-lengths.json).
+TRANSPOSED_MIN_T = {128: 49, 64: 49}
+#: At K = 64 over at most ONE_WAVE_SLABS slabs of 64 value columns (one CTA an SM: 64 heads of V = 128) the
+#: transposed scan leads up to ONE_WAVE_TRANSPOSED_MAX_T tokens, and beyond them the segmented scan in one segment
+#: (Comba's every length, Gated DeltaNet's up to ONE_WAVE_GDN_SEGMENTED_MAX_T) and Gated DeltaNet's 32-column
+#: slabs on wgmma (h200-prefill-lengths.json, K = 64, 64 heads, Gated DeltaNet: kv64c64wt T = 256 in 18.0 us
+#: against 18.4 for kv64c64sg and 20.2 for kv32c64wg, but T = 320 24.1 against 21.2 and 23.0; kv64c64sg T = 321
+#: 22.6 against 25.5 for kv32c64wg, but T = 1024 60.6 against 57.3, and h200-prefill-tiling.json T = 512 31.2
+#: against 30.4; Comba kv64c64sg T = 1024 61.9 against 66.7 for kv64c64wt and 67.3 for kv32c64wg).
+ONE_WAVE_SLABS = 132
+ONE_WAVE_TRANSPOSED_MAX_T = 256
+ONE_WAVE_GDN_SEGMENTED_MAX_T = 384
 
 
 def _transposed_heads(c):
@@ -155,16 +171,27 @@ def _transposed_heads(c):
         most <= c.heads <= FEW_HEADS
 
 
+def _one_wave_k64(c):
+    """K = 64 over the heads that take the transposed scan, at most ONE_WAVE_SLABS slabs of 64 columns, longer
+    than ONE_WAVE_TRANSPOSED_MAX_T."""
+    return c.K == 64 and _transposed_heads(c) and c.heads * (c.V // 64) <= ONE_WAVE_SLABS and \
+        c.T > ONE_WAVE_TRANSPOSED_MAX_T
+
+
 def _transposed(c):
-    return _transposed_heads(c) and c.T >= TRANSPOSED_MIN_T[c.K]
+    return _transposed_heads(c) and c.T >= TRANSPOSED_MIN_T[c.K] and not _one_wave_k64(c)
 
 
 #: The segmented scan (``{layout}64c64sg``): a dense batch too few to fill the GPU with one CTA a (row, head, 64
 #: value columns), cut into segments whose CTAs fill it once -- from so many tokens over at most so many such CTAs
 #: (h200-prefill-segments.json), and over up to 256 from T = 8192, where one segment a row already leads the
 #: transposed scan (h200-prefill-lengths.json, K = 128, 128 heads, two warpgroups a CTA: T = 65536 6698.3 against
-#: 6831.7 us, one a CTA 7441.0 against 7581.0; T = 8192 853.2 against 844.0).
-SEGMENTED_MIN_T = ((16, 1024), (32, 2048), (256, 8192))
+#: 6831.7 us, one a CTA 7441.0 against 7581.0; T = 8192 853.2 against 844.0).  At K = 64 from T = 1024 over up to
+#: 32 such CTAs (h200-prefill-tiling.json, Comba, 16 heads: 28.6 against 30.0 us for kv16c64) and from T = 4096
+#: over up to 64, in the pairs below (32 heads: 127.2 against 135.2 for kv32c64wg; 16 heads 74.0 against 81.3
+#: for one warpgroup a CTA).
+SEGMENTED_MIN_T = {128: ((16, 1024), (32, 2048), (256, 8192)),
+                   64: ((32, 1024), (64, 4096), (256, 8192))}
 #: At most so many segments (the last one composes the maps of all before it, one after another), each of at
 #: least MIN_SEGMENT_CHUNKS chunks of 64 tokens.
 MAX_SEGMENTS = 16
@@ -176,7 +203,9 @@ def _segmented(c):
             and c.heads is not None):
         return False
     ctas = c.heads * (c.V // 64)
-    return any(ctas <= most and c.T >= T for most, T in SEGMENTED_MIN_T)
+    if _one_wave_k64(c) and (c.separate_p or c.T <= ONE_WAVE_GDN_SEGMENTED_MAX_T):
+        return True
+    return any(ctas <= most and c.T >= T for most, T in SEGMENTED_MIN_T[c.K])
 
 
 def segments(heads, V, T, sms, slab=64):
@@ -199,28 +228,31 @@ def segments(heads, V, T, sms, slab=64):
 
 
 #: The transposed scan (whole or in segments) runs two warpgroups a CTA on a 128-column slab (``{layout}128c64wt``,
-#: ``sg``), sharing each chunk's staged keys and record, at K = 128 where one warpgroup a 64-column slab would make
-#: more CTAs than the H200's 132 SMs (B * H * V / 64 of them, from this many): one CTA an SM either way, and two
-#: chains on each in place of a second wave (h200-prefill-lengths.json, 128 heads; docs/design.md).  Over fewer
+#: ``sg``), sharing each chunk's staged keys and record, where one warpgroup a 64-column slab would make more CTAs
+#: than the H200's 132 SMs (B * H * V / 64 of them, from this many): one CTA an SM either way, and two chains on
+#: each in place of a second wave (h200-prefill-lengths.json, 128 heads; docs/design.md; at K = 64, where a chunk
+#: costs less, by 1-4 %: T = 1024 97.2 against 97.8 us, Comba 99.1 against 100.4).  Over fewer
 #: CTAs the pairs leave SMs idle, and each chain runs 1.28 times slower beside another (B = 1, T = 8192, H = 16:
 #: 301.4 against 235.5 us for the scan alone).
 PAIRED_MIN_SLABS = 133
-#: The segmented scan takes the pairs over fewer heads too at K = 128: over 32-64 slabs of 64 columns (B * H = 16-32
-#: at V = 128) from T = 8192.  tiling.segments then cuts twice as many segments, and the chain runs two warpgroups a
-#: CTA on 128 of the V + K columns of a segment's map, each chunk's Kc and W' staged once for both (h200-prefill-
-#: lengths.json: H = 16, T = 65536 1086.6 against 1231.6 us, H = 32 2114.0 against 2354.9).  Over one head both
-#: cut the most segments, and the pairs' chains run slower (T = 8192: 70.2 against 57.5); over 64 heads they lose to
-#: one segment of one warpgroup a CTA (T = 8192: 528.7 against 468.1).
+#: The segmented scan takes the pairs over fewer heads too: over 32-64 slabs of 64 columns (B * H = 16-32 at
+#: V = 128) from T = 8192 at K = 128 and from T = 4096 at K = 64 (SEGMENTED_MIN_T).  tiling.segments then cuts
+#: twice as many segments, and at K = 128 the chain runs two warpgroups a CTA on 128 of the V + K columns of a
+#: segment's map, each chunk's Kc and W' staged once for both (h200-prefill-lengths.json: H = 16, T = 65536
+#: 1086.6 against 1231.6 us, H = 32 2114.0 against 2354.9).  Over one head both cut the most segments, and the
+#: pairs' chains run slower (T = 8192: 70.2 against 57.5); over 64 heads they lose to one segment of one warpgroup
+#: a CTA (T = 8192: 528.7 against 468.1).
 PAIRED_SEGMENT_SLABS = (32, 64)
-PAIRED_SEGMENTS_MIN_T = 8192
+PAIRED_SEGMENTS_MIN_T = {128: 8192, 64: 4096}
 
 
 def _paired(c):
-    if not (c.paired and c.K == 128 and c.V % 128 == 0):
+    if not (c.paired and c.V % 128 == 0):
         return False
     slabs = c.heads * (c.V // 64)
-    return slabs >= PAIRED_MIN_SLABS or (_segmented(c) and c.T >= PAIRED_SEGMENTS_MIN_T and
-                                         PAIRED_SEGMENT_SLABS[0] <= slabs <= PAIRED_SEGMENT_SLABS[1])
+    return slabs >= PAIRED_MIN_SLABS or (
+        _segmented(c) and c.T >= PAIRED_SEGMENTS_MIN_T[c.K] and
+        PAIRED_SEGMENT_SLABS[0] <= slabs <= PAIRED_SEGMENT_SLABS[1])
 
 
 def _prefill_variant(c):
@@ -248,36 +280,39 @@ RULES = (
          "h200-prefill-lengths.json (kv, T = 16-65536 and either side of each threshold), Gated DeltaNet at "
          "K = 128 unless said, prefill_scan (mma.sync) first.  The prefill kernels cost a step every 64 tokens, the "
          "16-token kernel every 16, so the thresholds fall on the latter's step boundaries: over one head at K = 128 "
-         "from T = 33 (T = 48: 11.2 against 12.0 us for kv32tc16), over 1-32 heads otherwise from T = 49 (16 "
+         "from T = 33 (T = 48: 11.2 against 12.0 us for kv32tc16) and over 1-32 heads at K = 64 (16 heads, T = 48: "
+         "9.8 against 11.4 us for kv64tc16), over 1-32 heads otherwise from T = 49 (16 "
          "heads: T = 48 12.2 against 12.2 us for kv32tc16, T = 49 12.0 against 15.3, T = 65536 1823.6 against "
-         "12864.5; K = 64: 12.8 against 14.4), 16-column slabs over 1-16 heads and 32-column ones over more "
+         "12864.5), 16-column slabs over 1-16 heads and 32-column ones over more "
          "(32 heads, T = 49: 13.5 against 15.8); over 33-64 heads from T = 96 (64 heads: 22.4 against 24.2 for "
          "kv64tc16, T = 64 18.3 against 17.4); over 65-128 heads from T = 97 (128 heads: T = 97 36.6 against 40.4, "
-         "T = 96 36.6 against 35.4; T = 65536 10646.6 against 20660.8), at K = 64 from T = 161 (T = 176 38.7 against "
-         "40.8, T = 128 31.1 against 30.6); at K = 256 over every head count from T = 16 (1 head: 15.8 against "
+         "T = 96 36.6 against 35.4; T = 65536 10646.6 against 20660.8), at K = 64 from T = 113 (T = 113 28.3 against "
+         "30.6, T = 112 28.3 against 27.6); at K = 256 over every head count from T = 16 (1 head: 15.8 against "
          "18.8 us for kv32x16, 128 heads: 37.5 against 53.9), 6.6-33x the token loops from T = 256.  Where q, k, "
          "p are bf16 with bf16 products on compute capability 9.0, the same slabs' scan on wgmma "
          "(h200-prefill-wgmma.json, K = 64 / 128, kv and vk, 1-128 heads, T = 256-8192): 32-column slabs "
          "0.72-0.93 of prefill_scan's time from 64 heads (K = 128, 128 heads, T = 8192: 1241.1 against 1398.5 us; "
          "K = 64: 868.6 against 1193.0), Gated DeltaNet's 16-column slabs 0.92-0.98 (16 heads, T = 8192: 242.7 "
          "against 248.0), Comba's 16-column ones over one head 0.91-1.02 (T = 8192 178.4 against 195.5; from T = "
-         "1024, shorter passes keeping prefill_scan: WGMMA_ONE_HEAD_MIN_T) but over 16 heads 1.11 (289.9 against "
-         "261.5), which keeps prefill_scan; and over 65-128 heads from T = 97 at "
-         "both K (h200-prefill-lengths.json, 128 heads, T = 112: 32.3 against 40.5 us for kv64tc16, Comba 37.3 "
-         "against 42.1, K = 64 23.8 against 27.3; T = 96: 31.6 against 35.4, Comba 36.2 against 36.6).  The transposed "
+         "1024, shorter passes keeping prefill_scan: WGMMA_MIN_T) but over 16 heads 1.11 (289.9 against "
+         "261.5), which keeps prefill_scan; at K = 64 over 1-32 heads from T = 1024 only (h200-prefill-lengths.json, "
+         "16 heads, T = 64: 9.7 against 10.5 us for kv16c64wg; T = 8192 194.9 against 180.8); and over 65-128 heads "
+         "from T = 97 at K = 128 (h200-prefill-lengths.json, 128 heads, T = 112: 32.3 against 40.5 us for "
+         "kv64tc16, Comba 37.3 against 42.1; T = 96: 31.6 against 35.4, Comba 36.2 against 36.6).  The transposed "
          "wgmma scan over 64-128 heads at K = 128 from T = 49, where the prefill kernels then begin "
          "(h200-prefill-lengths.json, 128 heads, in two-warpgroup CTAs: T = 49 20.2 against 25.2 us for kv64tc16, "
-         "T = 48 20.4 against 20.2; T = 192 35.3 against 43.3 for kv32c64wg), and over 128 at K = 64 from T = 256 "
-         "(h200-prefill-transposed.json, "
-         "32-128 heads, T = 256-4096, against the choice without it): 64 heads, T = 256 26.4 against 30.0 us for "
+         "T = 48 20.4 against 20.2; T = 192 35.3 against 43.3 for kv32c64wg; h200-prefill-transposed.json, "
+         "32-128 heads, T = 256-4096, against the choice without it: 64 heads, T = 256 26.4 against 30.0 us for "
          "kv32c64wg, T = 4096 277.7 against 325.7 (Comba 28.3 against 34.8, 284.2 against 356.2; vk 26.9 against "
-         "30.2, 276.4 against 325.1), 128 heads T = 4096 523.1 against 632.5; K = 64, 128 heads 33.6 against 35.5 "
-         "(T = 256) to 402.1 against 443.8 (T = 4096), but 64 heads at T = 1024 68.4 against 61.1; over 32 heads "
-         "it loses (T = 4096: 199.1 against 169.6).  At K = 128 the transposed scans run two warpgroups a CTA "
-         "where one a 64-column slab would make more than 132 CTAs (PAIRED_MIN_SLABS; h200-prefill-lengths.json, "
-         "128 heads: T = 1024 127.6 against 138.0 us, T = 65536 in segments 6698.3 against 7441.0), and the "
-         "segmented scan over 16-32 heads from T = 8192 (PAIRED_SEGMENT_SLABS: 16 heads, T = 65536 1086.6 "
-         "against 1231.6)."),
+         "30.2, 276.4 against 325.1), 128 heads T = 4096 523.1 against 632.5; over 32 heads it loses (T = 4096: "
+         "199.1 against 169.6)), and at K = 64 too (h200-prefill-lengths.json, 128 heads in two-warpgroup CTAs: "
+         "T = 49 15.5 against 17.1 us for kv64tc16), but over 64 heads only up to T = 256 "
+         "(ONE_WAVE_TRANSPOSED_MAX_T: T = 320 24.1 against 21.2 for kv64c64sg).  The transposed scans run two "
+         "warpgroups a CTA where one a 64-column slab would make more than 132 CTAs (PAIRED_MIN_SLABS; "
+         "h200-prefill-lengths.json, 128 heads: T = 1024 127.6 against 138.0 us, T = 65536 in segments 6698.3 "
+         "against 7441.0; K = 64, T = 1024 97.2 against 97.8), and the segmented scan over 16-32 heads from "
+         "T = 8192, 4096 at K = 64 (PAIRED_SEGMENT_SLABS: 16 heads, T = 65536 1086.6 against 1231.6; K = 64, "
+         "T = 4096 74.0 against 81.3, h200-prefill-tiling.json)."),
     Rule("K = 256: the kv token loop",
          lambda c: c.K == 256 and c.layout == "kv",
          lambda c: "kv64x16" if c.wide and (c.heads is None or c.heads > 1024) else "kv32x16",
