@@ -10,7 +10,6 @@ import argparse
 import json
 
 import cupy as cp
-import numpy as np
 import torch
 import torch.nn.functional as F
 from fla.ops.comba import fused_recurrent_comba

@@ -46,7 +46,6 @@ import json
 import os
 
 import cupy
-import numpy
 
 from cupy_comba import _plan, bfloat16, comba_forward, families, gated_delta_forward, reference, tiling
 from cupy_comba.bench import environment, time_graph

@@ -4,8 +4,6 @@ CuPy is an optional import so that the package, its float64 reference and its
 NumPy path work on a machine with no GPU (and no CuPy at all).
 """
 
-import numpy
-
 try:  # pragma: no cover - depends on the machine
     import cupy
 except ImportError:  # pragma: no cover

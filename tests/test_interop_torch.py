@@ -82,7 +82,7 @@ def test_gating_ragged_and_a_vllm_pool():
     """In-kernel gating and the sigmoid of beta; a ragged batch (an empty sequence among them) from and back into
     vLLM-style pool slots ("vk" states, a padding row): against the NumPy path with the same options."""
     lens = [3, 0, 5, 1]
-    total, N, HV = sum(lens), len(lens), 4
+    total, HV = sum(lens), 4
     q, k, v, p, g, beta, _ = _inputs(1, total, 2, HV, 64, 64, torch.bfloat16, seed=11)
     pool = torch.randn(9, HV, 64, 64, device="cuda") * 0.3
     slots = torch.tensor([4, 0, -1, 7], dtype=torch.int32, device="cuda")
