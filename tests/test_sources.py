@@ -19,8 +19,11 @@ MODULE_NAMES = {"__file__", "__name__", "__doc__", "__spec__", "__loader__", "__
 
 
 def _sources():
-    listed = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True)
-    if listed.returncode:  # not a git checkout: every .py file under the root's own folders
+    try:
+        listed = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True)
+    except OSError:  # no git
+        listed = None
+    if listed is None or listed.returncode:  # not a git checkout: every .py file but those of a virtual environment
         return sorted(str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if ".venv" not in p.parts)
     return sorted(listed.stdout.split())
 
