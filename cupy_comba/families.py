@@ -228,7 +228,8 @@ def _all_tilings():
                        PREFILL_CHUNK, True) for layout in ("kv", "vk") for slab in PREFILL_SLABS]
         out += [Tiling(f"{layout}{64 * wgs}c64{name}", layout, K, "prefill_scan_wt", "prefill_wgmma.cu", (part, wgs),
                        64 * wgs, 128 * wgs, PREFILL_CHUNK, True)
-                for wgs in WT_WARPGROUPS for layout in ("kv", "vk") for name, part in (("wt", WT_WHOLE), ("sg", WT_SEGMENTS))]
+                for wgs in WT_WARPGROUPS for layout in ("kv", "vk")
+                for name, part in (("wt", WT_WHOLE), ("sg", WT_SEGMENTS))]
     return tuple(out)
 
 

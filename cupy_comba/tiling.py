@@ -27,6 +27,8 @@ NARROW_HEADS = 32
 ONE_WARP_HEADS = 256
 #: At most this many heads a vk decode step at K = 128 runs on 8-row slabs (``vk4x2``).
 NARROW_VK_HEADS = 512
+#: The H200's multiprocessors, against which the rules that count CTAs were measured.
+H200_SMS = 132
 
 
 class Case(NamedTuple):
@@ -56,6 +58,11 @@ class Case(NamedTuple):
     def wide(self):
         """V a multiple of 64 (the 64-column and 64-row slabs divide it)."""
         return self.V % 64 == 0
+
+    @property
+    def slabs(self):
+        """Slabs of 64 value columns over every head: the CTAs of the transposed scan on one warpgroup a CTA."""
+        return self.heads * (self.V // 64)
 
     @property
     def sixteen(self):
@@ -152,14 +159,13 @@ TRANSPOSED_MIN_HEADS = {128: 64, 64: 64}
 #: ... by K, from so many tokens, where over those heads the prefill kernels then begin: one chunk costs less than
 #: the 16-token kernel's four steps (h200-prefill-lengths.json).
 TRANSPOSED_MIN_T = {128: 49, 64: 49}
-#: At K = 64 over at most ONE_WAVE_SLABS slabs of 64 value columns (one CTA an SM: 64 heads of V = 128) the
+#: At K = 64 over at most H200_SMS slabs of 64 value columns (one CTA an SM: 64 heads of V = 128) the
 #: transposed scan leads up to ONE_WAVE_TRANSPOSED_MAX_T tokens, and beyond them the segmented scan in one segment
 #: (Comba's every length, Gated DeltaNet's up to ONE_WAVE_GDN_SEGMENTED_MAX_T) and Gated DeltaNet's 32-column
 #: slabs on wgmma (h200-prefill-lengths.json, K = 64, 64 heads, Gated DeltaNet: kv64c64wt T = 256 in 18.0 us
 #: against 18.4 for kv64c64sg and 20.2 for kv32c64wg, but T = 320 24.1 against 21.2 and 23.0; kv64c64sg T = 321
 #: 22.6 against 25.5 for kv32c64wg, but T = 1024 60.6 against 57.3, and h200-prefill-tiling.json T = 512 31.2
 #: against 30.4; Comba kv64c64sg T = 1024 61.9 against 66.7 for kv64c64wt and 67.3 for kv32c64wg).
-ONE_WAVE_SLABS = 132
 ONE_WAVE_TRANSPOSED_MAX_T = 256
 ONE_WAVE_GDN_SEGMENTED_MAX_T = 384
 
@@ -172,10 +178,9 @@ def _transposed_heads(c):
 
 
 def _one_wave_k64(c):
-    """K = 64 over the heads that take the transposed scan, at most ONE_WAVE_SLABS slabs of 64 columns, longer
-    than ONE_WAVE_TRANSPOSED_MAX_T."""
-    return c.K == 64 and _transposed_heads(c) and c.heads * (c.V // 64) <= ONE_WAVE_SLABS and \
-        c.T > ONE_WAVE_TRANSPOSED_MAX_T
+    """K = 64 over the heads that take the transposed scan, at most H200_SMS slabs of 64 columns, longer than
+    ONE_WAVE_TRANSPOSED_MAX_T."""
+    return c.K == 64 and _transposed_heads(c) and c.slabs <= H200_SMS and c.T > ONE_WAVE_TRANSPOSED_MAX_T
 
 
 def _transposed(c):
@@ -202,10 +207,9 @@ def _segmented(c):
     if not (c.segmented and c.transposed and c.wgmma and c.wide and not c.ragged and c.K in (64, 128)
             and c.heads is not None):
         return False
-    ctas = c.heads * (c.V // 64)
     if _one_wave_k64(c) and (c.separate_p or c.T <= ONE_WAVE_GDN_SEGMENTED_MAX_T):
         return True
-    return any(ctas <= most and c.T >= T for most, T in SEGMENTED_MIN_T[c.K])
+    return any(c.slabs <= most and c.T >= T for most, T in SEGMENTED_MIN_T[c.K])
 
 
 def segments(heads, V, T, sms, slab=64):
@@ -234,7 +238,7 @@ def segments(heads, V, T, sms, slab=64):
 #: costs less, by 1-4 %: T = 1024 97.2 against 97.8 us, Comba 99.1 against 100.4).  Over fewer
 #: CTAs the pairs leave SMs idle, and each chain runs 1.28 times slower beside another (B = 1, T = 8192, H = 16:
 #: 301.4 against 235.5 us for the scan alone).
-PAIRED_MIN_SLABS = 133
+PAIRED_MIN_SLABS = H200_SMS + 1
 #: The segmented scan takes the pairs over fewer heads too: over 32-64 slabs of 64 columns (B * H = 16-32 at
 #: V = 128) from T = 8192 at K = 128 and from T = 4096 at K = 64 (SEGMENTED_MIN_T).  tiling.segments then cuts
 #: twice as many segments, and at K = 128 the chain runs two warpgroups a CTA on 128 of the V + K columns of a
@@ -249,10 +253,9 @@ PAIRED_SEGMENTS_MIN_T = {128: 8192, 64: 4096}
 def _paired(c):
     if not (c.paired and c.V % 128 == 0):
         return False
-    slabs = c.heads * (c.V // 64)
-    return slabs >= PAIRED_MIN_SLABS or (
+    return c.slabs >= PAIRED_MIN_SLABS or (
         _segmented(c) and c.T >= PAIRED_SEGMENTS_MIN_T[c.K] and
-        PAIRED_SEGMENT_SLABS[0] <= slabs <= PAIRED_SEGMENT_SLABS[1])
+        PAIRED_SEGMENT_SLABS[0] <= c.slabs <= PAIRED_SEGMENT_SLABS[1])
 
 
 def _prefill_variant(c):
