@@ -1,6 +1,6 @@
 """The prefill plans' kernels launched as programmatic dependents of the kernel before them against launched one
 after the other: the default choice at flash-linear-attention's table's shapes (bf16, K = V = 128, "kv", from a
-state, graph replay) and the wgmma scan at K = 64 over 1-64 heads (Gated DeltaNet, ``K64_POINTS``), each setting
+state, graph replay) and the wgmma scans at K = 64 over 1-128 heads (Gated DeltaNet, ``K64_POINTS``), each setting
 in its own process, alternating ``--rounds`` times: every kernel after a plan's first a dependent
 (``CUPY_COMBA_PDL=1`` and ``_plan.ALL_DEPENDENT``: those whose ``families.Kernel.dependent`` is False too), then
 none (``CUPY_COMBA_PDL=0``).
@@ -25,10 +25,13 @@ def _sweep_prefill():
     return module
 
 
-#: (B, T, H, variant) of the wgmma scan at K = 64, V = 128.
+#: (B, T, H, variant) of the wgmma scans at K = 64, V = 128: the 16- and 32-column slabs, and the transposed scan
+#: over 64 heads (one CTA an SM) and 128 (in pairs: one two-warpgroup CTA an SM).
 K64_POINTS = ((1, 512, 16, "kv16c64wg"), (1, 1024, 16, "kv16c64wg"), (1, 8192, 1, "kv16c64wg"),
               (1, 8192, 32, "kv16c64wg"), (1, 256, 32, "kv32c64wg"), (1, 1024, 32, "kv32c64wg"),
-              (1, 1024, 64, "kv32c64wg"))
+              (1, 1024, 64, "kv32c64wg"), (1, 256, 64, "kv64c64wt"), (1, 320, 64, "kv64c64wt"),
+              (1, 1024, 64, "kv64c64wt"), (1, 4096, 64, "kv64c64wt"), (1, 256, 128, "kv128c64wt"),
+              (1, 1024, 128, "kv128c64wt"), (1, 4096, 128, "kv128c64wt"))
 
 
 def measure():

@@ -33,9 +33,9 @@ PLANS_MAX = 256
 
 #: Whether every kernel after a plan's first launches as a programmatic dependent of the one before on compute
 #: capability 9.0, not only the scans whose ``families.Kernel.dependent`` is set.  The others measured slower so:
-#: the segmented scan's chain and segments 1.0-3.1 % at B = 1, H = 16, T = 2048-4096 and 2.5 % at H = 32, T = 32768
-#: (0.5-0.8 % faster at H = 16, T = 8192; h200-prefill-launches.json), and the wgmma scan at K = 64 over 1-32 heads
-#: (docs/design.md, "Host path").  benchmarks/prefill_launches.py sets it.
+#: the segmented scan's chain and segments 2.0-3.8 % at B = 1, H = 16, T = 2048, within 0.5 % from T = 4096
+#: (h200-prefill-launches.json), and at K = 64 the scans of one-warpgroup CTAs: the wgmma scan over 1-32 heads and
+#: the whole transposed scan over 64 (docs/design.md, "Host path").  benchmarks/prefill_launches.py sets it.
 ALL_DEPENDENT = False
 
 

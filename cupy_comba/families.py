@@ -291,6 +291,9 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
         # the chain on 128 of the V + K columns of [E | M] a CTA where the segments run pairs and K = 128 (V + K is
         # then a multiple of 128 too): each chunk's Kc and W' staged once for both warpgroups
         chain_wgs = wgs if K == 128 else 1
+        # The whole scan launches as the prep's dependent but at K = 64 on one warpgroup a CTA: there, over 64 heads
+        # (one CTA an SM launched in turn), it took 1.06-1.16 times as long from T = 320 (h200-prefill-launches.json)
+        dependent = not segmented and (K != 64 or wgs == 2)
         flags = f"{_flag(layout == 'vk')}, {_flag(serving)}"
         return Kernel(t.source, f"comba::prefill_scan_wt<{K}, {flags}, {part}, {wgs}>",
                       t.slab, t.threads, prefill_wt_bytes(K, wgs=wgs), f"comba::prefill_prep<{K}, 6, {_flag(serving)}>",
@@ -299,7 +302,7 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
                       chain=f"comba::prefill_scan_wt<{K}, false, {_flag(serving)}, {WT_CHAIN}, {chain_wgs}>"
                       if segmented else "",
                       chain_shared_bytes=prefill_wt_bytes(K, chain=True, wgs=chain_wgs) if segmented else 0,
-                      chain_block=128 * chain_wgs, dependent=not segmented)
+                      chain_block=128 * chain_wgs, dependent=dependent)
     if t.family == "prefill_scan":
         if precision is None:  # 16-bit activations: bf16 products, the fastest (docs/design.md)
             precision = "bf16"

@@ -96,8 +96,8 @@ def _mma(c):
 #: so the thresholds fall on that kernel's step boundaries: T = 33, 49, 97 and 113 open a step of it that costs
 #: more than the prefill chunks, and at T = 96 over 33-64 heads the two tie.  Over one head at K = 128 one chunk
 #: costs less than the 16-token kernel's three steps (T = 48: 11.2 against 12.0 us for kv32tc16; 16 heads: 12.6
-#: against 12.2, which keep it), and so at K = 64 over 1-32 heads (T = 48: 9.8 against 11.4 us for kv64tc16 over
-#: 16 heads, 10.8 against 11.6 over 32; T = 32: 9.9 against 8.7, which keep it); there over 65-128 heads
+#: against 12.2, which keep it), and so at K = 64 over 1-32 heads (T = 48: 9.8 against 11.5 us for kv64tc16 over
+#: 16 heads, 10.8 against 11.6 over 32; T = 32: 9.8 against 8.7, which keep it); there over 65-128 heads
 #: prefill_scan's two chunks cost less than the 16-token kernel's eight steps (128 heads, T = 113: 28.3 against
 #: 30.6).  Beyond 128 heads, the most the sweeps measured, the token kernels keep every length (and no workspace
 #: of 11-21.5 KB a chunk and head is made); at K = 256 the token loops the prefill kernels replace walk 256 keys a
@@ -137,8 +137,8 @@ def _prefill_slab(c):
 #: From this many tokens Comba's 16-column slabs over one head take the wgmma scan (h200-prefill-wgmma.json:
 #: T = 1024 33.3 against 34.9 us; T = 256 18.1 against 17.8, and h200-prefill-lengths.json T = 49-256 12.9-16.4
 #: against 12.1-16.3), and at K = 64 every slab over at most NARROW_HEADS heads, where prefill_scan's chunks cost
-#: less before (h200-prefill-lengths.json, K = 64: 16 heads, T = 64 9.7 against 10.5 us for kv16c64wg, Comba
-#: over 32 heads 11.3 against 12.6; T = 8192 194.9 against 180.8).
+#: less before (h200-prefill-lengths.json, K = 64: 16 heads, T = 64 9.7 against 10.6 us for kv16c64wg, Comba
+#: over 32 heads 11.3 against 12.7; T = 8192 195.0 against 181.1).
 WGMMA_MIN_T = 1024
 
 
@@ -159,15 +159,11 @@ TRANSPOSED_MIN_HEADS = {128: 64, 64: 64}
 #: ... by K, from so many tokens, where over those heads the prefill kernels then begin: one chunk costs less than
 #: the 16-token kernel's four steps (h200-prefill-lengths.json).
 TRANSPOSED_MIN_T = {128: 49, 64: 49}
-#: At K = 64 over at most H200_SMS slabs of 64 value columns (one CTA an SM: 64 heads of V = 128) the
-#: transposed scan leads up to ONE_WAVE_TRANSPOSED_MAX_T tokens, and beyond them the segmented scan in one segment
-#: (Comba's every length, Gated DeltaNet's up to ONE_WAVE_GDN_SEGMENTED_MAX_T) and Gated DeltaNet's 32-column
-#: slabs on wgmma (h200-prefill-lengths.json, K = 64, 64 heads, Gated DeltaNet: kv64c64wt T = 256 in 18.0 us
-#: against 18.4 for kv64c64sg and 20.2 for kv32c64wg, but T = 320 24.1 against 21.2 and 23.0; kv64c64sg T = 321
-#: 22.6 against 25.5 for kv32c64wg, but T = 1024 60.6 against 57.3, and h200-prefill-tiling.json T = 512 31.2
-#: against 30.4; Comba kv64c64sg T = 1024 61.9 against 66.7 for kv64c64wt and 67.3 for kv32c64wg).
-ONE_WAVE_TRANSPOSED_MAX_T = 256
-ONE_WAVE_GDN_SEGMENTED_MAX_T = 384
+#: Gated DeltaNet at K = 64 over at most H200_SMS slabs of 64 columns (64 heads of V = 128: one CTA an SM) takes its
+#: 32-column slabs on wgmma from this many tokens instead (h200-prefill-lengths.json, 64 heads: T = 513 37.7 us
+#: against 40.7 for kv64c64wt, T = 1024 57.0 against 59.5; T = 8192 and 65536 1.01 and 1.03 of its time, T = 512
+#: 30.7 against 30.2).
+ONE_WAVE_GDN_WGMMA_MIN_T = 513
 
 
 def _transposed_heads(c):
@@ -177,14 +173,9 @@ def _transposed_heads(c):
         most <= c.heads <= FEW_HEADS
 
 
-def _one_wave_k64(c):
-    """K = 64 over the heads that take the transposed scan, at most H200_SMS slabs of 64 columns, longer than
-    ONE_WAVE_TRANSPOSED_MAX_T."""
-    return c.K == 64 and _transposed_heads(c) and c.slabs <= H200_SMS and c.T > ONE_WAVE_TRANSPOSED_MAX_T
-
-
 def _transposed(c):
-    return _transposed_heads(c) and c.T >= TRANSPOSED_MIN_T[c.K] and not _one_wave_k64(c)
+    one_wave_gdn = c.K == 64 and not c.separate_p and c.slabs <= H200_SMS and c.T >= ONE_WAVE_GDN_WGMMA_MIN_T
+    return _transposed_heads(c) and c.T >= TRANSPOSED_MIN_T[c.K] and not one_wave_gdn
 
 
 #: The segmented scan (``{layout}64c64sg``): a dense batch too few to fill the GPU with one CTA a (row, head, 64
@@ -192,8 +183,8 @@ def _transposed(c):
 #: (h200-prefill-segments.json), and over up to 256 from T = 8192, where one segment a row already leads the
 #: transposed scan (h200-prefill-lengths.json, K = 128, 128 heads, two warpgroups a CTA: T = 65536 6698.3 against
 #: 6831.7 us, one a CTA 7441.0 against 7581.0; T = 8192 853.2 against 844.0).  At K = 64 from T = 1024 over up to
-#: 32 such CTAs (h200-prefill-tiling.json, Comba, 16 heads: 28.6 against 30.0 us for kv16c64) and from T = 4096
-#: over up to 64, in the pairs below (32 heads: 127.2 against 135.2 for kv32c64wg; 16 heads 74.0 against 81.3
+#: 32 such CTAs (h200-prefill-tiling.json, Comba, 16 heads: 28.3 against 29.7 us for kv16c64) and from T = 4096
+#: over up to 64, in the pairs below (32 heads: 126.7 against 132.5 for kv16c64wg; 16 heads 73.4 against 80.3
 #: for one warpgroup a CTA).
 SEGMENTED_MIN_T = {128: ((16, 1024), (32, 2048), (256, 8192)),
                    64: ((32, 1024), (64, 4096), (256, 8192))}
@@ -207,8 +198,6 @@ def _segmented(c):
     if not (c.segmented and c.transposed and c.wgmma and c.wide and not c.ragged and c.K in (64, 128)
             and c.heads is not None):
         return False
-    if _one_wave_k64(c) and (c.separate_p or c.T <= ONE_WAVE_GDN_SEGMENTED_MAX_T):
-        return True
     return any(c.slabs <= most and c.T >= T for most, T in SEGMENTED_MIN_T[c.K])
 
 
@@ -235,7 +224,8 @@ def segments(heads, V, T, sms, slab=64):
 #: ``sg``), sharing each chunk's staged keys and record, where one warpgroup a 64-column slab would make more CTAs
 #: than the H200's 132 SMs (B * H * V / 64 of them, from this many): one CTA an SM either way, and two chains on
 #: each in place of a second wave (h200-prefill-lengths.json, 128 heads; docs/design.md; at K = 64, where a chunk
-#: costs less, by 1-4 %: T = 1024 97.2 against 97.8 us, Comba 99.1 against 100.4).  Over fewer
+#: costs less, mostly by 1-5 %: T = 1024 97.3 against 99.1 us, Comba 99.1 against 101.6; 0.96-1.06 of their
+#: time over T = 49-65536).  Over fewer
 #: CTAs the pairs leave SMs idle, and each chain runs 1.28 times slower beside another (B = 1, T = 8192, H = 16:
 #: 301.4 against 235.5 us for the scan alone).
 PAIRED_MIN_SLABS = H200_SMS + 1
@@ -284,13 +274,13 @@ RULES = (
          "K = 128 unless said, prefill_scan (mma.sync) first.  The prefill kernels cost a step every 64 tokens, the "
          "16-token kernel every 16, so the thresholds fall on the latter's step boundaries: over one head at K = 128 "
          "from T = 33 (T = 48: 11.2 against 12.0 us for kv32tc16) and over 1-32 heads at K = 64 (16 heads, T = 48: "
-         "9.8 against 11.4 us for kv64tc16), over 1-32 heads otherwise from T = 49 (16 "
+         "9.8 against 11.5 us for kv64tc16), over 1-32 heads otherwise from T = 49 (16 "
          "heads: T = 48 12.2 against 12.2 us for kv32tc16, T = 49 12.0 against 15.3, T = 65536 1823.6 against "
          "12864.5), 16-column slabs over 1-16 heads and 32-column ones over more "
          "(32 heads, T = 49: 13.5 against 15.8); over 33-64 heads from T = 96 (64 heads: 22.4 against 24.2 for "
          "kv64tc16, T = 64 18.3 against 17.4); over 65-128 heads from T = 97 (128 heads: T = 97 36.6 against 40.4, "
          "T = 96 36.6 against 35.4; T = 65536 10646.6 against 20660.8), at K = 64 from T = 113 (T = 113 28.3 against "
-         "30.6, T = 112 28.3 against 27.6); at K = 256 over every head count from T = 16 (1 head: 15.8 against "
+         "30.6, T = 112 28.2 against 27.5); at K = 256 over every head count from T = 16 (1 head: 15.8 against "
          "18.8 us for kv32x16, 128 heads: 37.5 against 53.9), 6.6-33x the token loops from T = 256.  Where q, k, "
          "p are bf16 with bf16 products on compute capability 9.0, the same slabs' scan on wgmma "
          "(h200-prefill-wgmma.json, K = 64 / 128, kv and vk, 1-128 heads, T = 256-8192): 32-column slabs "
@@ -299,7 +289,7 @@ RULES = (
          "against 248.0), Comba's 16-column ones over one head 0.91-1.02 (T = 8192 178.4 against 195.5; from T = "
          "1024, shorter passes keeping prefill_scan: WGMMA_MIN_T) but over 16 heads 1.11 (289.9 against "
          "261.5), which keeps prefill_scan; at K = 64 over 1-32 heads from T = 1024 only (h200-prefill-lengths.json, "
-         "16 heads, T = 64: 9.7 against 10.5 us for kv16c64wg; T = 8192 194.9 against 180.8); and over 65-128 heads "
+         "16 heads, T = 64: 9.7 against 10.6 us for kv16c64wg; T = 8192 195.0 against 181.1); and over 65-128 heads "
          "from T = 97 at K = 128 (h200-prefill-lengths.json, 128 heads, T = 112: 32.3 against 40.5 us for "
          "kv64tc16, Comba 37.3 against 42.1; T = 96: 31.6 against 35.4, Comba 36.2 against 36.6).  The transposed "
          "wgmma scan over 64-128 heads at K = 128 from T = 49, where the prefill kernels then begin "
@@ -309,13 +299,13 @@ RULES = (
          "kv32c64wg, T = 4096 277.7 against 325.7 (Comba 28.3 against 34.8, 284.2 against 356.2; vk 26.9 against "
          "30.2, 276.4 against 325.1), 128 heads T = 4096 523.1 against 632.5; over 32 heads it loses (T = 4096: "
          "199.1 against 169.6)), and at K = 64 too (h200-prefill-lengths.json, 128 heads in two-warpgroup CTAs: "
-         "T = 49 15.5 against 17.1 us for kv64tc16), but over 64 heads only up to T = 256 "
-         "(ONE_WAVE_TRANSPOSED_MAX_T: T = 320 24.1 against 21.2 for kv64c64sg).  The transposed scans run two "
+         "T = 49 15.3 against 17.1 us for kv64tc16), where over 64 heads Gated DeltaNet takes its 32-column "
+         "wgmma scan from T = 513 (ONE_WAVE_GDN_WGMMA_MIN_T: 37.7 against 40.7).  The transposed scans run two "
          "warpgroups a CTA where one a 64-column slab would make more than 132 CTAs (PAIRED_MIN_SLABS; "
          "h200-prefill-lengths.json, 128 heads: T = 1024 127.6 against 138.0 us, T = 65536 in segments 6698.3 "
-         "against 7441.0; K = 64, T = 1024 97.2 against 97.8), and the segmented scan over 16-32 heads from "
+         "against 7441.0; K = 64, T = 1024 97.3 against 99.1), and the segmented scan over 16-32 heads from "
          "T = 8192, 4096 at K = 64 (PAIRED_SEGMENT_SLABS: 16 heads, T = 65536 1086.6 against 1231.6; K = 64, "
-         "T = 4096 74.0 against 81.3, h200-prefill-tiling.json)."),
+         "T = 4096 73.4 against 80.3, h200-prefill-tiling.json)."),
     Rule("K = 256: the kv token loop",
          lambda c: c.K == 256 and c.layout == "kv",
          lambda c: "kv64x16" if c.wide and (c.heads is None or c.heads > 1024) else "kv32x16",

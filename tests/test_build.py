@@ -222,16 +222,18 @@ def test_programmatic_launch_config_is_cuda_h_layout():
 
 
 def test_which_prefill_scans_launch_as_dependents():
-    """The whole scans launch as programmatic dependents of their prep, but for the wgmma scan at K = 64; the
-    segmented scan's chain and segments launch in turn (docs/design.md, "Host path"); the segments on pairs run
-    their chain on two warpgroups a CTA at K = 128 only."""
+    """The whole scans launch as programmatic dependents of their prep, but for those of one-warpgroup CTAs at
+    K = 64 (the wgmma scan, the transposed scan on 64 columns); the segmented scan's chain and segments launch in
+    turn (docs/design.md, "Host path"); the segments on pairs run their chain on two warpgroups a CTA at K = 128
+    only."""
     def kernel(variant, K):
         return families.kernel(variant[:2], variant, K=K, separate_p=True, multi=True, bf16_keys=True,
                                precision="bf16")
 
     assert kernel("kv16c64wg", 128).dependent and kernel("vk32c64wg", 128).dependent
     assert not kernel("kv16c64wg", 64).dependent and not kernel("vk32c64wg", 64).dependent
-    assert all(kernel(v, K).dependent for v in ("kv16c64", "kv64c64wt", "vk128c64wt") for K in (64, 128))
+    assert all(kernel(v, K).dependent for v in ("kv16c64", "vk128c64wt") for K in (64, 128))
+    assert kernel("kv64c64wt", 128).dependent and not kernel("kv64c64wt", 64).dependent
     assert not any(kernel(v, K).dependent for v in ("kv64c64sg", "vk128c64sg") for K in (64, 128))
     assert [kernel("kv128c64sg", K).chain_block for K in (64, 128)] == [128, 256]
     assert kernel("kv64c64sg", 128).chain_block == 128

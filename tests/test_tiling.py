@@ -323,17 +323,16 @@ def test_the_segmented_scan_where_it_wins(layout, comba):
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("comba", [True, False])
 def test_the_transposed_scan_where_it_wins(layout, comba):
-    """Over 64-128 heads from T = 49, with wgmma and V a multiple of 64 -- at K = 64 over 64 heads (one CTA an SM)
-    up to T = 256, the segmented scan in one segment after it, and Gated DeltaNet's 32-column wgmma scan from
-    T = 385; nowhere else."""
+    """Over 64-128 heads from T = 49, with wgmma and V a multiple of 64 -- but at K = 64 over 64 heads (one CTA an
+    SM) Gated DeltaNet's from T = 513 its 32-column wgmma scan -- in segments from T = 8192; nowhere else."""
     def choose(T=4096, heads=64, K=128, V=128, **kw):
         return tiling.choose(layout, K, V, comba, True, T, heads, **{"wgmma": True, **kw})
     assert choose() == choose(heads=128, paired=False) == choose(T=49) == choose(K=64, T=49) == \
-        choose(K=64, T=256) == choose(heads=66) == f"{layout}64c64wt"
+        choose(K=64, T=512) == choose(heads=66) == f"{layout}64c64wt"
     assert choose(heads=67) == choose(heads=128) == choose(K=64, heads=128) == choose(K=64, heads=128, T=49) == \
         f"{layout}128c64wt"  # pairs where 64-column CTAs pass the SMs
-    assert choose(K=64, T=257) == choose(K=64, T=384) == choose(K=64, T=8192) == f"{layout}64c64sg"
-    assert choose(K=64, T=385) == choose(K=64) == (f"{layout}64c64sg" if comba else f"{layout}32c64wg")
+    assert choose(K=64, T=513) == choose(K=64) == (f"{layout}64c64wt" if comba else f"{layout}32c64wg")
+    assert choose(K=64, T=8192) == choose(T=8192) == f"{layout}64c64sg"
     assert choose(heads=63) == choose(K=64, heads=63) == choose(V=96) == f"{layout}32c64wg"
     assert choose(wgmma=False) == f"{layout}32c64" and choose(transposed=False) == f"{layout}32c64wg"
     assert not choose(heads=129).endswith("c64wt")  # beyond the prefill sweeps the token kernels keep every length
