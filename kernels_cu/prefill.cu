@@ -897,7 +897,7 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     // 1 the halves of column 0 (blocks 1, 2, 3: 4 + 6 + 8 k-steps), warps 2 and 3 those of columns 1 (blocks 2, 3)
     // and 2 (block 3), 14 k-steps.
     float* const zw = reinterpret_cast<float*>(prefill_smem + Layout::ZW_AT) + 128 * warp;
-    constexpr int XM = bf16_products(ACC) || ACC == 6 ? kRound : kSplit;
+    constexpr int XM = ACC >= 4 ? kRound : kSplit;  // the bf16 records (ACC 4-6)
     constexpr bool XL = XM == kSplit;
     auto below = [&](int i, int j) {
         const int c0 = 16 * j + 8 * (warp & 1);
