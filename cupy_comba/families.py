@@ -257,6 +257,14 @@ def tiling(layout, K, variant):
     return t
 
 
+def _dependent(K, warpgroups):
+    """Whether a whole prefill scan of ``warpgroups`` warpgroups a CTA launches as its prep's programmatic dependent
+    (compute capability 9.0): not at K = 64 on one warpgroup a CTA.  There the wgmma scan took 1.15-1.31 times as
+    long so over 1-32 heads from T = 512, and the transposed scan's 64-column CTAs 1.06-1.16 over 64 heads from
+    T = 320; the transposed scan's pairs gained 1 % (h200-prefill-launches.json; docs/design.md, "Host path")."""
+    return K != 64 or warpgroups > 1
+
+
 def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=False, precision="fp32",
            bf16_keys=None, act=None):
     """The specialisation that runs ``variant``.
@@ -284,16 +292,13 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
                                 f"{_flag(serving)}>", t.slab, t.threads, prefill_wg_bytes(K, t.slab, separate_p),
                       f"comba::prefill_prep<{K}, 5, {_flag(serving)}>", prefill_prep_bytes(K, False), 128,
                       PREFILL_RECORD_BF16, 8, ring_shared_bytes=prefill_wg_bytes(K, t.slab, separate_p, ring=True),
-                      dependent=K != 64)
+                      dependent=_dependent(K, 1))
     if t.family == "prefill_scan_wt":  # args: (PART, WGS); PART WT_WHOLE or WT_SEGMENTS (after WT_CHAIN)
         part, wgs = t.args
         segmented = part == WT_SEGMENTS
         # the chain on 128 of the V + K columns of [E | M] a CTA where the segments run pairs and K = 128 (V + K is
         # then a multiple of 128 too): each chunk's Kc and W' staged once for both warpgroups
         chain_wgs = wgs if K == 128 else 1
-        # The whole scan launches as the prep's dependent but at K = 64 on one warpgroup a CTA: there, over 64 heads
-        # (one CTA an SM launched in turn), it took 1.06-1.16 times as long from T = 320 (h200-prefill-launches.json)
-        dependent = not segmented and (K != 64 or wgs == 2)
         flags = f"{_flag(layout == 'vk')}, {_flag(serving)}"
         return Kernel(t.source, f"comba::prefill_scan_wt<{K}, {flags}, {part}, {wgs}>",
                       t.slab, t.threads, prefill_wt_bytes(K, wgs=wgs), f"comba::prefill_prep<{K}, 6, {_flag(serving)}>",
@@ -302,7 +307,7 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
                       chain=f"comba::prefill_scan_wt<{K}, false, {_flag(serving)}, {WT_CHAIN}, {chain_wgs}>"
                       if segmented else "",
                       chain_shared_bytes=prefill_wt_bytes(K, chain=True, wgs=chain_wgs) if segmented else 0,
-                      chain_block=128 * chain_wgs, dependent=dependent)
+                      chain_block=128 * chain_wgs, dependent=not segmented and _dependent(K, wgs))
     if t.family == "prefill_scan":
         if precision is None:  # 16-bit activations: bf16 products, the fastest (docs/design.md)
             precision = "bf16"
