@@ -169,6 +169,7 @@ def test_runs_on_current_stream_and_in_a_cuda_graph():
     args = _gpu_inputs(8, 4, 128, 128, seed=10)
     state_out = cupy.full(args[0].shape, cupy.nan, F32)
     out = cupy.full((8, 4, 128), cupy.nan, bfloat16)
+    cupy.cuda.Device().synchronize()  # the inputs and the poison done: a non-blocking stream does not wait for them
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()

@@ -424,6 +424,8 @@ def test_programmatic_dependent_launches(variant, monkeypatch):
         stream = cupy.cuda.Stream(non_blocking=True)
         pooled = pool.copy()
         out = cupy.full(v.shape, cupy.nan, v.dtype)
+        # the copy and the poison done: a non-blocking stream does not wait for the null stream's work
+        cupy.cuda.Device().synchronize()
         with stream:
             stream.begin_capture()
             comba_forward(q, k, v, p, beta, g, initial_state=pooled, state_indices=idx, out=out, state_layout=layout,
@@ -502,6 +504,7 @@ def test_a_cuda_graph_of_a_ragged_prefill(layout):
     S0 = cupy.zeros((2, H, K, V), F32)
     o = cupy.empty_like(v)
     S = cupy.empty_like(S0)
+    cupy.cuda.Device().synchronize()  # the inputs written: a non-blocking stream does not wait for the null stream
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         comba_forward(q, k, v, p, beta, g, initial_state=S0, cu_seqlens=cu, out=o, state_out=S, state_layout=layout,

@@ -180,6 +180,7 @@ def test_a_ragged_prefill_replays_in_a_cuda_graph_with_new_lengths():
     out, S = cupy.empty((1, total, H, V), bfloat16), cupy.empty_like(d_S0)
     call = dict(initial_state=d_S0, cu_seqlens=cu, out=out, state_out=S)
     comba_forward(*d, **call)
+    cupy.cuda.Device().synchronize()  # that call done: a non-blocking stream does not wait for the null stream
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:  # the new lengths written on the replaying stream, ordered before each replay
         stream.begin_capture()
