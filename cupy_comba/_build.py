@@ -157,10 +157,11 @@ def precompile(specialisations, device, *, jobs=None, progress=None):
 # -- builds without a GPU (tests) -----------------------------------------------------------------
 
 class Build(NamedTuple):
-    """One kernel as NVRTC built it: its ptxas resource report and its PTX entry."""
+    """One kernel as NVRTC built it: its ptxas resource report, its PTX entry and ptxas's notes on it."""
 
     report: str  #: the ``--ptxas-options=-v`` lines of the kernel (registers, spills, stack)
     ptx: str     #: the kernel's ``.entry`` in the PTX
+    notes: tuple = ()  #: ptxas's coded remarks on the kernel, ``(C7518) Potential Performance Loss: ...``
 
 
 def compile_for_arch(source, expressions, arch="sm_90", *, jobs=None):
@@ -185,7 +186,7 @@ def compile_for_arch(source, expressions, arch="sm_90", *, jobs=None):
             mangled = nvrtc.getLoweredName(prog, expression)
         finally:
             nvrtc.destroyProgram(prog)
-        return expression, Build(_report_for(log, mangled), _entry_of(ptx, mangled))
+        return expression, Build(_report_for(log, mangled), _entry_of(ptx, mangled), _notes_for(log, mangled))
 
     with ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
         return dict(pool.map(one, expressions))
@@ -197,6 +198,12 @@ def _entry_of(ptx, mangled):
         if block.startswith(mangled + "("):
             return block
     raise RuntimeError(f"no PTX entry for {mangled}")
+
+
+def _notes_for(log, mangled):
+    """ptxas's coded remarks (``ptxas info : (C7518) ...``) that name the kernel."""
+    return tuple(line.split(":", 1)[1].strip() for line in log.splitlines()
+                 if line.startswith("ptxas") and ": (C" in line and f"'{mangled}'" in line)
 
 
 def _report_for(log, mangled):

@@ -756,12 +756,18 @@ __global__ void __launch_bounds__(kWgThreads * WGS, 1) prefill_scan_wt(COMBA_PRE
                           ks > 0);
             wg_commit();
         }
-        unsigned uq[16];  // u' as bf16 pairs: token block j's rows ca (2 j) and cb (2 j + 1); zeros in M's columns
+        // u' as bf16 pairs: token block j's rows ca (2 j) and cb (2 j + 1); zeros in M's columns, which every lane
+        // reads and drops by a select: a read that M's columns branch around makes ptxas serialize each wgmma
+        // (C7518). The K = 128 chain on two warpgroups keeps the branch: pipelined, it needs 156 registers, one CTA
+        // an SM where two fit, and runs slower (docs/design.md "Segments").
+        constexpr bool SERIAL = CHAIN && K == 128 && WGS == 2;
+        unsigned uq[16];
 #pragma unroll
         for (int j = 0; j < 8; j += 2) {
             unsigned r[4] = {0u, 0u, 0u, 0u};
-            if (!m_cols) ldsm4_trans(r, sg + L::U_AT + u_lane + 128 * j);
-            uq[2 * j] = r[0], uq[2 * j + 1] = r[1], uq[2 * j + 2] = r[2], uq[2 * j + 3] = r[3];
+            if (!SERIAL || !m_cols) ldsm4_trans(r, sg + L::U_AT + u_lane + 128 * j);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) uq[2 * j + e] = !SERIAL && m_cols ? 0u : r[e];
         }
         const float G = f[R::G - R::GP];
 #pragma unroll

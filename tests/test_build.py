@@ -98,7 +98,7 @@ SERVING_STACK = {"comba::delta_rule_vk_chunked<128, 64, false, true>": 8,
 @pytest.mark.parametrize("source", [s for s in SPECIALISATIONS if s != "copy.cu"])
 def test_nvrtc_compiles_every_specialisation_for_sm90(source):
     builds = _build.compile_for_arch(source, SPECIALISATIONS[source], "sm_90")
-    for expression, (report, ptx) in builds.items():
+    for expression, (report, ptx, notes) in builds.items():
         spill = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
         regs = re.search(r"Used (\d+) registers", report)
         assert spill and regs, f"no resource report for {expression}:\n{report}"
@@ -117,6 +117,14 @@ def test_nvrtc_compiles_every_specialisation_for_sm90(source):
         if source == "delta_rule_mma.cu" and _template_args(expression)[3] == "false":  # <K, SLAB, P, VK, SUBS>
             scalar = len(re.findall(r"ld\.global\.f32", ptx))
             assert scalar == 32 and loads == 0, f"{expression}: {scalar} scalar, {loads} vector state loads"
+        # The wgmma scans keep their products in flight: ptxas serializes them (C7512 for registers, C7518 for a
+        # divergent path) only in the K = 128 chain on two warpgroups, which fits two CTAs an SM so
+        # (docs/design.md, "Segments").
+        serialized = [n for n in notes if "serialized" in n]
+        serial_chain = expression.startswith("comba::prefill_scan_wt<128,") and _template_args(expression)[3:] == \
+            ["1", "2"]
+        if source == "prefill_wgmma.cu":
+            assert bool(serialized) == serial_chain, f"{expression}: {serialized or 'no serialized wgmma'}"
 
 
 def _pre_hopper_spread():
