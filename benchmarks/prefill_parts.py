@@ -1,12 +1,14 @@
 """The kernels of a long forward pass apart: the whole pass, then each launch alone (graph-replayed by itself, the
 workspace as the pass left it) -- the prep and the scan, and the segmented scan's chain between them -- for the
 variant the rules choose without the transposed scans and for each of ``--variants``, on the shapes of
-flash-linear-attention's table and over 64 heads (bf16, K = V = 128, "kv", compute capability 9.0).
+flash-linear-attention's table and over 64 heads (bf16, K = V = ``--head-size``, 128 unless given, "kv", compute
+capability 9.0).
 
     PYTHONPATH=. python benchmarks/prefill_parts.py --json benchmarks/results/h200-prefill-parts.json
     PYTHONPATH=. python benchmarks/prefill_parts.py --ops gdn --shapes 8,2048,16 1,8192,16   # a quick subset
+    PYTHONPATH=. python benchmarks/prefill_parts.py --ops gdn --head-size 64 --shapes 1,4096,16 --variants kv64c64sg
 
-Rows ``{op, B, T, H, <variant>: us, <variant>:prep: us, [<variant>:chain: us,] <variant>:scan: us, ...}``, the
+Rows ``{op, B, T, H, K, <variant>: us, <variant>:prep: us, [<variant>:chain: us,] <variant>:scan: us, ...}``, the
 rules' choice without the transposed scans first.
 """
 
@@ -45,16 +47,18 @@ def main():
                     help="timed beside the rules' choice without the transposed scans")
     ap.add_argument("--shapes", nargs="+", metavar="B,T,H", help="in place of the table's shapes and 64 heads")
     ap.add_argument("--ops", default="gdn,comba", help="comma-separated: gdn, comba")
+    ap.add_argument("--head-size", type=int, default=128, choices=(64, 128), help="K = V")
     ap.add_argument("--json", metavar="JSON")
     a = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes] if a.shapes else SHAPES
     rows = []
     for comba in [op == "comba" for op in a.ops.split(",")]:
         for B, T, H in shapes:
-            q, k, v, p, beta, g, S = forward_inputs(B, T, H, 128, 128, xp=cupy, warm_steps=0, seed=T, dtype=bfloat16)
+            K = a.head_size
+            q, k, v, p, beta, g, S = forward_inputs(B, T, H, K, K, xp=cupy, warm_steps=0, seed=T, dtype=bfloat16)
             out, state_out = cupy.empty(v.shape, bfloat16), cupy.empty_like(S)
-            row = dict(op="comba" if comba else "gdn", B=B, T=T, H=H)
-            for variant in (tiling.choose("kv", 128, 128, comba, True, T, B * H, wgmma=True, transposed=False),
+            row = dict(op="comba" if comba else "gdn", B=B, T=T, H=H, K=K)
+            for variant in (tiling.choose("kv", K, K, comba, True, T, B * H, wgmma=True, transposed=False),
                             *a.variants):
                 if comba:
                     def fn():
