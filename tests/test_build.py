@@ -118,8 +118,8 @@ def test_nvrtc_compiles_every_specialisation_for_sm90(source):
             scalar = len(re.findall(r"ld\.global\.f32", ptx))
             assert scalar == 32 and loads == 0, f"{expression}: {scalar} scalar, {loads} vector state loads"
         # The wgmma scans keep their products in flight: ptxas serializes them (C7512 for registers, C7518 for a
-        # divergent path) only in the K = 128 chain on two warpgroups, which fits two CTAs an SM so
-        # (docs/design.md, "Segments").
+        # divergent path) only in the K = 128 chain on two warpgroups, where products in flight need more registers
+        # than two of its CTAs an SM leave (docs/design.md, "Segments").
         serialized = [n for n in notes if "serialized" in n]
         serial_chain = expression.startswith("comba::prefill_scan_wt<128,") and _template_args(expression)[3:] == \
             ["1", "2"]
