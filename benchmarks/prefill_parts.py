@@ -51,10 +51,10 @@ def main():
     ap.add_argument("--json", metavar="JSON")
     a = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes] if a.shapes else SHAPES
+    K = a.head_size
     rows = []
     for comba in [op == "comba" for op in a.ops.split(",")]:
         for B, T, H in shapes:
-            K = a.head_size
             q, k, v, p, beta, g, S = forward_inputs(B, T, H, K, K, xp=cupy, warm_steps=0, seed=T, dtype=bfloat16)
             out, state_out = cupy.empty(v.shape, bfloat16), cupy.empty_like(S)
             row = dict(op="comba" if comba else "gdn", B=B, T=T, H=H, K=K)

@@ -161,7 +161,7 @@ class Build(NamedTuple):
 
     report: str  #: the ``--ptxas-options=-v`` lines of the kernel (registers, spills, stack)
     ptx: str     #: the kernel's ``.entry`` in the PTX
-    notes: tuple = ()  #: ptxas's coded remarks on the kernel, ``(C7518) Potential Performance Loss: ...``
+    notes: tuple  #: ptxas's coded remarks on the kernel, ``(C7518) Potential Performance Loss: ...``
 
 
 def compile_for_arch(source, expressions, arch="sm_90", *, jobs=None):

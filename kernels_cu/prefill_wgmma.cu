@@ -582,6 +582,10 @@ __global__ void __launch_bounds__(kWgThreads * WGS, 1) prefill_scan_wt(COMBA_PRE
     const long long words = record_words<K, 6>(prm);
     const int slab = col0 / 64, slab0 = row.col0 / 64;  // this warpgroup's, the CTA's first
     const bool m_cols = CHAIN && col0 >= V;  // M's columns of [E | M]: from the identity, with u' = 0
+    // M's columns read u' on every lane and drop it by a select: a read they branch around makes ptxas serialize
+    // each wgmma (C7518). The K = 128 chain on two warpgroups keeps the branch: pipelined, it needs 156 registers,
+    // one CTA an SM where two fit, and runs slower (docs/design.md "Segments").
+    constexpr bool SERIAL = CHAIN && K == 128 && WGS == 2;
     // [E | M] of this row's segment j and head (header, "Segments")
     auto seg_map = [&](int j) {
         return inter + static_cast<long long>(prm.B) * row_chunks * H * words +
@@ -756,11 +760,7 @@ __global__ void __launch_bounds__(kWgThreads * WGS, 1) prefill_scan_wt(COMBA_PRE
                           ks > 0);
             wg_commit();
         }
-        // u' as bf16 pairs: token block j's rows ca (2 j) and cb (2 j + 1); zeros in M's columns, which every lane
-        // reads and drops by a select: a read that M's columns branch around makes ptxas serialize each wgmma
-        // (C7518). The K = 128 chain on two warpgroups keeps the branch: pipelined, it needs 156 registers, one CTA
-        // an SM where two fit, and runs slower (docs/design.md "Segments").
-        constexpr bool SERIAL = CHAIN && K == 128 && WGS == 2;
+        // u' as bf16 pairs: token block j's rows ca (2 j) and cb (2 j + 1); zeros in M's columns (SERIAL above)
         unsigned uq[16];
 #pragma unroll
         for (int j = 0; j < 8; j += 2) {

@@ -109,7 +109,7 @@ def test_nvrtc_compiles_every_specialisation_for_sm90(source):
         # state stores into 4-byte ones (four times the L2 requests), which common.cuh's PTX stores prevent.
         loads = len(re.findall(r"ld\.global(?:\.nc)?\.v[24]\.f32", ptx))
         stores = len(re.findall(r"st\.global\.v[24]\.f32", ptx))
-        if expression.startswith("comba::prefill_scan_wt") and _template_args(expression)[3] == "2":
+        if expression.startswith("comba::prefill_scan_wt") and _template_args(expression)[3] == str(families.WT_SEGMENTS):
             loads -= int(_template_args(expression)[0]) // 8  # the segments' E maps (float4s the chain stored)
         assert stores >= loads, f"{expression}: {loads} vector loads, {stores} vector stores"
         # The tensor-core kernel's kv build loads its state as 4-byte values (32 a lane) straight into
@@ -122,7 +122,7 @@ def test_nvrtc_compiles_every_specialisation_for_sm90(source):
         # than two of its CTAs an SM leave (docs/design.md, "Segments").
         serialized = [n for n in notes if "serialized" in n]
         serial_chain = expression.startswith("comba::prefill_scan_wt<128,") and _template_args(expression)[3:] == \
-            ["1", "2"]
+            [str(families.WT_CHAIN), "2"]
         if source == "prefill_wgmma.cu":
             assert bool(serialized) == serial_chain, f"{expression}: {serialized or 'no serialized wgmma'}"
 
