@@ -7,15 +7,18 @@ capability 9.0).
     PYTHONPATH=. python benchmarks/prefill_parts.py --json benchmarks/results/h200-prefill-parts.json
     PYTHONPATH=. python benchmarks/prefill_parts.py --ops gdn --shapes 8,2048,16 1,8192,16   # a quick subset
     PYTHONPATH=. python benchmarks/prefill_parts.py --ops gdn --head-size 64 --shapes 1,4096,16 --variants kv64c64sg
+    PYTHONPATH=. python benchmarks/prefill_parts.py --ops gdn --pool --shapes 1,8192,16 --variants kv128c64sg
 
-Rows ``{op, B, T, H, K, <variant>: us, <variant>:prep: us, [<variant>:chain: us,] <variant>:scan: us, ...}``, the
-rules' choice without the transposed scans first.
+Rows ``{op, B, T, H, K, [pool,] <variant>: us, <variant>:prep: us, [<variant>:chain: us,] <variant>:scan: us, ...}``,
+the rules' choice without the transposed scans first.  ``--pool``: each row's initial and final state in a slot of a
+pool of 2 B states, the slots drawn at random (``state_indices``), as a serving engine calls.
 """
 
 import argparse
 import json
 
 import cupy
+import numpy
 
 from cupy_comba import _plan, bfloat16, comba_forward, gated_delta_forward, tiling
 from cupy_comba.bench import environment, time_graph
@@ -48,6 +51,7 @@ def main():
     ap.add_argument("--shapes", nargs="+", metavar="B,T,H", help="in place of the table's shapes and 64 heads")
     ap.add_argument("--ops", default="gdn,comba", help="comma-separated: gdn, comba")
     ap.add_argument("--head-size", type=int, default=128, choices=(64, 128), help="K = V")
+    ap.add_argument("--pool", action="store_true", help="states in a pool of 2 B, at random slots")
     ap.add_argument("--json", metavar="JSON")
     a = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes] if a.shapes else SHAPES
@@ -57,17 +61,21 @@ def main():
         for B, T, H in shapes:
             q, k, v, p, beta, g, S = forward_inputs(B, T, H, K, K, xp=cupy, warm_steps=0, seed=T, dtype=bfloat16)
             out, state_out = cupy.empty(v.shape, bfloat16), cupy.empty_like(S)
-            row = dict(op="comba" if comba else "gdn", B=B, T=T, H=H, K=K)
+            states = dict(initial_state=S, state_out=state_out)
+            if a.pool:  # the final states go back to the pool's slots, in place
+                rng = numpy.random.default_rng(T)
+                pool = cupy.asarray(rng.standard_normal((2 * B,) + S.shape[1:]).astype(numpy.float32) / 8)
+                slots = cupy.asarray(rng.permutation(2 * B)[:B].astype(numpy.int32))
+                states = dict(initial_state=pool, state_indices=slots)
+            row = dict(op="comba" if comba else "gdn", B=B, T=T, H=H, K=K, **({"pool": True} if a.pool else {}))
             for variant in (tiling.choose("kv", K, K, comba, True, T, B * H, wgmma=True, transposed=False),
                             *a.variants):
                 if comba:
                     def fn():
-                        comba_forward(q, k, v, p, beta, g, initial_state=S, out=out, state_out=state_out,
-                                      variant=variant)
+                        comba_forward(q, k, v, p, beta, g, out=out, variant=variant, **states)
                 else:
                     def fn():
-                        gated_delta_forward(q, k, v, beta, g, initial_state=S, out=out, state_out=state_out,
-                                            variant=variant)
+                        gated_delta_forward(q, k, v, beta, g, out=out, variant=variant, **states)
                 name, times = _parts(fn)
                 row.update({name + part: t for part, t in times.items()})
             print(json.dumps(row), flush=True)

@@ -297,14 +297,15 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
         part, wgs = t.args
         segmented = part == WT_SEGMENTS
         # the chain on 128 of the V + K columns of [E | M] a CTA where the segments run pairs and K = 128 (V + K is
-        # then a multiple of 128 too): each chunk's Kc and W' staged once for both warpgroups
+        # then a multiple of 128 too): each chunk's Kc and W' staged once for both warpgroups; the build without
+        # serving options in every plan (it touches no state, o or slot)
         chain_wgs = wgs if K == 128 else 1
         flags = f"{_flag(layout == 'vk')}, {_flag(serving)}"
         return Kernel(t.source, f"comba::prefill_scan_wt<{K}, {flags}, {part}, {wgs}>",
                       t.slab, t.threads, prefill_wt_bytes(K, wgs=wgs), f"comba::prefill_prep<{K}, 6, {_flag(serving)}>",
                       prefill_prep_bytes(K, False), 128, record_words=wy_record(K),
                       record_words_v=WY_WORDS_PER_V, swizzled_keys=True,
-                      chain=f"comba::prefill_scan_wt<{K}, false, {_flag(serving)}, {WT_CHAIN}, {chain_wgs}>"
+                      chain=f"comba::prefill_scan_wt<{K}, false, false, {WT_CHAIN}, {chain_wgs}>"
                       if segmented else "",
                       chain_shared_bytes=prefill_wt_bytes(K, chain=True, wgs=chain_wgs) if segmented else 0,
                       chain_block=128 * chain_wgs, dependent=not segmented and _dependent(K, wgs))

@@ -475,7 +475,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
 // the grid lists the last segments first: they compose the most maps.  Their maps follow the records in the
 // workspace, K V + K K / 2 words a (row, segment but the last, value head): E^T slab by slab (64 K floats each, in
 // the accumulators' fragment order: float4 i of thread t at 4 (128 i + t)), then M as the compose's bf16 B operand,
-// element (n, k) = M[n][k] at byte 16 K (k / 8) + 16 n + 2 (k % 8) (K-major, no swizzle).
+// element (n, k) = M[n][k] at byte 16 K (k / 8) + 16 n + 2 (k % 8) (K-major, no swizzle).  The chain reads no state
+// and no pool slot and writes no o, so plans with serving options run its build without them: a padding row's maps
+// are formed and never read.
 //
 // Launch geometry: one CTA of WGS warpgroups (128 WGS threads) a (row, value head, slab of 64 WGS value columns);
 // warpgroup g holds the slab's columns 64 g .. 64 g + 63, its warp w columns 64 g + 16 w .. + 15 (rows of S^T, U^T
@@ -539,6 +541,7 @@ template <int K, bool VK, bool SERVING, int PART, int WGS>
 __global__ void __launch_bounds__(kWgThreads * WGS, 1) prefill_scan_wt(COMBA_PREFILL_ARGS) {
 #if COMBA_WGMMA
     constexpr bool CHAIN = PART == kWtChain;
+    static_assert(!(CHAIN && SERVING), "the chain takes no serving options (header, \"Segments\")");
     using R = WyRecord<K>;
     using L = WtLayout<K, CHAIN, WGS>;
     constexpr int C = kPrefillChunk, KS = K / 16, NT = kWgThreads * WGS;
@@ -573,7 +576,7 @@ __global__ void __launch_bounds__(kWgThreads * WGS, 1) prefill_scan_wt(COMBA_PRE
     const long long first = row.first, head = row.head;
     if (SERVING && row.slot < 0) {  // a padding row: its o zeroed once, by the (first) segment's CTAs
         await_earlier();
-        if (CHAIN || seg > 0) return;
+        if (seg > 0) return;
         return row.zero_padding(o, prm, 64 * WGS, tid, NT);
     }
     const int c_begin = PART == kWtWhole ? 0 : seg * lc;

@@ -1,6 +1,6 @@
 """Every build of the 64-token prefill kernels over several chunks (two full ones and one of 22 tokens), dense and
 with the serving options (a ragged batch from a pool; the segmented scan, dense batches only, in three segments of
-one chunk), in "bf16" and "fp32", and the wgmma scans' builds on compute capability 9.0, those also over a row long
+one chunk, from a pool with a padding row), in "bf16" and "fp32", and the wgmma scans' builds on compute capability 9.0, those also over a row long
 enough for their third stage, and the transposed scan's two-warpgroup CTAs over 128 value columns: run under
 compute-sanitizer's racecheck and memcheck by test_sanitizer_gpu.py."""
 
@@ -53,6 +53,7 @@ def main():
                 packed = [a.reshape((1, 2 * T) + a.shape[2:]) for a in (q, k, v, p, beta, g)]
                 cu = cupy.asarray(numpy.array([0, 70, 2 * T], numpy.int32))
                 slots = cupy.asarray(numpy.array([2, 0], numpy.int32))
+                padded = cupy.asarray(numpy.array([2, -1], numpy.int32))  # the segments' pool: a padding row
                 for variant in _scans(layout, precision, K):
                     t = families.tiling(layout, K, variant)
                     for comba in (False, True):
@@ -64,13 +65,19 @@ def main():
                         if comba:
                             comba_forward(q, k, v, p, beta, g, initial_state=S, state_layout=layout, variant=variant,
                                           precision=precision)
-                            if not variant.endswith("sg"):  # the segments run dense batches only
+                            if variant.endswith("sg"):  # the segments run dense batches only
+                                comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=padded,
+                                              state_layout=layout, variant=variant, precision=precision)
+                            else:
                                 comba_forward(*packed, initial_state=pool, state_indices=slots, cu_seqlens=cu,
                                               state_layout=layout, variant=variant, precision=precision)
                         else:
                             gated_delta_forward(q, k, v, beta, g, initial_state=S, state_layout=layout,
                                                 variant=variant, precision=precision)
-                            if not variant.endswith("sg"):
+                            if variant.endswith("sg"):
+                                gated_delta_forward(q, k, v, beta, g, initial_state=pool, state_indices=padded,
+                                                    state_layout=layout, variant=variant, precision=precision)
+                            else:
                                 gated_delta_forward(*packed[:3], *packed[4:], initial_state=pool,
                                                     state_indices=slots, cu_seqlens=cu, state_layout=layout,
                                                     variant=variant, precision=precision)
