@@ -728,25 +728,28 @@ __global__ void __launch_bounds__(kWgThreads * WGS, 1) prefill_scan_wt(COMBA_PRE
 
     for (int c = c_begin; c < c_end; ++c) {
         const int i = c - c_begin, s = i & 1, sg_at = s * L::STAGE_BYTES;
+        unsigned char* const sg = smem + sg_at;
+        const long long t0 = static_cast<long long>(c) * C;
+        const int n = static_cast<int>(min(static_cast<long long>(C), T - t0));
         mbarrier_wait(bars + s, (i >> 1) & 1);
         if (!bulk) {  // this thread's pieces of chunk c landed, and ordered before the tensor cores' reads
             copy_async_wait<0>();
             fence_async_shared();
         }
-        __syncthreads();  // chunk c staged, every warp's reads of the other stage retired
-        if (c + 1 < c_end) stage_next(c + 1, s ^ 1);
-        unsigned char* const sg = smem + sg_at;
-        const float* f = reinterpret_cast<const float*>(sg + L::GP_AT);  // G fp, scale G fq, w, G_63
-        const long long t0 = static_cast<long long>(c) * C;
-        const int n = static_cast<int>(min(static_cast<long long>(C), T - t0));
-        if (bulk && SERVING && prm.cu_t && n < C) {  // the boxes' rows n on hold the next sequence: zero them
-            for (int i = tid; i < (CHAIN ? 1 : 2) * (K / 64) * (C - n) * 8; i += NT) {
-                const int box = i / ((C - n) * 8), r = i % ((C - n) * 8);
+        // A ragged batch's boxes (whole scans only): rows n on of a sequence's last chunk hold the next sequence's
+        // tokens; zero them before the barrier below publishes the stage. No barrier of its own: a CTA barrier on a
+        // branch makes ptxas 13.2 serialize every wgmma of the kernel (C7518).
+        if constexpr (SERVING && PART == kWtWhole) {
+            const int borrowed = bulk && prm.cu_t ? C - n : 0;
+            for (int i = tid; i < 2 * (K / 64) * borrowed * 8; i += NT) {
+                const int box = i / (borrowed * 8), r = i % (borrowed * 8);
                 *reinterpret_cast<uint4*>(sg + box * L::BOX + 128 * n + 16 * r) = make_uint4(0, 0, 0, 0);
             }
-            fence_async_shared();
-            __syncthreads();
+            if (borrowed) fence_async_shared();
         }
+        __syncthreads();  // chunk c staged, every warp's reads of the other stage retired
+        if (c + 1 < c_end) stage_next(c + 1, s ^ 1);
+        const float* f = reinterpret_cast<const float*>(sg + L::GP_AT);  // G fp, scale G fq, w, G_63
 
         // Rw^T = S^T W'^T, Rq^T = S^T Q^T
         unsigned sa[KS][4];
