@@ -738,7 +738,7 @@ __global__ void __launch_bounds__(kWgThreads * WGS, 1) prefill_scan_wt(COMBA_PRE
         }
         // A ragged batch's boxes (whole scans only): rows n on of a sequence's last chunk hold the next sequence's
         // tokens; zero them before the barrier below publishes the stage. No barrier of its own: a CTA barrier on a
-        // branch makes ptxas 13.2 serialize every wgmma of the kernel (C7518).
+        // branch makes older ptxas (NVRTC 13.2's) serialize every wgmma of the kernel (C7518).
         if constexpr (SERVING && PART == kWtWhole) {
             const int borrowed = bulk && prm.cu_t ? C - n : 0;
             for (int i = tid; i < 2 * (K / 64) * borrowed * 8; i += NT) {
