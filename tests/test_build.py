@@ -248,6 +248,19 @@ def test_which_prefill_scans_launch_as_dependents():
     assert kernel("kv64c64sg", 128).chain_block == 128
 
 
+def test_serving_plans_run_the_chain_without_serving_options():
+    """The segmented scan's chain reads no state and no slot and writes no o: a plan with serving options launches
+    the chain's dense build beside its own serving prep and segments (docs/design.md, "Segments"), and
+    kernels_cu/prefill_wgmma.cu refuses to build a serving chain."""
+    for variant, K in (("kv128c64sg", 128), ("vk128c64sg", 128), ("kv64c64sg", 64)):
+        dense, serving = (families.kernel(variant[:2], variant, K=K, separate_p=True, multi=True, serving=flag,
+                                          precision="bf16") for flag in (False, True))
+        assert serving.chain == dense.chain == f"comba::prefill_scan_wt<{K}, false, false, {families.WT_CHAIN}, " \
+                                               f"{dense.chain_block // 128}>"
+        assert ", true, " in serving.expression and serving.prep == dense.prep.replace("false>", "true>")
+    assert "static_assert(!(CHAIN && SERVING)" in _build.kernel_source("prefill_wgmma.cu")
+
+
 def test_prefill_shared_bytes_are_the_layouts():
     """families.prefill_scan_bytes and prefill_prep_bytes (the dynamic shared memory the launch passes) equal
     ScanLayout::BYTES and PrepLayout::BYTES of kernels_cu/prefill.cu for every build, the workspace's record
