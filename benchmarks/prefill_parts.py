@@ -60,8 +60,8 @@ def main():
     for comba in [op == "comba" for op in a.ops.split(",")]:
         for B, T, H in shapes:
             q, k, v, p, beta, g, S = forward_inputs(B, T, H, K, K, xp=cupy, warm_steps=0, seed=T, dtype=bfloat16)
-            out, state_out = cupy.empty(v.shape, bfloat16), cupy.empty_like(S)
-            states = dict(initial_state=S, state_out=state_out)
+            out = cupy.empty(v.shape, bfloat16)
+            states = dict(initial_state=S, state_out=cupy.empty_like(S))
             if a.pool:  # the final states go back to the pool's slots, in place
                 rng = numpy.random.default_rng(T)
                 pool = cupy.asarray(rng.standard_normal((2 * B,) + S.shape[1:]).astype(numpy.float32) / 8)

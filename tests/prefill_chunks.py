@@ -1,8 +1,8 @@
 """Every build of the 64-token prefill kernels over several chunks (two full ones and one of 22 tokens), dense and
 with the serving options (a ragged batch from a pool; the segmented scan, dense batches only, in three segments of
-one chunk, from a pool with a padding row), in "bf16" and "fp32", and the wgmma scans' builds on compute capability 9.0, those also over a row long
-enough for their third stage, and the transposed scan's two-warpgroup CTAs over 128 value columns: run under
-compute-sanitizer's racecheck and memcheck by test_sanitizer_gpu.py."""
+one chunk, from a pool with a padding row), in "bf16" and "fp32", and the wgmma scans' builds on compute capability
+9.0, those also over a row long enough for their third stage, and the transposed scan's two-warpgroup CTAs over 128
+value columns: run under compute-sanitizer's racecheck and memcheck by test_sanitizer_gpu.py."""
 
 import cupy
 import numpy
