@@ -11,10 +11,12 @@ slots of a pool twice the batch; ``pool, slots in order`` the first B slots of t
 an in-place copy of the same slots' states (the state bytes of the pooled step, in the same order):
 what a plain kernel reaches through that access pattern; ``copy, slots in order`` and ``copy, dense slots`` the same
 kernel over the in-order slots and over the dense states.  Forward passes likewise
-(dense, pool, pool + gating), and ``ragged``: the same tokens packed as B sequences of T with
-``cu_seqlens``.  Speculative verify writing every token's state, in both conventions, beside a copy
-of one state read and T writes through the same slots and ``writes alone``, a fill of the
-intermediate_states buffer (the T states' bytes written, nothing read) (with ``--verify-tilings``
+(dense, pool, pool + gating), ``ragged``: the same tokens packed as B sequences of T with
+``cu_seqlens``, and ``dense, ragged's kernels``: the dense call on the variant the ragged one runs (the
+rules can give a ragged batch another kernel, as it keeps the whole prefill scans: what ``cu_seqlens``
+itself costs is the ratio of those two); each forward row names the variant it ran.  Speculative verify
+writing every token's state, in both conventions, beside a copy of one state read and T writes through the
+same slots and ``writes alone``, a fill of the intermediate_states buffer (the T states' bytes written, nothing read) (with ``--verify-tilings``
 also the intermediate_states call on every token-loop tiling, ``verify tiling <variant>``).  ``of
 copy`` is the bytes each call must move (states read and written, activations, o) over its time,
 as a fraction of the device copy measured first.
@@ -26,7 +28,7 @@ import json
 import cupy
 import numpy
 
-from cupy_comba import bfloat16, comba_decode_step, comba_forward, families
+from cupy_comba import bfloat16, comba_decode_step, comba_forward, families, tiling
 from cupy_comba.bench import environment, measure_copy, parse_shapes, time_graph
 
 
@@ -146,15 +148,25 @@ def forward(shape, layout, copy_gbps):
     opts = dict(out=out, state_layout=layout)
     packed = [a.reshape((1, B * T) + a.shape[2:]) for a in (q, k, v, p, beta, g, out)]
     cu = cupy.arange(0, B * T + 1, T, dtype=cupy.int32)
+    # the variant each call runs: the rules' choice for its shape (a ragged batch by its mean length)
+    wgmma = families.runs_wgmma(cupy.cuda.Device().compute_capability)
+    chosen = tiling.choose(layout, K, V, True, True, T, B * H, wgmma=wgmma)
+    ragged = tiling.choose(layout, K, V, True, True, T, B * H, wgmma=wgmma, ragged=True)
     cases = [
-        ("forward dense", lambda: comba_forward(q, k, v, p, beta, g, initial_state=state, state_out=state, **opts)),
-        ("forward pool", lambda: comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=slots, **opts)),
-        ("forward pool + gating", lambda: comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=slots,
-                                                        **opts, **gates)),
-        ("forward ragged", lambda: comba_forward(*packed[:6], initial_state=state, state_out=state, cu_seqlens=cu,
-                                                 out=packed[6], state_layout=layout)),
+        ("forward dense", chosen,
+         lambda: comba_forward(q, k, v, p, beta, g, initial_state=state, state_out=state, **opts)),
+        ("forward pool", chosen,
+         lambda: comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=slots, **opts)),
+        ("forward pool + gating", chosen,
+         lambda: comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=slots, **opts, **gates)),
+        ("forward ragged", ragged,
+         lambda: comba_forward(*packed[:6], initial_state=state, state_out=state, cu_seqlens=cu, out=packed[6],
+                               state_layout=layout)),
+        ("forward dense, ragged's kernels", ragged,
+         lambda: comba_forward(q, k, v, p, beta, g, initial_state=state, state_out=state, variant=ragged, **opts)),
     ]
-    return [_row(kind, layout, shape, time_graph(fn), nbytes, copy_gbps) for kind, fn in cases]
+    return [_row(kind, layout, shape, time_graph(fn), nbytes, copy_gbps, variant=variant)
+            for kind, variant, fn in cases]
 
 
 def verify(shape, layout, copy_gbps, tilings=False):
