@@ -16,10 +16,10 @@ kernel over the in-order slots and over the dense states.  Forward passes likewi
 rules can give a ragged batch another kernel, as it keeps the whole prefill scans: what ``cu_seqlens``
 itself costs is the ratio of those two); each forward row names the variant it ran.  Speculative verify
 writing every token's state, in both conventions, beside a copy of one state read and T writes through the
-same slots and ``writes alone``, a fill of the intermediate_states buffer (the T states' bytes written, nothing read) (with ``--verify-tilings``
-also the intermediate_states call on every token-loop tiling, ``verify tiling <variant>``).  ``of
-copy`` is the bytes each call must move (states read and written, activations, o) over its time,
-as a fraction of the device copy measured first.
+same slots and ``writes alone``, a fill of the intermediate_states buffer (the T states' bytes written, nothing
+read) (with ``--verify-tilings`` also the intermediate_states call on every token-loop tiling, ``verify tiling
+<variant>``).  ``of copy`` is the bytes each call must move (states read and written, activations, o) over its
+time, as a fraction of the device copy measured first.
 """
 
 import argparse
