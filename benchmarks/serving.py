@@ -16,7 +16,8 @@ kernel over the in-order slots and over the dense states.  Forward passes likewi
 rules can give a ragged batch another kernel, as it keeps the whole prefill scans: what ``cu_seqlens``
 itself costs is the ratio of those two); each forward row names the variant it ran.  Speculative verify
 writing every token's state, in both conventions, beside a copy of one state read and T writes through the
-same slots and ``writes alone``, a fill of the intermediate_states buffer (the T states' bytes written, nothing
+same slots (on compute capability 9.0 also with the writes as bulk copies from shared memory) and ``writes
+alone``, a fill of the intermediate_states buffer (the T states' bytes written, nothing
 read) (with ``--verify-tilings`` also the intermediate_states call on every token-loop tiling, ``verify tiling
 <variant>``).  ``of copy`` is the bytes each call must move (states read and written, activations, o) over its
 time, as a fraction of the device copy measured first.
@@ -68,9 +69,34 @@ extern "C" __global__ void fan_copy(float* pool, const int* first, const int* ou
 """
 
 
-def _fan_copy(pool, first, outs):
+#: The same traffic with the writes as bulk copies: each CTA stages its 16 KB of row b's slot in shared memory and one
+#: thread stores it to each of the T slots by ``cp.async.bulk`` (compute capability 9.0): the writes leave from shared
+#: memory by the copy engine of the SM, not from registers by the threads.
+_FAN_BULK = r"""
+extern "C" __global__ void fan_bulk(float* pool, const int* first, const int* outs, int T, long long row_floats) {
+    __shared__ __align__(128) float4 buf[1024];
+    const long long at = blockIdx.x * 4096LL;
+    const float4* src = reinterpret_cast<const float4*>(pool + first[blockIdx.y] * row_floats + at);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) buf[threadIdx.x + i * 256] = src[threadIdx.x + i * 256];
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned from = static_cast<unsigned>(__cvta_generic_to_shared(buf));
+        for (int t = 0; t < T; ++t)
+            asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], 16384;"
+                         :: "l"(pool + outs[blockIdx.y * T + t] * row_floats + at), "r"(from) : "memory");
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // the buffer outlives its reads
+    }
+    __syncthreads();
+}
+"""
+
+
+def _fan_copy(pool, first, outs, source=_FAN_COPY, name="fan_copy"):
     """A call that copies slot ``first[b]`` of the pool into the slots ``outs[b, :]`` for every row b."""
-    kernel = cupy.RawKernel(_FAN_COPY, "fan_copy")
+    kernel = cupy.RawKernel(source, name)
     row = pool[0].size
     assert row % 4096 == 0, "the fan-out copy takes a multiple of 4096 floats a slot"
     B, T = outs.shape
@@ -203,9 +229,11 @@ def verify(shape, layout, copy_gbps, tilings=False):
     for variant in families.variants(layout, K, V, multi=True, token_loop=True) if tilings else ():
         rows.append(_row(f"verify tiling {variant}", layout, shape, time_graph(intermediate(variant)), nbytes,
                          copy_gbps))
-    fan = _fan_copy(pool, first, per_token)
-    return rows + [_row("copy, one read T writes", layout, shape, time_graph(fan), (1 + T) * B * head, copy_gbps),
-                   _row("writes alone", layout, shape, time_graph(lambda: inter.fill(0)), T * B * head, copy_gbps)]
+    fans = [("copy, one read T writes", _fan_copy(pool, first, per_token))]
+    if families.runs_wgmma(cupy.cuda.Device().compute_capability):
+        fans.append(("copy, one read T bulk writes", _fan_copy(pool, first, per_token, _FAN_BULK, "fan_bulk")))
+    rows += [_row(kind, layout, shape, time_graph(fan), (1 + T) * B * head, copy_gbps) for kind, fan in fans]
+    return rows + [_row("writes alone", layout, shape, time_graph(lambda: inter.fill(0)), T * B * head, copy_gbps)]
 
 
 def main():
