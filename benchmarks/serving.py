@@ -3,24 +3,22 @@
     PYTHONPATH=. python benchmarks/serving.py [--json FILE] [--decode B,H,K,V ...] [--forward B,T,H,K,V ...]
         [--verify B,T,H,K,V ...] [--verify-tilings]
 
-Per shape and layout, Comba decode steps (in place: the state read once and written once):
-``dense`` the batch's own states; ``pool`` through ``state_indices`` -- a random permutation of
-slots of a pool twice the batch; ``pool, slots in order`` the first B slots of that pool in order
-(the indirection alone); ``half padding`` the random pool with every other row a padding row;
-``gating`` the pool with ``A_log``/``dt_bias``/``use_beta_sigmoid``; and ``copy through the pool``,
-an in-place copy of the same slots' states (the state bytes of the pooled step, in the same order):
-what a plain kernel reaches through that access pattern; ``copy, slots in order`` and ``copy, dense slots`` the same
-kernel over the in-order slots and over the dense states.  Forward passes likewise
-(dense, pool, pool + gating), ``ragged``: the same tokens packed as B sequences of T with
-``cu_seqlens``, and ``dense, ragged's kernels``: the dense call on the variant the ragged one runs (the
-rules can give a ragged batch another kernel, as it keeps the whole prefill scans: what ``cu_seqlens``
-itself costs is the ratio of those two); each forward row names the variant it ran.  Speculative verify
-writing every token's state, in both conventions, beside a copy of one state read and T writes through the
-same slots (on compute capability 9.0 also with the writes as bulk copies from shared memory) and ``writes
-alone``, a fill of the intermediate_states buffer (the T states' bytes written, nothing
+Per shape and layout, Comba decode steps (in place: the state read once and written once): ``dense`` the batch's own
+states; ``pool`` through ``state_indices`` -- a random permutation of slots of a pool twice the batch; ``pool, slots
+in order`` the first B slots of that pool in order (the indirection alone); ``half padding`` the random pool with
+every other row a padding row; ``gating`` the pool with ``A_log``/``dt_bias``/``use_beta_sigmoid``; and ``copy
+through the pool``, an in-place copy of the same slots' states (the state bytes of the pooled step, in the same
+order): what a plain kernel reaches through that access pattern; ``copy, slots in order`` and ``copy, dense slots``
+the same kernel over the in-order slots and over the dense states. Forward passes likewise (dense, pool, pool +
+gating), ``ragged``: the same tokens packed as B sequences of T with ``cu_seqlens``, and ``dense, ragged's
+kernels``: the dense call on the variant the ragged one runs (the rules can give a ragged batch another kernel, as
+it keeps the whole prefill scans: what ``cu_seqlens`` itself costs is the ratio of those two); each forward row
+names the variant it ran. Speculative verify writing every token's state, in both conventions, beside a copy of one
+state read and T writes through the same slots (on compute capability 9.0 also with the writes as bulk copies from
+shared memory) and ``writes alone``, a fill of the intermediate_states buffer (the T states' bytes written, nothing
 read) (with ``--verify-tilings`` also the intermediate_states call on every token-loop tiling, ``verify tiling
-<variant>``).  ``of copy`` is the bytes each call must move (states read and written, activations, o) over its
-time, as a fraction of the device copy measured first.
+<variant>``). ``of copy`` is the bytes each call must move (states read and written, activations, o) over its time,
+as a fraction of the device copy measured first.
 """
 
 import argparse
