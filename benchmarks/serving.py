@@ -27,7 +27,7 @@ import json
 import cupy
 import numpy
 
-from cupy_comba import bfloat16, comba_decode_step, comba_forward, families, tiling
+from cupy_comba import _plan, bfloat16, comba_decode_step, comba_forward, families, tiling
 from cupy_comba.bench import environment, measure_copy, parse_shapes, time_graph
 
 
@@ -172,10 +172,12 @@ def forward(shape, layout, copy_gbps):
     opts = dict(out=out, state_layout=layout)
     packed = [a.reshape((1, B * T) + a.shape[2:]) for a in (q, k, v, p, beta, g, out)]
     cu = cupy.arange(0, B * T + 1, T, dtype=cupy.int32)
-    # the variant each call runs: the rules' choice for its shape (a ragged batch by its mean length)
-    wgmma = families.runs_wgmma(cupy.cuda.Device().compute_capability)
-    chosen = tiling.choose(layout, K, V, True, True, T, B * H, wgmma=wgmma)
-    ragged = tiling.choose(layout, K, V, True, True, T, B * H, wgmma=wgmma, ragged=True)
+    # the variant each call runs: the rules' choice for its shape (a ragged batch by its mean length), with the
+    # GPU's facts the plans pass them (bf16 q, k, p)
+    device = cupy.cuda.Device()
+    rule = dict(max_shared=_plan.shared_limit(device.id), wgmma=families.runs_wgmma(device.compute_capability))
+    chosen = tiling.choose(layout, K, V, True, True, T, B * H, **rule)
+    ragged = tiling.choose(layout, K, V, True, True, T, B * H, ragged=True, **rule)
     cases = [
         ("forward dense", chosen,
          lambda: comba_forward(q, k, v, p, beta, g, initial_state=state, state_out=state, **opts)),
