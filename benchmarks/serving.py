@@ -10,10 +10,8 @@ every other row a padding row; ``gating`` the pool with ``A_log``/``dt_bias``/``
 through the pool``, an in-place copy of the same slots' states (the state bytes of the pooled step, in the same
 order): what a plain kernel reaches through that access pattern; ``copy, slots in order`` and ``copy, dense slots``
 the same kernel over the in-order slots and over the dense states. Forward passes likewise (dense, pool, pool +
-gating), ``ragged``: the same tokens packed as B sequences of T with ``cu_seqlens``, and ``dense, ragged's
-kernels``: the dense call on the variant the ragged one runs (the rules can give a ragged batch another kernel, as
-it keeps the whole prefill scans: what ``cu_seqlens`` itself costs is the ratio of those two); each forward row
-names the variant it ran. Speculative verify writing every token's state, in both conventions, beside a copy of one
+gating), ``ragged``: the same tokens packed as B sequences of T with ``cu_seqlens``, which the rules give the
+dense call's kernel (they choose a ragged batch's by its mean length); each forward row names the variant it ran. Speculative verify writing every token's state, in both conventions, beside a copy of one
 state read and T writes through the same slots (on compute capability 9.0 also with the writes as bulk copies from
 shared memory) and ``writes alone``, a fill of the intermediate_states buffer (the T states' bytes written, nothing
 read) (with ``--verify-tilings`` also the intermediate_states call on every token-loop tiling, ``verify tiling
@@ -177,7 +175,6 @@ def forward(shape, layout, copy_gbps):
     device = cupy.cuda.Device()
     rule = dict(max_shared=_plan.shared_limit(device.id), wgmma=families.runs_wgmma(device.compute_capability))
     chosen = tiling.choose(layout, K, V, True, True, T, B * H, **rule)
-    ragged = tiling.choose(layout, K, V, True, True, T, B * H, ragged=True, **rule)
     cases = [
         ("forward dense", chosen,
          lambda: comba_forward(q, k, v, p, beta, g, initial_state=state, state_out=state, **opts)),
@@ -185,11 +182,9 @@ def forward(shape, layout, copy_gbps):
          lambda: comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=slots, **opts)),
         ("forward pool + gating", chosen,
          lambda: comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=slots, **opts, **gates)),
-        ("forward ragged", ragged,
+        ("forward ragged", chosen,
          lambda: comba_forward(*packed[:6], initial_state=state, state_out=state, cu_seqlens=cu, out=packed[6],
                                state_layout=layout)),
-        ("forward dense, ragged's kernels", ragged,
-         lambda: comba_forward(q, k, v, p, beta, g, initial_state=state, state_out=state, variant=ragged, **opts)),
     ]
     return [_row(kind, layout, shape, time_graph(fn), nbytes, copy_gbps, variant=variant)
             for kind, variant, fn in cases]

@@ -75,8 +75,7 @@ class Plan:
         # the prefill scan on wgmma: bf16 q, k, p with bf16 products on compute capability 9.0
         wgmma = hopper and sig.bf16_keys and sig.precision in (None, "bf16")
         self.variant = sig.variant or tiling.choose(sig.layout, sig.K, sig.V, sig.comba, sig.multi, T, sig.B * sig.H,
-                                                    not sig.bf16_keys, limit, bool(sig.per_token), wgmma=wgmma,
-                                                    ragged=sig.ragged)
+                                                    not sig.bf16_keys, limit, bool(sig.per_token), wgmma=wgmma)
         self.kernel = kernel = families.kernel(sig.layout, self.variant, K=sig.K, separate_p=sig.comba,
                                                multi=sig.multi, f32_keys=f32_keys, precision=sig.precision,
                                                bf16_keys=sig.bf16_keys, act=act,
@@ -95,12 +94,13 @@ class Plan:
             slots = families.prefill_slots(sig.B, sig.T, sig.ragged)
             _validate.check_grid((slots * sig.H, 1, 1), sig.B, sig.H, self.variant)
             workspace = slots * sig.H * (kernel.record_words + kernel.record_words_v * sig.V) * 4
-        if kernel.chain:  # the segmented scan: each segment's map after the records
-            segments, seg_chunks = tiling.segments(sig.B * sig.H, sig.V, sig.T, sm_count(self.device), kernel.slab)
-            chain_grid, grid = kernel.segment_grids(sig.B, sig.H, sig.K, sig.V, segments)
+        if kernel.chain:  # the segmented scan: each segment's map after the records; a ragged batch by its mean
+            segments, seg_chunks = tiling.segments(sig.B * sig.H, sig.V, T, sm_count(self.device), kernel.slab)
+            chain_grid, grid, seg_maps = kernel.segment_grids(sig.B, sig.T, sig.H, sig.K, sig.V, segments, seg_chunks,
+                                                              sig.ragged)
             for g in (chain_grid, grid):
                 _validate.check_grid(g, sig.B, sig.H, self.variant)
-            workspace += sig.B * (segments - 1) * sig.H * kernel.segment_words(sig.K, sig.V) * 4
+            workspace += seg_maps * sig.H * kernel.segment_words(sig.K, sig.V) * 4
         with cupy.cuda.Device(self.device):
             from ._build import get_kernel
 

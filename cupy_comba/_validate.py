@@ -440,9 +440,6 @@ def signature(step, comba, arrays, scale, write_final, o_dtype, state_layout, ga
                              f"{' keeping every token' + chr(39) + 's state' if per_token else ''}; "
                              f"expected one of {allowed}")
         t = families.tiling(state_layout, K, variant)
-        if ragged and t.family == "prefill_scan_wt" and t.args[0] == families.WT_SEGMENTS:
-            raise ValueError(f"variant {variant!r} runs dense batches only (its segments cut rows of one length); "
-                             "got cu_seqlens: leave variant=None, or name the unsegmented scan")
         wide = not bf16_keys
         if t.family == "prefill_scan" and not families.prefill_fits(K, t.slab, comba, wide):
             raise ValueError(f"variant {variant!r} with {'fp32 or fp16' if wide else 'bf16'} q, k, p at K={K} "

@@ -147,16 +147,30 @@ class Kernel(NamedTuple):
         slabs = V // self.slab
         return (B, H, slabs) if self.grid3 else (B * H * slabs, 1, 1)
 
-    def segment_grids(self, B, H, K, V, segments):
-        """The segmented scan's two grids: the chain's (a CTA a row, segment but the last, head and 64 of the
-        V + K columns of a segment's map a warpgroup of its ``chain_block`` threads) and the segments' (a CTA a row,
-        segment, head and slab)."""
+    def segment_grids(self, B, T, H, K, V, segments, per, ragged):
+        """The segmented scan's two grids and the number of segment maps its workspace holds, over B rows of T
+        tokens (B sequences packed into T where ``ragged``) cut into ``segments`` of ``per`` chunks
+        (kernels_cu/prefill_wgmma.cu, "Segments"): the chain's grid (a CTA a map, head and 64 of the V + K columns
+        of the map a warpgroup of its ``chain_block`` threads) and the segments' (a CTA a segment, head and slab).
+        A dense row has a map a segment but the last; a ragged batch numbers its sequences' segments in packed
+        order, below ``(T // 64 + B) // per + B``, the segments' grid runs a CTA a number (those of no segment exit)
+        and the chain's a CTA a number but the highest (a last segment where it names one).
+
+        >>> k = kernel("kv", "kv64c64sg", K=128, separate_p=True, multi=True, precision="bf16")
+        >>> k.segment_grids(2, 4096, 16, 128, 128, 4, 16, False)  # 2 x 3 maps
+        ((384, 1, 1), (256, 1, 1), 6)
+        >>> k.segment_grids(2, 8192, 16, 128, 128, 4, 16, True)   # numbers 0 .. 9
+        ((576, 1, 1), (320, 1, 1), 9)
+        """
         chain_cols = 64 * (self.chain_block // 128)
-        return ((B * (segments - 1) * H * ((V + K) // chain_cols), 1, 1), self.grid(B * segments, H, V))
+        numbers = (T // PREFILL_CHUNK + B) // per + B if ragged else 0
+        maps = numbers - 1 if ragged else B * (segments - 1)
+        rows = numbers if ragged else B * segments
+        return (maps * H * ((V + K) // chain_cols), 1, 1), self.grid(rows, H, V), maps
 
     def segment_words(self, K, V):
-        """32-bit words of the workspace a (row, segment but the last, value head) past the records: E (K x V
-        fp32) and M (K x K bf16) of its map."""
+        """32-bit words of the workspace a segment map and value head past the records: E (K x V fp32) and M
+        (K x K bf16)."""
         return K * V + K * K // 2
 
 
@@ -297,15 +311,15 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
         part, wgs = t.args
         segmented = part == WT_SEGMENTS
         # the chain on 128 of the V + K columns of [E | M] a CTA where the segments run pairs and K = 128 (V + K is
-        # then a multiple of 128 too): each chunk's Kc and W' staged once for both warpgroups; the build without
-        # serving options in every plan (it touches no state, o or slot)
+        # then a multiple of 128 too): each chunk's Kc and W' staged once for both warpgroups; one build for both
+        # layouts (it touches no state)
         chain_wgs = wgs if K == 128 else 1
         flags = f"{_flag(layout == 'vk')}, {_flag(serving)}"
         return Kernel(t.source, f"comba::prefill_scan_wt<{K}, {flags}, {part}, {wgs}>",
                       t.slab, t.threads, prefill_wt_bytes(K, wgs=wgs), f"comba::prefill_prep<{K}, 6, {_flag(serving)}>",
                       prefill_prep_bytes(K, False), 128, record_words=wy_record(K),
                       record_words_v=WY_WORDS_PER_V, swizzled_keys=True,
-                      chain=f"comba::prefill_scan_wt<{K}, false, false, {WT_CHAIN}, {chain_wgs}>"
+                      chain=f"comba::prefill_scan_wt<{K}, false, {_flag(serving)}, {WT_CHAIN}, {chain_wgs}>"
                       if segmented else "",
                       chain_shared_bytes=prefill_wt_bytes(K, chain=True, wgs=chain_wgs) if segmented else 0,
                       chain_block=128 * chain_wgs, dependent=not segmented and _dependent(K, wgs))

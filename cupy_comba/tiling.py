@@ -46,7 +46,6 @@ class Case(NamedTuple):
     verify: bool = False  #: speculative verify: the state after every token stored (the token loop only)
     wgmma: bool = False  #: bf16 products of bf16 q, k, p on a GPU of compute capability 9.0 (``prefill_scan_wg``)
     transposed: bool = True  #: with ``wgmma``, the transposed scan may be chosen (False: the rules before it)
-    ragged: bool = False  #: packed sequences (``cu_seqlens``), which the segmented scan does not take
     segmented: bool = True  #: with ``transposed``, the segmented scan may be chosen (False: the rules before it)
     paired: bool = True  #: with ``transposed``, its two-warpgroup CTAs may be chosen (False: the rules before them)
 
@@ -195,7 +194,7 @@ MIN_SEGMENT_CHUNKS = 4
 
 
 def _segmented(c):
-    if not (c.segmented and c.transposed and c.wgmma and c.wide and not c.ragged and c.K in (64, 128)
+    if not (c.segmented and c.transposed and c.wgmma and c.wide and c.K in (64, 128)
             and c.heads is not None):
         return False
     return any(c.slabs <= most and c.T >= T for most, T in SEGMENTED_MIN_T[c.K])
@@ -407,16 +406,15 @@ def _decide(case):
 
 
 def choose(layout, K, V, separate_p, multi=False, T=1, heads=None, wide_keys=False, max_shared=MAX_SHARED,
-           verify=False, wgmma=False, transposed=True, ragged=False, segmented=True, paired=True):
+           verify=False, wgmma=False, transposed=True, segmented=True, paired=True):
     """The variant for a shape: ``multi`` for T-token passes (T of them), ``heads`` = B * H; ``wide_keys``
     not all of q, k, p bf16; ``max_shared`` the bytes of shared memory the GPU allows a CTA (a prefill
     build that needs more leaves the shape to the rules after it: on an A100, 163 KB, Comba's and the
     fp32 keys' scans at K = 128; on sm_86 / sm_89 GPUs, 99 KB, every prefill build); ``verify``: the state after
     every token stored (speculative verify), which only the token loop does (T is then 1); ``wgmma``: bf16 q, k,
     p with bf16 products on a GPU of compute capability 9.0, where the prefill scan also runs on wgmma;
-    ``transposed=False`` leaves out the transposed wgmma scans (the sweeps that predate them); ``ragged``:
-    packed sequences (``cu_seqlens``; T their mean length); ``segmented=False`` leaves out the segmented scan and
-    ``paired=False`` the transposed scan's two-warpgroup CTAs (the sweeps that predate them)."""
+    ``transposed=False`` leaves out the transposed wgmma scans (the sweeps that predate them); ``segmented=False``
+    the segmented scan and ``paired=False`` the transposed scan's two-warpgroup CTAs (the sweeps that predate
+    them).  A ragged batch is chosen for as B = N rows of its mean length."""
     return _decide(Case(layout, K, V, bool(separate_p), bool(multi), T, heads, bool(wide_keys), max_shared,
-                        bool(verify), bool(wgmma), bool(transposed), bool(ragged), bool(segmented),
-                        bool(paired)))[1]
+                        bool(verify), bool(wgmma), bool(transposed), bool(segmented), bool(paired)))[1]

@@ -471,13 +471,18 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
 //                initial state through the earlier segments' maps, S^T <- E_j^T + S^T M_j^T (S^T as bf16, as every
 //                chunk's products take it, M_j bf16 in shared memory), then the segment's chunks as above; the last
 //                segment writes the final state.
-// kWtWhole is the scan of a row's chunks in one CTA.  Segments run dense batches only (the host's choice), and
-// the grid lists the last segments first: they compose the most maps.  Their maps follow the records in the
-// workspace, K V + K K / 2 words a (row, segment but the last, value head): E^T slab by slab (64 K floats each, in
-// the accumulators' fragment order: float4 i of thread t at 4 (128 i + t)), then M as the compose's bf16 B operand,
-// element (n, k) = M[n][k] at byte 16 K (k / 8) + 16 n + 2 (k % 8) (K-major, no swizzle).  The chain reads no state
-// and no pool slot and writes no o, so plans with serving options run its build without them: a padding row's maps
-// are formed and never read.
+// kWtWhole is the scan of a row's chunks in one CTA.  The grid lists the last segments first: they compose the most
+// maps.  A dense row b has ceil(ceil(T / 64) / seg_chunks) segments, its map j at index b (segments - 1) + j.  A
+// ragged batch (cu_seqlens) numbers its segments in the packed order: sequence n's segment j is number
+// floor(first_slot(n) / seg_chunks) + n + j, which no two segments share and which stays below
+// floor(slots / seg_chunks) + N (slots = floor(T / 64) + N, the records; ragged_segments) -- so the host sizes both
+// grids from the packed length and N, a CTA finds its sequence by bisection (segment_row) and exits where its number
+// names no segment, and segment j's map lies at its number (the chain leaves out the last number, which is a last
+// segment where it names one).  The maps follow the records in the workspace,
+// K V + K K / 2 words a (map, value head): E^T slab by slab (64 K floats each, in the accumulators' fragment order:
+// float4 i of thread t at 4 (128 i + t)), then M as the compose's bf16 B operand, element (n, k) = M[n][k] at byte
+// 16 K (k / 8) + 16 n + 2 (k % 8) (K-major, no swizzle).  The chain reads no state and writes no o; it skips padding
+// rows, whose segments never read a map.
 //
 // Launch geometry: one CTA of WGS warpgroups (128 WGS threads) a (row, value head, slab of 64 WGS value columns);
 // warpgroup g holds the slab's columns 64 g .. 64 g + 63, its warp w columns 64 g + 16 w .. + 15 (rows of S^T, U^T
@@ -537,11 +542,28 @@ __device__ __forceinline__ void stage_swizzled(unsigned char* dst, const void* s
 
 #endif
 
+// Segments of a ragged batch cut into segments of lc chunks (header, "Segments"): the bound on their numbers.
+__device__ __forceinline__ long long ragged_segments(const Params& prm, long long lc) {
+    return (prm.T / kPrefillChunk + prm.B) / lc + prm.B;
+}
+
+// The sequence of a ragged batch's segment number g, and the segment within it (negative, or past the sequence's
+// segments, for a number of no segment): the last row b with floor(first_slot(b) / lc) + b <= g, by bisection.
+__device__ __forceinline__ int segment_row(const void* cu, const Params& prm, long long lc, long long g, int& seg) {
+    int lo = 0, hi = static_cast<int>(prm.B) - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (first_slot<true>(cu, prm, mid) / lc + mid <= g) lo = mid;
+        else hi = mid - 1;
+    }
+    seg = static_cast<int>(max(min(g - (first_slot<true>(cu, prm, lo) / lc + lo), 1LL << 30), -1LL));
+    return lo;
+}
+
 template <int K, bool VK, bool SERVING, int PART, int WGS>
-__global__ void __launch_bounds__(kWgThreads * WGS, 1) prefill_scan_wt(COMBA_PREFILL_ARGS) {
+__global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2 ? 2 : 1) prefill_scan_wt(COMBA_PREFILL_ARGS) {
 #if COMBA_WGMMA
     constexpr bool CHAIN = PART == kWtChain;
-    static_assert(!(CHAIN && SERVING), "the chain takes no serving options (header, \"Segments\")");
     using R = WyRecord<K>;
     using L = WtLayout<K, CHAIN, WGS>;
     constexpr int C = kPrefillChunk, KS = K / 16, NT = kWgThreads * WGS;
@@ -556,27 +578,37 @@ __global__ void __launch_bounds__(kWgThreads * WGS, 1) prefill_scan_wt(COMBA_PRE
               lj = lane & 3;
     const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H);
     // The CTA's place; with segments, blockIdx.x = ((i B + b) H + h) slabs + slab for the i-th segment from the end
-    const int row_chunks = static_cast<int>((prm.T + C - 1) / C);  // a dense row's (segments run no other)
+    // of a dense batch, (i H + h) slabs + slab for the i-th segment number from the end of a ragged one
+    const bool ragged = SERVING && prm.cu_t;
+    const long long row_chunks = (prm.T + C - 1) / C;  // a dense row's
     const int lc = PART == kWtWhole ? 1 : static_cast<int>(prm.seg_chunks);
-    const int segs = PART == kWtWhole ? 1 : max(1, (row_chunks + lc - 1) / lc);
     const int slabs = (V + (CHAIN ? K : 0)) / (64 * WGS);
     launch_next();
     int cta = static_cast<int>(blockIdx.x), seg = 0;
+    long long map0 = 0;  // the number of the row's first segment (ragged), else of the CTA's segment
     if constexpr (PART != kWtWhole) {
-        const int per = static_cast<int>(prm.B) * H * slabs, i = cta / per;
+        const int per = (ragged ? 1 : static_cast<int>(prm.B)) * H * slabs, i = cta / per;
         cta -= i * per;
-        seg = (CHAIN ? segs - 2 : segs - 1) - i;
-        if (seg < 0) {  // past the segments of a grid made for longer rows (the host makes none)
-            await_earlier();
-            return;
+        if (ragged) {
+            const long long number = ragged_segments(prm, lc) - (CHAIN ? 2 : 1) - i;
+            cta += segment_row(cu_seqlens, prm, lc, number, seg) * per;
+            map0 = number - seg;
+        } else {
+            seg = static_cast<int>(max(1LL, (row_chunks + lc - 1) / lc)) - 1 - (CHAIN ? 1 : 0) - i;
         }
     }
     const ScanRow row = scan_row<K, 64 * WGS, SERVING>(cu_seqlens, slots, prm, q, k, v, p, beta, g, o, cta, slabs);
     const int b = row.b, h = row.h, hk = row.hk, col0 = row.col0 + 64 * wg, T = row.T, chunks = row.chunks;
     const long long first = row.first, head = row.head;
-    if (SERVING && row.slot < 0) {  // a padding row: its o zeroed once, by the (first) segment's CTAs
+    const int segs = PART == kWtWhole ? 1 : max(1, (chunks + lc - 1) / lc);  // the row's
+    if (seg < 0 || seg >= segs - (CHAIN ? 1 : 0)) {  // a number of no segment (or the last, which has no map)
         await_earlier();
-        if (seg > 0) return;
+        return;
+    }
+    if (!ragged) map0 = static_cast<long long>(b) * (segs - 1);
+    if (SERVING && row.slot < 0) {  // a padding row: its o zeroed once, by its first segment's CTAs
+        await_earlier();
+        if (CHAIN || seg > 0) return;
         return row.zero_padding(o, prm, 64 * WGS, tid, NT);
     }
     const int c_begin = PART == kWtWhole ? 0 : seg * lc;
@@ -589,10 +621,10 @@ __global__ void __launch_bounds__(kWgThreads * WGS, 1) prefill_scan_wt(COMBA_PRE
     // each wgmma (C7518). The K = 128 chain on two warpgroups keeps the branch: pipelined, it needs 156 registers,
     // one CTA an SM where two fit, and runs slower (docs/design.md "Segments").
     constexpr bool SERIAL = CHAIN && K == 128 && WGS == 2;
-    // [E | M] of this row's segment j and head (header, "Segments")
+    // [E | M] of this row's segment j and head, past the records of every chunk slot (header, "Segments")
+    const long long records = ragged ? prm.T / C + prm.B : prm.B * row_chunks;
     auto seg_map = [&](int j) {
-        return inter + static_cast<long long>(prm.B) * row_chunks * H * words +
-               ((static_cast<long long>(b) * (segs - 1) + j) * H + h) * (static_cast<long long>(K) * V + K * K / 2);
+        return inter + records * H * words + ((map0 + j) * H + h) * (static_cast<long long>(K) * V + K * K / 2);
     };
     const KeyCopies copies = key_copies(q, k, p, prm, 2);
     const bool bulk = maps.use != 0;
@@ -736,10 +768,11 @@ __global__ void __launch_bounds__(kWgThreads * WGS, 1) prefill_scan_wt(COMBA_PRE
             copy_async_wait<0>();
             fence_async_shared();
         }
-        // A ragged batch's boxes (whole scans only): rows n on of a sequence's last chunk hold the next sequence's
-        // tokens; zero them before the barrier below publishes the stage. No barrier of its own: a CTA barrier on a
-        // branch makes older ptxas (NVRTC 13.2's) serialize every wgmma of the kernel (C7518).
-        if constexpr (SERVING && PART == kWtWhole) {
+        // A ragged batch's boxes: rows n on of a sequence's last chunk hold the next sequence's tokens; zero them
+        // before the barrier below publishes the stage (the chain's segments end on whole chunks). No barrier of
+        // its own: a CTA barrier on a branch makes older ptxas (NVRTC 13.2's) serialize every wgmma of the kernel
+        // (C7518).
+        if constexpr (SERVING && !CHAIN) {
             const int borrowed = bulk && prm.cu_t ? C - n : 0;
             for (int i = tid; i < 2 * (K / 64) * borrowed * 8; i += NT) {
                 const int box = i / (borrowed * 8), r = i % (borrowed * 8);

@@ -29,11 +29,10 @@ def main():
                                   variant=variant, A_log=A_log, dt_bias=dt_bias)
                     gated_delta_forward(q, k, v, beta, g, initial_state=pool, state_indices=idx, state_layout=layout,
                                         variant=variant, output_final_state=False)
-                    if variant.endswith("sg"):  # dense batches only; 130 tokens: three segments of a chunk
+                    if variant.endswith("sg"):  # 130 tokens: three segments of a chunk
                         comba_forward(*long[:6], initial_state=pool, state_indices=idx, state_layout=layout,
                                       variant=variant)
-                        launches += 3
-                        continue
+                        launches += 1
                     cu = cupy.asarray(HOSTILE_CU.clip(numpy.iinfo(dtype).min, numpy.iinfo(dtype).max).astype(dtype))
                     packed = [a.reshape((1, 8 * 9) + a.shape[2:])[:, :9] for a in (q, k, v, p, beta, g)]
                     comba_forward(*packed, initial_state=pool, state_indices=idx, cu_seqlens=cu, state_layout=layout,

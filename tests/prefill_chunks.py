@@ -1,6 +1,6 @@
 """Every build of the 64-token prefill kernels over several chunks (two full ones and one of 22 tokens), dense and
-with the serving options (a ragged batch from a pool; the segmented scan, dense batches only, in three segments of
-one chunk, from a pool with a padding row), in "bf16" and "fp32", and the wgmma scans' builds on compute capability
+with the serving options (a ragged batch from a pool; the segmented scan, in segments of one chunk, also over a dense
+batch from a pool with a padding row), in "bf16" and "fp32", and the wgmma scans' builds on compute capability
 9.0, those also over a row long enough for their third stage, and the transposed scan's two-warpgroup CTAs over 128
 value columns: run under compute-sanitizer's racecheck and memcheck by test_sanitizer_gpu.py."""
 
@@ -62,26 +62,25 @@ def main():
                                                                                                     False)):
                             continue
                         pool = cupy.concatenate([S, S[:1]])
+                        segmented = variant.endswith("sg")
                         if comba:
                             comba_forward(q, k, v, p, beta, g, initial_state=S, state_layout=layout, variant=variant,
                                           precision=precision)
-                            if variant.endswith("sg"):  # the segments run dense batches only
+                            if segmented:
                                 comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=padded,
                                               state_layout=layout, variant=variant, precision=precision)
-                            else:
-                                comba_forward(*packed, initial_state=pool, state_indices=slots, cu_seqlens=cu,
-                                              state_layout=layout, variant=variant, precision=precision)
+                            comba_forward(*packed, initial_state=pool, state_indices=slots, cu_seqlens=cu,
+                                          state_layout=layout, variant=variant, precision=precision)
                         else:
                             gated_delta_forward(q, k, v, beta, g, initial_state=S, state_layout=layout,
                                                 variant=variant, precision=precision)
-                            if variant.endswith("sg"):
+                            if segmented:
                                 gated_delta_forward(q, k, v, beta, g, initial_state=pool, state_indices=padded,
                                                     state_layout=layout, variant=variant, precision=precision)
-                            else:
-                                gated_delta_forward(*packed[:3], *packed[4:], initial_state=pool,
-                                                    state_indices=slots, cu_seqlens=cu, state_layout=layout,
-                                                    variant=variant, precision=precision)
-                        launches += 2
+                            gated_delta_forward(*packed[:3], *packed[4:], initial_state=pool, state_indices=slots,
+                                                cu_seqlens=cu, state_layout=layout, variant=variant,
+                                                precision=precision)
+                        launches += 3 if segmented else 2
     if families.runs_wgmma(cupy.cuda.Device().compute_capability):
         launches += _ring()
     cupy.cuda.Device().synchronize()

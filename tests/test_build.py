@@ -40,10 +40,10 @@ def test_the_registry_lists_every_build_once():
     # bf16 products) less the 24 whose stage does not fit (K = 256, wider keys), and 3 K x 5 preps; the wgmma
     # scans: 2 K x 2 slabs x 2 layouts x p or not, and 2 K x its prep (ACC 5); the transposed one, whole and in
     # segments, 2 K x 2 layouts x 2 (p folded into the prep's W') x one or two warpgroups a CTA, and 2 K x its prep
-    # (ACC 6); each with and without the serving options; the segments' chain (one warpgroup a CTA at K = 64, one or
-    # two at K = 128) without them only
+    # (ACC 6); the segments' chain (one warpgroup a CTA at K = 64, one or two at K = 128), one build for both layouts;
+    # each with and without the serving options
     assert counts == {"token_loop.cu": 464, "chunked.cu": 24, "delta_rule_mma.cu": 72, "prefill.cu": 246,
-                      "prefill_wgmma.cu": 75,
+                      "prefill_wgmma.cu": 78,
                       "copy.cu": 1}
     for source, expressions in SPECIALISATIONS.items():
         assert len(set(expressions)) == len(expressions), source
@@ -293,7 +293,7 @@ def test_prefill_shared_bytes_are_the_layouts():
     wg_checks.append(f'static_assert(comba::kWgRingChunks == {families.WG_RING_CHUNKS}, "the ring");')
     wg_checks.append(f'static_assert(comba::kWtWhole == {families.WT_WHOLE} && comba::kWtChain == {families.WT_CHAIN} '
                      f'&& comba::kWtSegments == {families.WT_SEGMENTS}, "WtPart");')
-    assert len(wg_checks) == 82
+    assert len(wg_checks) == 85
     _compiles_with("prefill_wgmma.cu", wg_checks)
     for expression in SPECIALISATIONS["prefill.cu"]:
         args = _template_args(expression)

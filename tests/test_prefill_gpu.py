@@ -148,13 +148,15 @@ def test_strided_activations(layout, dtype):
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
 @pytest.mark.parametrize("precision,scan", [("fp32", "32c64"), ("tf32", "32c64"), ("bf16", "32c64wg"),
-                                             ("bf16", "64c64wt"), ("bf16", "128c64wt")])
+                                             ("bf16", "64c64wt"), ("bf16", "128c64wt"), ("bf16", "64c64sg"),
+                                             ("bf16", "128c64sg")])
 def test_ragged_pool_gating(layout, comba, precision, scan):
-    """Packed sequences of many lengths (empty ones too) from a pool with padding rows, in-kernel gating."""
-    if scan.endswith(("wg", "wt")) and not _wgmma():
+    """Packed sequences of many lengths (empty ones too) from a pool with padding rows, in-kernel gating (the
+    segmented scan as tiling.segments cuts them by their mean length: a segment a chunk)."""
+    if scan.endswith(("wg", "wt", "sg")) and not _wgmma():
         pytest.skip("the wgmma scan needs compute capability 9.0")
     lens = [0, 70, 1, 0, 200, 64, 128, 5]
-    N, H, Hk, K, V = len(lens), 4, 2, 128, 128 if scan == "128c64wt" else 64
+    N, H, Hk, K, V = len(lens), 4, 2, 128, 128 if scan.startswith("128") else 64
     cu = numpy.concatenate([[0], numpy.cumsum(lens)]).astype(numpy.int32)
     q, k, v, p, beta, g, _ = forward_inputs(1, int(cu[-1]), H, K, V, Hk=Hk, state_layout=layout, seed=3, xp=cupy)
     rng = numpy.random.default_rng(0)
@@ -282,6 +284,72 @@ def test_segments_over_a_long_prompt(comba):
     _as_close_as_the_whole_scan(err["sg"], err["wt"])
     o, S = _forward(comba, *args)
     assert bool((o == runs["sg"][0]).all()) and bool((S == runs["sg"][1]).all())
+
+
+@needs_wgmma
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
+@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("slab", [64, 128])
+def test_segments_of_a_ragged_batch_are_its_sequences_segments(layout, comba, K, slab, monkeypatch):
+    """A ragged batch on the segmented scan, cut into segments of two chunks: sequences of 0-700 tokens (a chunk
+    and a token, a partial last chunk, empty ones) from a pool with a padding row and in-kernel gating, slowly
+    decaying gates.  Each sequence's o and final state are bit for bit those of the same sequence run alone, as a
+    dense row cut into segments of two chunks; the empty sequence keeps its slot's state, the padding row's o is
+    zeros, the slots no sequence names are untouched, and the batch is as close to the reference as the whole
+    transposed scan."""
+    monkeypatch.setattr(tiling, "segments", lambda heads, V, T, sms, slab=64: (-(-((T + 63) // 64) // 2), 2))
+    monkeypatch.setattr(_plan, "PLANS", {})
+    lens = [300, 0, 1, 64, 65, 700, 129, 200]
+    idx = numpy.array([5, 2, 0, 8, -1, 3, 7, 1], numpy.int32)
+    N, H, V = len(lens), 2, 128
+    cu = numpy.concatenate([[0], numpy.cumsum(lens)]).astype(numpy.int32)
+    q, k, v, p, beta, g, _ = forward_inputs(1, int(cu[-1]), H, K, V, state_layout=layout, seed=K + slab, xp=cupy)
+    g /= 100
+    rng = numpy.random.default_rng(K)
+    shape = (N + 2, H, K, V) if layout == "kv" else (N + 2, H, V, K)
+    before = rng.standard_normal(shape).astype(F32) / 8
+    A_log = cupy.asarray(rng.standard_normal(H).astype(F32) / 2 - 5)
+    dt_bias = cupy.asarray(rng.standard_normal(H).astype(F32) / 2)
+    gates = dict(A_log=A_log, dt_bias=dt_bias)
+
+    def forward(arrays, pool, slots, scan="sg", **kw):
+        q, k, v, p, beta, g = arrays
+        out = cupy.full(v.shape, cupy.nan, v.dtype)
+        kw.update(out=out, state_layout=layout, variant=f"{layout}{slab}c64{scan}", initial_state=pool,
+                  state_indices=cupy.asarray(slots), **gates)
+        if comba:
+            return comba_forward(q, k, v, p, beta, g, **kw)
+        return gated_delta_forward(q, k, v, beta, g, **kw)
+
+    acts = (q, k, v, p, beta, g)
+    pool = cupy.asarray(before)
+    o, S = forward(acts, pool, idx, cu_seqlens=cupy.asarray(cu))
+    assert S is pool and o is not None
+    for n in range(N):
+        a, z = int(cu[n]), int(cu[n + 1])
+        if idx[n] < 0:
+            assert bool((o[:, a:z] == 0).all())
+            continue
+        if a == z:
+            assert numpy.array_equal(cupy.asnumpy(S[idx[n]]), before[idx[n]])
+            continue
+        alone = cupy.asarray(before)
+        o_n, S_n = forward([x[:, a:z] for x in acts], alone, idx[n:n + 1])
+        assert bool((o[:, a:z] == o_n).all()) and bool((S[idx[n]] == S_n[idx[n]]).all()), n
+    h = cupy.asnumpy
+    S_ref, o_ref = reference.comba_loop(before, h(q), h(k), h(v), h(p if comba else k), h(beta), h(g),
+                                        state_layout=layout, state_indices=idx, cu_seqlens=cu, A_log=h(A_log),
+                                        dt_bias=h(dt_bias))
+    live = reference.live_slots(idx, N + 2)
+    untouched = numpy.setdiff1d(numpy.arange(N + 2), live)
+    assert numpy.array_equal(h(S)[untouched], before[untouched])
+    err = reference.relative_error(h(S)[live], S_ref[live]), reference.relative_error(o, o_ref)
+    o_w, S_w = forward(acts, cupy.asarray(before), idx, scan="wt", cu_seqlens=cupy.asarray(cu))
+    whole = reference.relative_error(h(S_w)[live], S_ref[live]), reference.relative_error(o_w, o_ref)
+    _as_close_as_the_whole_scan(err, whole)
+    plan = next(pl for pl in _plan.PLANS.values() if pl.variant.endswith("sg") and pl.o_shape == o.shape)
+    assert len(plan.launcher._steps) == 3  # prep, chain, segments
 
 
 @needs_wgmma

@@ -277,9 +277,9 @@ def test_the_transposed_choice_is_within_5_percent_of_the_best_timed():
     assert len(rows) == 36 and untimed == 2
     with open(RESULTS / "h200-prefill-parts.json") as f:
         rows = json.load(f)["rows"]
-    for r in rows:  # it predates the segmented scan, which takes dense batches only: a ragged batch's choice
+    for r in rows:  # it predates the segmented scan and the paired CTAs
         chosen = tiling.choose("kv", 128, 128, r["op"] == "comba", True, r["T"], r["B"] * r["H"], wgmma=True,
-                               ragged=True, paired=False)
+                               segmented=False, paired=False)
         whole = {v: t for v, t in r.items() if v.startswith("kv") and ":" not in v}
         assert whole[chosen] <= 1.05 * min(whole.values()), r
     assert len(rows) == 14
@@ -305,7 +305,7 @@ def test_the_segmented_choice_is_within_5_percent_of_the_best_timed():
 def test_the_segmented_scan_where_it_wins(layout, comba):
     """Where the segmented scan may be chosen: a dense batch of at most 16 CTAs a segment (B * H * V / 64) from
     T = 1024, 32 from 2048, 256 from 8192 (128 heads, the most the prefill kernels take); with wgmma and V a
-    multiple of 64; never with cu_seqlens, nor without the transposed scans, nor with ``segmented=False``."""
+    multiple of 64; never without the transposed scans, nor with ``segmented=False``."""
     def choose(T, heads, **kw):
         return tiling.choose(layout, 128, 128, comba, True, T, heads, **{"wgmma": True, **kw})
     sg = f"{layout}64c64sg"
@@ -314,7 +314,7 @@ def test_the_segmented_scan_where_it_wins(layout, comba):
     assert choose(1023, 8) != sg and choose(2047, 16) != sg and not choose(8191, 128).endswith("sg") and \
         choose(2048, 17) != sg
     assert choose(65536, 129) != sg and tiling.choose(layout, 128, 256, comba, True, 8192, 128, wgmma=True) != sg
-    assert choose(8192, 16, ragged=True) != sg and choose(8192, 16, transposed=False) != sg
+    assert choose(4096, 16, transposed=False) != sg
     assert choose(8192, 16, wgmma=False) != sg and tiling.choose(layout, 128, 96, comba, True, 8192, 16,
                                                                 wgmma=True) != sg
     assert choose(8192, 16, segmented=False) == choose(8192, 16, transposed=False)

@@ -115,20 +115,6 @@ def test_a_decode_only_variant_refuses_t_token_passes():
     assert S_new.shape == S.shape and o.shape == (1, 2, 32)
 
 
-def test_the_segmented_scan_refuses_a_ragged_batch():
-    """{layout}64c64sg cuts rows of one length into segments: with cu_seqlens it is refused before any work, and
-    the same pass runs on the unsegmented scan's name."""
-    q, k, v, p, beta, g, S = forward_inputs(2, 50, 2, 64, 64, warm_steps=1)
-    packed = [a.reshape((1, 100) + a.shape[2:]) for a in (q, k, v, beta, g)]
-    cu = numpy.array([0, 30, 100], numpy.int32)
-    with pytest.raises(ValueError, match="variant 'kv64c64sg' runs dense batches only"):
-        gated_delta_forward(*packed, initial_state=S, cu_seqlens=cu, variant="kv64c64sg")
-    o, S_new = gated_delta_forward(*packed, initial_state=S, cu_seqlens=cu, variant="kv64c64wt")
-    assert o.shape == (1, 100, 2, 64) and S_new.shape == S.shape
-    o, S_new = gated_delta_forward(q, k, v, beta, g, initial_state=S, variant="kv64c64sg")  # a dense batch
-    assert o.shape == (2, 50, 2, 64)
-
-
 # -- dtypes, shapes, layouts -----------------------------------------------------------------------
 
 def test_big_endian_input_says_so():
