@@ -8,10 +8,12 @@ capability 9.0).
     PYTHONPATH=. python benchmarks/prefill_parts.py --ops gdn --shapes 8,2048,16 1,8192,16   # a quick subset
     PYTHONPATH=. python benchmarks/prefill_parts.py --ops gdn --head-size 64 --shapes 1,4096,16 --variants kv64c64sg
     PYTHONPATH=. python benchmarks/prefill_parts.py --ops gdn --pool --shapes 1,8192,16 --variants kv128c64sg
+    PYTHONPATH=. python benchmarks/prefill_parts.py --pool --ragged --shapes 1,4096,16 --variants kv64c64sg
 
-Rows ``{op, B, T, H, K, [pool,] <variant>: us, <variant>:prep: us, [<variant>:chain: us,] <variant>:scan: us, ...}``,
-the rules' choice without the transposed scans first.  ``--pool``: each row's initial and final state in a slot of a
-pool of 2 B states, the slots drawn at random (``state_indices``), as a serving engine calls.
+Rows ``{op, B, T, H, K, [pool,] [ragged,] <variant>: us, <variant>:prep: us, [<variant>:chain: us,] <variant>:scan:
+us, ...}``, the rules' choice without the transposed scans first.  ``--pool``: each row's initial and final state in a
+slot of a pool of 2 B states, the slots drawn at random (``state_indices``), as a serving engine calls; ``--ragged``:
+the B rows packed into one as B sequences of T tokens (``cu_seqlens``).
 """
 
 import argparse
@@ -52,6 +54,7 @@ def main():
     ap.add_argument("--ops", default="gdn,comba", help="comma-separated: gdn, comba")
     ap.add_argument("--head-size", type=int, default=128, choices=(64, 128), help="K = V")
     ap.add_argument("--pool", action="store_true", help="states in a pool of 2 B, at random slots")
+    ap.add_argument("--ragged", action="store_true", help="the rows packed as sequences of one row (cu_seqlens)")
     ap.add_argument("--json", metavar="JSON")
     a = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes] if a.shapes else SHAPES
@@ -67,7 +70,11 @@ def main():
                 pool = cupy.asarray(rng.standard_normal((2 * B,) + S.shape[1:]).astype(numpy.float32) / 8)
                 slots = cupy.asarray(rng.permutation(2 * B)[:B].astype(numpy.int32))
                 states = dict(initial_state=pool, state_indices=slots)
-            row = dict(op="comba" if comba else "gdn", B=B, T=T, H=H, K=K, **({"pool": True} if a.pool else {}))
+            if a.ragged:
+                q, k, v, p, beta, g, out = (x.reshape((1, B * T) + x.shape[2:]) for x in (q, k, v, p, beta, g, out))
+                states["cu_seqlens"] = cupy.arange(0, B * T + 1, T, dtype=cupy.int32)
+            row = dict(op="comba" if comba else "gdn", B=B, T=T, H=H, K=K, **({"pool": True} if a.pool else {}),
+                       **({"ragged": True} if a.ragged else {}))
             for variant in (tiling.choose("kv", K, K, comba, True, T, B * H, wgmma=True, transposed=False),
                             *a.variants):
                 if comba:

@@ -471,18 +471,19 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
 //                initial state through the earlier segments' maps, S^T <- E_j^T + S^T M_j^T (S^T as bf16, as every
 //                chunk's products take it, M_j bf16 in shared memory), then the segment's chunks as above; the last
 //                segment writes the final state.
-// kWtWhole is the scan of a row's chunks in one CTA.  The grid lists the last segments first: they compose the most
-// maps.  A dense row b has ceil(ceil(T / 64) / seg_chunks) segments, its map j at index b (segments - 1) + j.  A
-// ragged batch (cu_seqlens) numbers its segments in the packed order: sequence n's segment j is number
-// floor(first_slot(n) / seg_chunks) + n + j, which no two segments share and which stays below
-// floor(slots / seg_chunks) + N (slots = floor(T / 64) + N, the records; ragged_segments) -- so the host sizes both
-// grids from the packed length and N, a CTA finds its sequence by bisection (segment_row) and exits where its number
-// names no segment, and segment j's map lies at its number (the chain leaves out the last number, which is a last
-// segment where it names one).  The maps follow the records in the workspace,
-// K V + K K / 2 words a (map, value head): E^T slab by slab (64 K floats each, in the accumulators' fragment order:
-// float4 i of thread t at 4 (128 i + t)), then M as the compose's bf16 B operand, element (n, k) = M[n][k] at byte
-// 16 K (k / 8) + 16 n + 2 (k % 8) (K-major, no swizzle).  The chain reads no state and writes no o; it skips padding
-// rows, whose segments never read a map.
+// kWtWhole is the scan of a row's chunks in one CTA.  The segments' grid lists the last segments first: they compose
+// the most maps.  A dense row b has ceil(ceil(T / 64) / seg_chunks) segments, its map j at index b (segments - 1) + j.
+// A ragged batch (cu_seqlens) numbers its segments in the packed order: sequence n's segment j is number
+// floor(first_slot(n) / seg_chunks) + n + j, which no two segments share and which stays below floor(slots /
+// seg_chunks) + N (slots = floor(T / 64) + N, the records; ragged_segments) -- so the host sizes both grids from the
+// packed length and N, a CTA finds its sequence by bisection (segment_row) and exits where its number names no segment,
+// and segment j's map lies at its number.  The chain leaves out the last number (a last segment where it names one) and
+// lists its numbers from the first: its CTAs cost alike, and those that exit then come last (listed first, they made a
+// chain over one packed sequence of 32768 tokens 12 % slower at two CTAs an SM).  The maps follow the records in the
+// workspace, K V + K K / 2 words a (map, value head): E^T slab by slab (64 K floats each, in the accumulators' fragment
+// order: float4 i of thread t at 4 (128 i + t)), then M as the compose's bf16 B operand, element (n, k) = M[n][k] at
+// byte 16 K (k / 8) + 16 n + 2 (k % 8) (K-major, no swizzle).  The chain reads no state and writes no o; it skips
+// padding rows, whose segments never read a map.
 //
 // Launch geometry: one CTA of WGS warpgroups (128 WGS threads) a (row, value head, slab of 64 WGS value columns);
 // warpgroup g holds the slab's columns 64 g .. 64 g + 63, its warp w columns 64 g + 16 w .. + 15 (rows of S^T, U^T
@@ -560,8 +561,12 @@ __device__ __forceinline__ int segment_row(const void* cu, const Params& prm, lo
     return lo;
 }
 
+// Two CTAs of the K = 128 chain on two warpgroups share an SM in 128 registers a thread.  Its build without serving
+// options lands there by itself (held to it, ptxas makes a chain 3-5 % slower); the serving build, which finds a
+// ragged batch's rows, is held to it (else 151 registers, one CTA an SM).
 template <int K, bool VK, bool SERVING, int PART, int WGS>
-__global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2 ? 2 : 1) prefill_scan_wt(COMBA_PREFILL_ARGS) {
+__global__ void __launch_bounds__(kWgThreads * WGS, SERVING && PART == kWtChain && WGS == 2 ? 2 : 1)
+    prefill_scan_wt(COMBA_PREFILL_ARGS) {
 #if COMBA_WGMMA
     constexpr bool CHAIN = PART == kWtChain;
     using R = WyRecord<K>;
@@ -578,7 +583,8 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
               lj = lane & 3;
     const int V = static_cast<int>(prm.V), H = static_cast<int>(prm.H);
     // The CTA's place; with segments, blockIdx.x = ((i B + b) H + h) slabs + slab for the i-th segment from the end
-    // of a dense batch, (i H + h) slabs + slab for the i-th segment number from the end of a ragged one
+    // of a dense batch, (i H + h) slabs + slab for the i-th segment number of a ragged one (from the end, but in the
+    // chain; header, "Segments")
     const bool ragged = SERVING && prm.cu_t;
     const long long row_chunks = (prm.T + C - 1) / C;  // a dense row's
     const int lc = PART == kWtWhole ? 1 : static_cast<int>(prm.seg_chunks);
@@ -590,7 +596,7 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
         const int per = (ragged ? 1 : static_cast<int>(prm.B)) * H * slabs, i = cta / per;
         cta -= i * per;
         if (ragged) {
-            const long long number = ragged_segments(prm, lc) - (CHAIN ? 2 : 1) - i;
+            const long long number = CHAIN ? i : ragged_segments(prm, lc) - 1 - i;
             cta += segment_row(cu_seqlens, prm, lc, number, seg) * per;
             map0 = number - seg;
         } else {

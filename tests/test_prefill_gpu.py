@@ -564,22 +564,26 @@ def test_precision_is_checked():
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
-def test_a_cuda_graph_of_a_ragged_prefill(layout):
-    """Device-resident cu_seqlens in a captured graph, replayed with new lengths (no host sync)."""
+@pytest.mark.parametrize("scan", ["32c64", "64c64sg"])
+def test_a_cuda_graph_of_a_ragged_prefill(layout, scan):
+    """Device-resident cu_seqlens in a captured graph, replayed with new lengths (no host sync): the prefill scan,
+    and the segmented scan, whose sequences' segments the new lengths move in its grid."""
+    if scan.endswith("sg") and not _wgmma():
+        pytest.skip("the segmented scan needs compute capability 9.0")
     H, K, V, total = 2, 64, 64, 300
     q, k, v, p, beta, g, _ = forward_inputs(1, total, H, K, V, seed=9, state_layout=layout, xp=cupy)
     cu = cupy.asarray(numpy.array([0, 100, 300], numpy.int32))
-    S0 = cupy.zeros((2, H, K, V), F32)
+    S0 = cupy.asarray(numpy.random.default_rng(9).standard_normal((2, H, K, V)).astype(F32) / 8)
     o = cupy.empty_like(v)
     S = cupy.empty_like(S0)
     cupy.cuda.Device().synchronize()  # the inputs written: a non-blocking stream does not wait for the null stream
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         comba_forward(q, k, v, p, beta, g, initial_state=S0, cu_seqlens=cu, out=o, state_out=S, state_layout=layout,
-                      variant=f"{layout}32c64")  # the plan and its workspace for this stream, before the capture
+                      variant=f"{layout}{scan}")  # the plan and its workspace for this stream, before the capture
         stream.begin_capture()
         comba_forward(q, k, v, p, beta, g, initial_state=S0, cu_seqlens=cu, out=o, state_out=S, state_layout=layout,
-                      variant=f"{layout}32c64")
+                      variant=f"{layout}{scan}")
         graph = stream.end_capture()
         for lens in ([0, 300], [299, 1], [64, 236]):
             cu[...] = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(lens)]).astype(numpy.int32))
