@@ -175,3 +175,67 @@ def test_segments_compose_to_the_whole_scan(decay):
         else:
             assert reference.relative_error(S, whole) <= 1e-12
             assert reference.relative_error(whole, S_exact) <= 1e-12
+
+
+def _ragged_numbers(cu, total, per):
+    """kernels_cu/prefill_wgmma.cu's bookkeeping of a ragged batch's segments, as its kernels form it from cu_seqlens
+    (bounds clamped to 0 .. total, an upper one to its lower one): each sequence's first record, chunks and segments,
+    and segment_row -- the sequence and segment of a number, by bisection."""
+    N = len(cu) - 1
+    start = [min(max(int(a), 0), total) for a in cu[:-1]]
+    end = [min(max(int(z), s), total) for z, s in zip(cu[1:], start)]
+    first = [s // 64 + n for n, s in enumerate(start)]
+    chunks = [-(-(z - s) // 64) for s, z in zip(start, end)]
+    segs = [max(1, -(-c // per)) for c in chunks]
+
+    def segment_row(number):
+        lo, hi = 0, N - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if first[mid] // per + mid <= number:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo, number - (first[lo] // per + lo)
+
+    return first, chunks, segs, segment_row
+
+
+@pytest.mark.parametrize("per", [1, 2, 3, 16])
+def test_a_ragged_batch_numbers_each_segment_once(per):
+    """The segmented scan's packed numbering: over sequences of 0-1000 tokens every segment j of sequence n has a
+    number of its own, below the count families.Kernel.segment_grids sizes the grids by, from which segment_row
+    finds (n, j) again; every other number names no segment; a segment's map, stored at its number, lies among the
+    chain's (all numbers but the highest) unless it is its sequence's last.  Bounds that are not increasing keep
+    every index inside the arrays: a CTA's sequence is one of the N, its records below the workspace's and the
+    maps it reads below its own number."""
+    from cupy_comba import families
+    kernel = families.kernel("kv", "kv64c64sg", K=128, separate_p=True, multi=True, precision="bf16")
+    rng = numpy.random.default_rng(per)
+    for trial in range(40):
+        N = int(rng.integers(1, 9))
+        lengths = rng.choice([0, 1, 63, 64, 65, 127, 128, 129, 500, 1000], N)
+        cu = numpy.concatenate([[0], numpy.cumsum(lengths)])
+        total = int(cu[-1])
+        chain, grid, maps = kernel.segment_grids(N, total, 1, 128, 128, 0, per, True)
+        numbers = grid[0] // 2  # two 64-column slabs a number
+        assert maps == numbers - 1 and chain[0] == maps * 4  # the chain's CTAs cover V + K = 256 columns
+        first, chunks, segs, segment_row = _ragged_numbers(cu, total, per)
+        owned = {}
+        for n in range(N):
+            for j in range(segs[n]):
+                number = first[n] // per + n + j
+                assert number not in owned and 0 <= number < numbers
+                owned[number] = (n, j)
+                assert j == segs[n] - 1 or number < maps
+        for number in range(numbers):
+            n, j = segment_row(number)
+            assert owned.get(number) == ((n, j) if 0 <= j < segs[n] else None)
+        hostile = rng.integers(-2 * total - 5, 2 * total + 5, N + 1)
+        first, chunks, segs, segment_row = _ragged_numbers(hostile, total, per)
+        for number in range(numbers):
+            n, j = segment_row(number)
+            assert 0 <= n < N
+            if 0 <= j < segs[n]:
+                assert first[n] + chunks[n] <= families.prefill_slots(N, total, True)
+                assert 0 <= number - j <= number
