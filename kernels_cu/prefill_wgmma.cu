@@ -591,7 +591,7 @@ __global__ void __launch_bounds__(kWgThreads * WGS, SERVING && PART == kWtChain 
     const int slabs = (V + (CHAIN ? K : 0)) / (64 * WGS);
     launch_next();
     int cta = static_cast<int>(blockIdx.x), seg = 0;
-    long long map0 = 0;  // the number of the row's first segment (ragged), else of the CTA's segment
+    long long map0 = 0;  // where the row's segment 0 keeps its map (a ragged batch's: its number)
     if constexpr (PART != kWtWhole) {
         const int per = (ragged ? 1 : static_cast<int>(prm.B)) * H * slabs, i = cta / per;
         cta -= i * per;
