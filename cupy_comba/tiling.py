@@ -177,14 +177,14 @@ def _transposed(c):
     return _transposed_heads(c) and c.T >= TRANSPOSED_MIN_T[c.K] and not one_wave_gdn
 
 
-#: The segmented scan (``{layout}64c64sg``): a dense batch too few to fill the GPU with one CTA a (row, head, 64
-#: value columns), cut into segments whose CTAs fill it once -- from so many tokens over at most so many such CTAs
-#: (h200-prefill-segments.json), and over up to 256 from T = 8192, where one segment a row already leads the
-#: transposed scan (h200-prefill-lengths.json, K = 128, 128 heads, two warpgroups a CTA: T = 65536 6698.3 against
-#: 6831.7 us, one a CTA 7441.0 against 7581.0; T = 8192 853.2 against 844.0).  At K = 64 from T = 1024 over up to
-#: 32 such CTAs (h200-prefill-tiling.json, Comba, 16 heads: 28.3 against 29.7 us for kv16c64) and from T = 4096
-#: over up to 64, in the pairs below (32 heads: 126.7 against 132.5 for kv16c64wg; 16 heads 73.4 against 80.3
-#: for one warpgroup a CTA).
+#: The segmented scan (``{layout}64c64sg``): a batch (a ragged one as N rows of its mean length) too few to fill the
+#: GPU with one CTA a (row, head, 64 value columns), cut into segments whose CTAs fill it once -- from so many tokens
+#: over at most so many such CTAs (h200-prefill-segments.json), and over up to 256 from T = 8192, where one segment a
+#: row already leads the transposed scan (h200-prefill-lengths.json, K = 128, 128 heads, two warpgroups a CTA: T =
+#: 65536 6698.3 against 6831.7 us, one a CTA 7441.0 against 7581.0; T = 8192 853.2 against 844.0).  At K = 64 from T =
+#: 1024 over up to 32 such CTAs (h200-prefill-tiling.json, Comba, 16 heads: 28.3 against 29.7 us for kv16c64) and
+#: from T = 4096 over up to 64, in the pairs below (32 heads: 126.7 against 132.5 for kv16c64wg; 16 heads 73.4
+#: against 80.3 for one warpgroup a CTA).
 SEGMENTED_MIN_T = {128: ((16, 1024), (32, 2048), (256, 8192)),
                    64: ((32, 1024), (64, 4096), (256, 8192))}
 #: At most so many segments (the last one composes the maps of all before it, one after another), each of at
