@@ -6,17 +6,17 @@
 Per shape and layout, Comba decode steps (in place: the state read once and written once): ``dense`` the batch's own
 states; ``pool`` through ``state_indices`` -- a random permutation of slots of a pool twice the batch; ``pool, slots
 in order`` the first B slots of that pool in order (the indirection alone); ``half padding`` the random pool with
-every other row a padding row; ``gating`` the pool with ``A_log``/``dt_bias``/``use_beta_sigmoid``; and ``copy
-through the pool``, an in-place copy of the same slots' states (the state bytes of the pooled step, in the same
-order): what a plain kernel reaches through that access pattern; ``copy, slots in order`` and ``copy, dense slots``
-the same kernel over the in-order slots and over the dense states. Forward passes likewise (dense, pool, pool +
-gating), ``ragged``: the same tokens packed as B sequences of T with ``cu_seqlens``, which the rules give the
-dense call's kernel (they choose a ragged batch's by its mean length); each forward row names the variant it ran. Speculative verify writing every token's state, in both conventions, beside a copy of one
-state read and T writes through the same slots (on compute capability 9.0 also with the writes as bulk copies from
-shared memory) and ``writes alone``, a fill of the intermediate_states buffer (the T states' bytes written, nothing
-read) (with ``--verify-tilings`` also the intermediate_states call on every token-loop tiling, ``verify tiling
-<variant>``). ``of copy`` is the bytes each call must move (states read and written, activations, o) over its time,
-as a fraction of the device copy measured first.
+every other row a padding row; ``gating`` the pool with ``A_log``/``dt_bias``/``use_beta_sigmoid``; and ``copy through
+the pool``, an in-place copy of the same slots' states (the state bytes of the pooled step, in the same order): what a
+plain kernel reaches through that access pattern; ``copy, slots in order`` and ``copy, dense slots`` the same kernel
+over the in-order slots and over the dense states. Forward passes likewise (dense, pool, pool + gating), ``ragged``:
+the same tokens packed as B sequences of T with ``cu_seqlens``, which the rules give the dense call's kernel (they
+choose a ragged batch's by its mean length); each forward row names the variant it ran. Speculative verify writing
+every token's state, in both conventions, beside a copy of one state read and T writes through the same slots (on
+compute capability 9.0 also with the writes as bulk copies from shared memory) and ``writes alone``, a fill of the
+intermediate_states buffer (the T states' bytes written, nothing read) (with ``--verify-tilings`` also the
+intermediate_states call on every token-loop tiling, ``verify tiling <variant>``). ``of copy`` is the bytes each call
+must move (states read and written, activations, o) over its time, as a fraction of the device copy measured first.
 """
 
 import argparse
@@ -25,7 +25,7 @@ import json
 import cupy
 import numpy
 
-from cupy_comba import _plan, bfloat16, comba_decode_step, comba_forward, families, tiling
+from cupy_comba import _plan, bfloat16, comba_decode_step, comba_forward, families
 from cupy_comba.bench import environment, measure_copy, parse_shapes, time_graph
 
 
@@ -170,24 +170,24 @@ def forward(shape, layout, copy_gbps):
     opts = dict(out=out, state_layout=layout)
     packed = [a.reshape((1, B * T) + a.shape[2:]) for a in (q, k, v, p, beta, g, out)]
     cu = cupy.arange(0, B * T + 1, T, dtype=cupy.int32)
-    # the variant each call runs: the rules' choice for its shape (a ragged batch by its mean length), with the
-    # GPU's facts the plans pass them (bf16 q, k, p)
-    device = cupy.cuda.Device()
-    rule = dict(max_shared=_plan.shared_limit(device.id), wgmma=families.runs_wgmma(device.compute_capability))
-    chosen = tiling.choose(layout, K, V, True, True, T, B * H, **rule)
     cases = [
-        ("forward dense", chosen,
-         lambda: comba_forward(q, k, v, p, beta, g, initial_state=state, state_out=state, **opts)),
-        ("forward pool", chosen,
-         lambda: comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=slots, **opts)),
-        ("forward pool + gating", chosen,
-         lambda: comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=slots, **opts, **gates)),
-        ("forward ragged", chosen,
-         lambda: comba_forward(*packed[:6], initial_state=state, state_out=state, cu_seqlens=cu, out=packed[6],
-                               state_layout=layout)),
+        ("forward dense", lambda: comba_forward(q, k, v, p, beta, g, initial_state=state, state_out=state, **opts)),
+        ("forward pool", lambda: comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=slots, **opts)),
+        ("forward pool + gating", lambda: comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=slots,
+                                                        **opts, **gates)),
+        ("forward ragged", lambda: comba_forward(*packed[:6], initial_state=state, state_out=state, cu_seqlens=cu,
+                                                 out=packed[6], state_layout=layout)),
     ]
-    return [_row(kind, layout, shape, time_graph(fn), nbytes, copy_gbps, variant=variant)
-            for kind, variant, fn in cases]
+    return [_row(kind, layout, shape, time_graph(fn), nbytes, copy_gbps, variant=_variant(fn))
+            for kind, fn in cases]
+
+
+def _variant(fn):
+    """The variant the plan of ``fn``'s call runs (the call made once more, from a fresh plan)."""
+    _plan.PLANS.clear()
+    fn()
+    (plan,) = _plan.PLANS.values()
+    return plan.variant
 
 
 def verify(shape, layout, copy_gbps, tilings=False):
