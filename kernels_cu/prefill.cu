@@ -17,8 +17,8 @@
 //   S  = G_63 S0 + Kc^T diag(w) U,   w_j = r(j, 63) fk_j
 //
 // -- the token recurrence of token_loop.cu (u_t = beta_t (v_t - S^T p_t) after the decay, o_t read
-// from the new state), unrolled over the chunk: exact algebra.  The decays are running products, as
-// the token loop applies them (no logarithms, no division: a gate of 0 is exact).
+// from the new state), unrolled over the chunk: exact algebra.  The decays are products of the gates
+// (no logarithms, no division: a gate of 0 is exact), over blocks of 16 tokens (prefill_prep's ea, es).
 //
 // Precision (ACC).  The products accumulate in fp32 and the state stays fp32 from chunk to chunk in the
 // accumulators.  "tf32" (ACC 0: bf16 keys, 3: fp16 or fp32 keys): mma.sync m16n8k8, each operand rounded to
@@ -42,8 +42,8 @@
 // grid is sized on the host from the packed length and the number of sequences, with no device sync.
 //
 // Launch geometry.  prep: one 128-thread CTA a (chunk slot, value head), its keys staged in shared
-// memory (PrepLayout); the Gram tiles on or below the diagonal shared out evenly over the four warps,
-// then every thread the decay products (two a column), threads 0 .. 63 the diagonal blocks' substitution,
+// memory (PrepLayout); the Gram tiles on or below the diagonal shared out evenly over the four warps, each
+// warp applying its tiles' decays as it stores them, threads 0 .. 63 the diagonal blocks' substitution,
 // one column each, and the four warps the blocks below the diagonal on mma.sync.  scan: one 256-thread
 // CTA a (row, value head, slab of VT = 16 or 32 value columns); warp w holds token tile w % 4 of Y, U
 // and O and half (w / 4) of the slab's column tiles, and of the state (K x VT fp32) key tiles
@@ -200,24 +200,27 @@ __device__ __forceinline__ long long first_slot(const void* cu, const Params& pr
     return row_start<SERVING>(cu, prm, b) / kPrefillChunk + b;
 }
 
+// The last row b of 0 .. B - 1 with key(b) <= x, by bisection (row 0 where there is none); whatever the keys, a row
+// of the batch.
+template <class Key>
+__device__ __forceinline__ int last_row(int B, Key key, long long x) {
+    int lo = 0, hi = B - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (key(mid) <= x) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
 // The row whose chunks hold slot `slot`, and the chunk (negative or past the row's end for a slot of
-// no chunk): the last row b with first_slot(b) <= slot, by bisection in a ragged batch.
+// no chunk): the last row b with first_slot(b) <= slot in a ragged batch.
 template <bool SERVING>
 __device__ __forceinline__ int slot_row(const void* cu, const Params& prm, long long slot, long long& chunk) {
-    const int B = static_cast<int>(prm.B);
-    int lo = 0;
-    if (!SERVING || !prm.cu_t) {
-        lo = static_cast<int>(slot / ((prm.T + kPrefillChunk - 1) / kPrefillChunk));
-    } else {
-        int hi = B - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) >> 1;
-            if (first_slot<SERVING>(cu, prm, mid) <= slot) lo = mid;
-            else hi = mid - 1;
-        }
-    }
-    chunk = slot - first_slot<SERVING>(cu, prm, lo);
-    return lo;
+    const int b = !SERVING || !prm.cu_t
+                      ? static_cast<int>(slot / ((prm.T + kPrefillChunk - 1) / kPrefillChunk))
+                      : last_row(static_cast<int>(prm.B), [&](int r) { return first_slot<SERVING>(cu, prm, r); }, slot);
+    chunk = slot - first_slot<SERVING>(cu, prm, b);
+    return b;
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -424,9 +427,9 @@ __device__ __forceinline__ float2 staged_f16x2(const unsigned char* at) {
 // takes its blocks of v once Mq is in the record.
 //
 // Gram rows are 68 floats: S = 4 (mod 32) makes the solve's A-operand reads and the fragments' output (rows
-// lg, columns lj of a tile) and the column walks of the decay products free of bank conflicts, and the
-// transposed reads (rows lj, columns lg) and the Gram products' 8-byte stores two-way at most; at K = 128 the
-// three staged bf16 key arrays are 55.3 KB, four CTAs an SM.
+// lg, columns lj of a tile) free of bank conflicts, and the transposed reads (rows lj, columns lg) and the Gram
+// products' 8-byte stores two-way at most; at K = 128 the three staged bf16 key arrays are 55.3 KB, four CTAs an
+// SM.
 template <int K, bool K32>
 struct PrepLayout {
     static constexpr int KP = K + 16, ES = K32 ? 4 : 2, S = kPrefillChunk + 4;
@@ -437,6 +440,15 @@ struct PrepLayout {
     static constexpr int BYTES = P_AT + KEY_BYTES;
     static_assert(GRAM_BYTES / 2 >= 2 * 8192, "Mq's region holds wy_record's two blocks of v");
 };
+
+// One step of an inclusive product scan over lanes `delta` apart: x times the value of the lane `delta` below, where
+// there is one.
+__device__ __forceinline__ float scan_up_product(float x, int delta) {
+    float y;
+    asm("{\n .reg .pred p;\n shfl.sync.up.b32 %0|p, %1, %2, 0, 0xffffffff;\n @!p mov.f32 %0, 0f3F800000;\n}\n"
+        : "=f"(y) : "f"(x), "r"(delta));
+    return x * y;
+}
 
 // Entry (r, c) of X = (I + L)^-1, r on or below c's block: the diagonal blocks stand where L's did, those below
 // the diagonal transposed into the blocks above it (which L never uses).
@@ -465,11 +477,11 @@ __device__ __forceinline__ void ldsm4_trans(unsigned (&r)[4], const void* at) {
 // Mq into prefill_prep's ACC 6 record (WyRecord) from gram_q: word (block jb, row t, pair i) holds columns
 // 8 jb + 2 i, + 1 of row t; zeros above the diagonal.
 template <int K>
-__device__ __forceinline__ void wy_mq(float* rec, const float* gram_q, int tid) {
+__device__ __forceinline__ void wy_mq(float* rec, const float* gram_q, int first, int stride) {
     constexpr int S = kPrefillChunk + 4;
     uint4* const words = reinterpret_cast<uint4*>(rec + WyRecord<K>::MQ);
-#pragma unroll
-    for (int i = tid; i < 512; i += kPrefillThreads) {  // row t's columns 8 jb .. 8 jb + 7 a thread
+#pragma unroll 4
+    for (int i = first; i < 512; i += stride) {  // row t's columns 8 jb .. 8 jb + 7 an item
         const int t = i & 63, j = 8 * (i >> 6);
         const float4 m0 = *reinterpret_cast<const float4*>(gram_q + t * S + j);
         const float4 m1 = *reinterpret_cast<const float4*>(gram_q + t * S + j + 4);
@@ -522,85 +534,102 @@ __device__ __forceinline__ void stage_v_block(unsigned char* buf, const void* v,
 // bt, G fp in gfp) are formed: W' = A diag(G fp) P from P's staged rows (sp) and u' = A Vc from the blocks of v in
 // vbuf (two buffers of 8 KB; where v copies, the caller has issued blocks 0 and 1), with A = X diag(beta), on
 // mma.sync m16n8k16 with bf16 operands (A rounded once, as the other bf16 records) and fp32 sums, as
-// prefill_scan_wt's B tiles.  Warp w forms token rows 16 w .. 16 w + 15, over the k-steps 0 .. w on or below the
-// diagonal of A.
+// prefill_scan_wt's B tiles.  A's row tile m has k-steps 0 .. m on or below its diagonal, so the row tiles go in
+// pairs of five k-steps, {0, 3} to warps 0 and 1 and {1, 2} to warps 2 and 3, each warp of a pair forming 32 of the
+// 64 columns: the same work in every warp.
 template <int K>
 __device__ __forceinline__ void wy_record(float* rec, const float* xs, const unsigned char* sp, unsigned char* vbuf,
                                           const float* bt, const float* gfp, const void* v, long long v0, bool v_copies,
                                           const Params& prm, int n, int tid) {
     using R = WyRecord<K>;
     constexpr int KP = K + 16, S = kPrefillChunk + 4;
-    const int lane = tid & 31, warp = tid >> 5, lg = lane >> 2, lj = lane & 3;
+    const int lane = tid & 31, warp = tid >> 5, lg = lane >> 2, lj = lane & 3, side = warp & 1;
     unsigned* const words = reinterpret_cast<unsigned*>(rec);
-    // this warp's row tile of A and of A diag(G fp) as A fragments, k-steps 0 .. warp (zeros past it)
-    const int r0 = 16 * warp + lg;
-    unsigned au[4][4], aw[4][4];
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-        const int c0 = 16 * ks + 2 * lj;
-        // X's rows r0 + 8 (i & 1) by columns c0 + (i >> 1 & 1) + 8 (i >> 2): the diagonal block in place, one below
-        // it transposed (x_entry), none above it
-        float x[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        if (ks <= warp) {
-            const bool diagonal = ks == warp;
-            const float* x0 = xs + (diagonal ? r0 * S + c0 : c0 * S + r0);
-            const int row = diagonal ? 8 * S : 8, col = diagonal ? 1 : S;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) x[i] = x0[row * (i & 1) + col * (i >> 1 & 1) + 8 * col * (i >> 2)];
-        }
-        const float b0 = bt[c0], b1 = bt[c0 + 1], b2 = bt[c0 + 8], b3 = bt[c0 + 9];
-        const float g0 = b0 * gfp[c0], g1 = b1 * gfp[c0 + 1], g2 = b2 * gfp[c0 + 8], g3 = b3 * gfp[c0 + 9];
-        const bool in = ks <= warp;
-        au[ks][0] = in ? bf16_pair(x[0] * b0, x[2] * b1) : 0u;
-        au[ks][1] = in ? bf16_pair(x[1] * b0, x[3] * b1) : 0u;
-        au[ks][2] = in ? bf16_pair(x[4] * b2, x[6] * b3) : 0u;
-        au[ks][3] = in ? bf16_pair(x[5] * b2, x[7] * b3) : 0u;
-        aw[ks][0] = in ? bf16_pair(x[0] * g0, x[2] * g1) : 0u;
-        aw[ks][1] = in ? bf16_pair(x[1] * g0, x[3] * g1) : 0u;
-        aw[ks][2] = in ? bf16_pair(x[4] * g2, x[6] * g3) : 0u;
-        aw[ks][3] = in ? bf16_pair(x[5] * g2, x[7] * g3) : 0u;
-    }
     // ldmatrix.trans: lane l gives row (l & 7) + 8 ((l >> 3) & 1) of the k-step, 16-byte piece l >> 4 of the pair
     const int lrow = (lane & 7) + 8 * ((lane >> 3) & 1), lpiece = lane >> 4;
-    // 64 columns of rows (k) by columns (n), the 16-byte piece c of row r at piece(r, c), times this warp's
-    // fragments a, into words from `out` (block of 8 columns nb at 256 nb, row r at 4 r)
-    auto product = [&](auto piece, const unsigned (&a)[4][4], unsigned* out) {
-        float acc[8][4];
+    auto pair = [&](auto lo_c) {
+        constexpr int LO = decltype(lo_c)::value, HI = 3 - LO;
+        // row tile m = LO, HI (i = 0, 1) of A diag(G fp) (W) or A (U) as A fragments at [i][k-step], k-steps 0 .. m
+        auto fragments = [&](auto w_c, unsigned (&a)[2][4][4]) {
+            constexpr bool W = decltype(w_c)::value;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+            for (int i = 0; i < 2; ++i)
 #pragma unroll
-        for (int ks = 0; ks < 4; ++ks) {
-            if (ks > warp) break;
+                for (int ks = 0; ks <= (i ? HI : LO); ++ks) {
+                    const int r0 = 16 * (i ? HI : LO) + lg, c0 = 16 * ks + 2 * lj;
+                    // X's rows r0 + 8 (u & 1) by columns c0 + (u >> 1 & 1) + 8 (u >> 2): the diagonal block in place,
+                    // one below it transposed (x_entry)
+                    const bool diagonal = ks == (i ? HI : LO);
+                    const float* x0 = xs + (diagonal ? r0 * S + c0 : c0 * S + r0);
+                    const int row = diagonal ? 8 * S : 8, col = diagonal ? 1 : S;
+                    float x[8];
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                unsigned bq[4];
-                ldsm4_trans(bq, piece(16 * ks + lrow, 2 * q + lpiece));
-                mma_bf16(acc[2 * q], a[ks][0], a[ks][1], a[ks][2], a[ks][3], bq[0], bq[1]);
-                mma_bf16(acc[2 * q + 1], a[ks][0], a[ks][1], a[ks][2], a[ks][3], bq[2], bq[3]);
+                    for (int u = 0; u < 8; ++u) x[u] = x0[row * (u & 1) + col * (u >> 1 & 1) + 8 * col * (u >> 2)];
+                    float f[4] = {bt[c0], bt[c0 + 1], bt[c0 + 8], bt[c0 + 9]};
+                    if constexpr (W) {
+                        f[0] *= gfp[c0], f[1] *= gfp[c0 + 1], f[2] *= gfp[c0 + 8], f[3] *= gfp[c0 + 9];
+                    }
+                    a[i][ks][0] = bf16_pair(x[0] * f[0], x[2] * f[1]);
+                    a[i][ks][1] = bf16_pair(x[1] * f[0], x[3] * f[1]);
+                    a[i][ks][2] = bf16_pair(x[4] * f[2], x[6] * f[3]);
+                    a[i][ks][3] = bf16_pair(x[5] * f[2], x[7] * f[3]);
+                }
+        };
+        // 64 rows (k) by this warp's 32 columns (n), the 16-byte piece c of row r at piece(r, c), times the fragments
+        // a, into words from `out` (block of 8 columns nb at 256 nb, row r at 4 r)
+        auto product = [&](auto piece, const unsigned (&a)[2][4][4], unsigned* out) {
+            float acc[2][4][4];
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) acc[i][nt][0] = acc[i][nt][1] = acc[i][nt][2] = acc[i][nt][3] = 0.f;
+#pragma unroll
+            for (int ks = 0; ks <= HI; ++ks)
+#pragma unroll
+                for (int qq = 0; qq < 2; ++qq) {
+                    unsigned bq[4];
+                    ldsm4_trans(bq, piece(16 * ks + lrow, 4 * side + 2 * qq + lpiece));
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        if (ks > (i ? HI : LO)) continue;
+                        mma_bf16(acc[i][2 * qq], a[i][ks][0], a[i][ks][1], a[i][ks][2], a[i][ks][3], bq[0], bq[1]);
+                        mma_bf16(acc[i][2 * qq + 1], a[i][ks][0], a[i][ks][1], a[i][ks][2], a[i][ks][3], bq[2], bq[3]);
+                    }
+                }
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int r0 = 16 * (i ? HI : LO) + lg;
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) {
+                    unsigned* const at = out + 256 * (4 * side + nt);
+                    at[4 * r0 + lj] = bf16_pair(acc[i][nt][0], acc[i][nt][1]);
+                    at[4 * (r0 + 8) + lj] = bf16_pair(acc[i][nt][2], acc[i][nt][3]);
+                }
+            }
+        };
+        unsigned a[2][4][4];
+        fragments(Constant<true>{}, a);
+#pragma unroll 1
+        for (int half = 0; half < K / 64; ++half)
+            product([&](int r, int c) { return sp + 2 * KP * r + 128 * half + 16 * c; }, a,
+                    words + R::WP + 2048 * half);
+        fragments(Constant<false>{}, a);
+        const int blocks = static_cast<int>(prm.V) / 64;
+        for (int vb = 0; vb < blocks; ++vb) {
+            unsigned char* const buf = vbuf + 8192 * (vb & 1);
+            if (!v_copies) stage_v_block(buf, v, v0, false, prm, vb, n, tid);  // its last reader passed the barrier below
+            else if (vb + 1 < blocks) copy_async_wait<1>();
+            else copy_async_wait<0>();
+            __syncthreads();
+            product([&](int r, int c) { return buf + 128 * r + 16 * (c ^ (r & 7)); }, a, words + R::SIZE + 2048 * vb);
+            if (vb + 2 < blocks) {
+                __syncthreads();  // buf read before block vb + 2 lands there
+                if (v_copies) stage_v_block(buf, v, v0, true, prm, vb + 2, n, tid);
             }
         }
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            out[256 * i + 4 * r0 + lj] = bf16_pair(acc[i][0], acc[i][1]);
-            out[256 * i + 4 * (r0 + 8) + lj] = bf16_pair(acc[i][2], acc[i][3]);
-        }
     };
-#pragma unroll 1
-    for (int half = 0; half < K / 64; ++half)
-        product([&](int r, int c) { return sp + 2 * KP * r + 128 * half + 16 * c; }, aw, words + R::WP + 2048 * half);
-    const int blocks = static_cast<int>(prm.V) / 64;
-    for (int vb = 0; vb < blocks; ++vb) {
-        unsigned char* const buf = vbuf + 8192 * (vb & 1);
-        if (!v_copies) stage_v_block(buf, v, v0, false, prm, vb, n, tid);  // its last reader passed the barrier below
-        else if (vb + 1 < blocks) copy_async_wait<1>();
-        else copy_async_wait<0>();
-        __syncthreads();
-        product([&](int r, int c) { return buf + 128 * r + 16 * (c ^ (r & 7)); }, au, words + R::SIZE + 2048 * vb);
-        if (vb + 2 < blocks) {
-            __syncthreads();  // buf read before block vb + 2 lands there
-            if (v_copies) stage_v_block(buf, v, v0, true, prm, vb + 2, n, tid);
-        }
-    }
+    if (warp < 2) pair(Constant<0>{});
+    else pair(Constant<1>{});
 }
 
 // Four CTAs an SM where they fit: with bf16 keys (ACC 0, 1 and 4) at K <= 128 a CTA needs at most 128
@@ -627,8 +656,8 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     float* const gram_p = reinterpret_cast<float*>(prefill_smem);  // p_t . k_j, then L, then X = (I + L)^-1
     float* const gram_q = gram_p + C * S;                          // q_t . k_j, then Mq
     float* const xs = gram_p;
-    // per token: the gate, beta, the L2-norm factors, and L's and Mq's row factors beta fp and scale fq
-    __shared__ __align__(16) float e[C], bt[C], fq[C], fk[C], fp[C], lp[C], lq[C];
+    // per token: the gate, beta, the L2-norm factors, and the decays within the token's block of 16
+    __shared__ __align__(16) float e[C], bt[C], fq[C], fk[C], fp[C], ea[C], es[C];
     float* work = inter;
     launch_next();
 
@@ -644,6 +673,14 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     const int n = static_cast<int>(min(static_cast<long long>(C), T - t0));
     float* rec = work + (slot * H + h) * record_words<K, ACC>(prm);
 
+    // the gates' loads first (threads 0 .. 63, a token each), so that they arrive with the keys, not after them
+    const bool token_in = tid < n;
+    const HeadGating gating = head_gating<SERVING>(A_log, dt_bias, h);
+    unsigned gbits = 0u, bbits = 0u;
+    if (token_in) {
+        gbits = load_bits(g, b * prm.g_sb + (t0 + tid) * prm.g_st + h * prm.g_sh, prm.g_t);
+        bbits = load_bits(beta, b * prm.beta_sb + (t0 + tid) * prm.beta_st + h * prm.beta_sh, prm.beta_t);
+    }
     stage_keys<K, ES, kPrefillThreads>(sq, q, b * prm.q_sb + t0 * prm.q_st + hk * prm.q_sh, prm.q_st, prm.q_sk,
                                        prm.q_t, n,
                                        rows_copyable(q, prm.q_sb, prm.q_st, prm.q_sh, prm.q_sk, prm.q_t, ES), tid);
@@ -657,17 +694,10 @@ prefill_prep(COMBA_PREFILL_ARGS) {
                                            tid);
     copy_async_commit();
 
-    // gates (0 past the end), while the keys arrive
+    // the gates (e = 1 and beta = 0 past the end), while the keys arrive
     if (tid < C) {
-        const HeadGating gating = head_gating<SERVING>(A_log, dt_bias, h);
-        const bool in = tid < n;
-        const float graw =
-            in ? bits_to_float(load_bits(g, b * prm.g_sb + (t0 + tid) * prm.g_st + h * prm.g_sh, prm.g_t), prm.g_t)
-               : 0.f;
-        const float braw = in ? bits_to_float(load_bits(beta, b * prm.beta_sb + (t0 + tid) * prm.beta_st +
-                                                                  h * prm.beta_sh, prm.beta_t), prm.beta_t) : 0.f;
-        e[tid] = in ? gate_of<SERVING>(graw, prm, gating) : 1.f;
-        bt[tid] = in ? beta_of<SERVING>(braw, prm, gating) : 0.f;
+        e[tid] = token_in ? gate_of<SERVING>(bits_to_float(gbits, prm.g_t), prm, gating) : 1.f;
+        bt[tid] = token_in ? beta_of<SERVING>(bits_to_float(bbits, prm.beta_t), prm, gating) : 0.f;
     }
     copy_async_wait<0>();
     __syncthreads();
@@ -692,15 +722,27 @@ prefill_prep(COMBA_PREFILL_ARGS) {
                 fq[t] = in ? rsqrtf(sq2 + kL2NormEps) : 0.f;
                 fk[t] = in ? rsqrtf(sk2 + kL2NormEps) : 0.f;
                 fp[t] = in ? rsqrtf(sp2 + kL2NormEps) : 0.f;
-                lp[t] = bt[t] * fp[t];
-                lq[t] = scale * fq[t];
             }
         }
     } else if (tid < C) {
         const float f = tid < n ? 1.f : 0.f;
         fq[tid] = fk[tid] = fp[tid] = f;
-        lp[tid] = bt[tid] * f;
-        lq[tid] = scale * f;
+    }
+    // The decay within blocks of 16 tokens, in token order: ea_t = e_{16 I} ... e_t over t's block I (tid < 64),
+    // es_t = e_{t + 1} ... e_{16 I + 15} (tid >= 64; 1 at the block's end).  Across blocks r(j, t) = es_j P ea_t,
+    // P the product over the whole blocks between.
+    {
+        const int t = tid & (C - 1), first = t & ~15;
+        const bool suffix = tid >= C;
+        float x = 1.f;
+#pragma unroll
+        for (int u = 0; u < 16; u += 4) {
+            const float4 e4 = *reinterpret_cast<const float4*>(e + first + u);
+            const float ev[4] = {e4.x, e4.y, e4.z, e4.w};
+#pragma unroll
+            for (int w = 0; w < 4; ++w) x = (suffix ? first + u + w > t : first + u + w <= t) ? x * ev[w] : x;
+        }
+        (suffix ? es : ea)[t] = x;
     }
 
     // Gram products: this warp's five tiles (GramTiles), the warp a template constant so that the accumulators
@@ -754,7 +796,14 @@ prefill_prep(COMBA_PREFILL_ARGS) {
             mma_acc<KL, KL>(gq[F + i], qh1, ql1, bh[2], bh[3], bl[2], bl[3]);
         }
     };
-    // this warp's tiles over every key, then into the Gram matrices: (row, column) pairs of a tile as 8-byte stores
+    // This warp's tiles over every key, then into L and Mq with their factors, as (row, column) pairs of a tile in
+    // 8-byte stores:
+    //   L[t][j] = beta_t fp_t fk_j r(j, t) (p_t . k_j), j < t;   Mq[t][j] = scale fq_t fk_j r(j, t) (q_t . k_j), j <= t;
+    // zeros above the diagonal.  r(j, t) across blocks of 16 from the block products (ea, es): es_j, the whole
+    // blocks between, ea_t.  Within a diagonal block, r(j, t) = f_{16 I} ... f_t with f_u = e_u past j and 1 up to
+    // it: a product scan over the eight lanes of a column (rows lg, then lg + 8).  Threads 0 .. 63 then form the
+    // record's gates of token c = tid: G_c fp_c, scale G_c fq_c, w_c = fk_c r(c, 63), G_63.
+    float gfp = 0.f;
     auto gram = [&](auto warp_c) {
         using G = GramTiles<decltype(warp_c)::value>;
 #pragma unroll 1
@@ -763,93 +812,90 @@ prefill_prep(COMBA_PREFILL_ARGS) {
             if constexpr (G::N1 > 0) tiles(G::M1, Constant<G::N0>{}, Constant<G::N1>{}, G::C1, key + 4 * lj);
         }
         __syncthreads();  // the staged keys are read: the Gram matrices take their place
+        float pb[4];  // the products over whole blocks
+#pragma unroll
+        for (int i = 0; i < 4; ++i) pb[i] = ea[16 * i + 15];
+        // the row factors of the warp's two row tiles (rows 16 M + lg, + 8): beta_t fp_t and scale fq_t, and those
+        // times ea_t for the blocks below the diagonal
+        float rl[2][2], rq[2][2], rla[2][2], rqa[2][2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = 16 * (i ? G::M1 : G::M0) + lg + 8 * h;
+                rl[i][h] = bt[row] * fp[row];
+                rq[i][h] = scale * fq[row];
+                rla[i][h] = rl[i][h] * ea[row];
+                rqa[i][h] = rq[i][h] * ea[row];
+            }
 #pragma unroll
         for (int f = 0; f < 5; ++f) {
-            const int m = f < G::N0 ? G::M0 : G::M1, j = 8 * (f < G::N0 ? G::C0 + f : G::C1 + f - G::N0) + 2 * lj;
-            const int at = (16 * m + lg) * S + j;
-            *reinterpret_cast<float2*>(gram_p + at) = make_float2(gp[f][0], gp[f][1]);
-            *reinterpret_cast<float2*>(gram_p + at + 8 * S) = make_float2(gp[f][2], gp[f][3]);
-            *reinterpret_cast<float2*>(gram_q + at) = make_float2(gq[f][0], gq[f][1]);
-            *reinterpret_cast<float2*>(gram_q + at + 8 * S) = make_float2(gq[f][2], gq[f][3]);
+            const int i = f < G::N0 ? 0 : 1, m = i ? G::M1 : G::M0, ct = i ? G::C1 + f - G::N0 : G::C0 + f;
+            const int t = 16 * m + lg, j = 8 * ct + 2 * lj;  // rows t, t + 8; columns j, j + 1
+            const float2 kj = *reinterpret_cast<const float2*>(fk + j);
+            float l[2][2], mq[2][2];
+            if (ct / 2 < m) {  // a block below the diagonal: fk_j es_j (blocks between) times the row's ea_t
+                float between = 1.f;
+#pragma unroll
+                for (int u = ct / 2 + 1; u < m; ++u) between *= pb[u];
+                const float2 sj = *reinterpret_cast<const float2*>(es + j);
+                const float cf[2] = {kj.x * (sj.x * between), kj.y * (sj.y * between)};
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        l[h][c] = gp[f][2 * h + c] * (rla[i][h] * cf[c]);
+                        mq[h][c] = gq[f][2 * h + c] * (rqa[i][h] * cf[c]);
+                    }
+            } else {  // a diagonal block: the scan down the column, from the top of the block
+                float x[2][2];
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) x[h][c] = t + 8 * h > j + c ? e[t + 8 * h] : 1.f;
+#pragma unroll
+                for (int d = 1; d < 8; d *= 2)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+#pragma unroll
+                        for (int c = 0; c < 2; ++c) x[h][c] = scan_up_product(x[h][c], 4 * d);
+#pragma unroll
+                for (int c = 0; c < 2; ++c) x[1][c] *= __shfl_sync(0xffffffffu, x[0][c], 28 + lj);
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const int row = t + 8 * h, col = j + c;
+                        const float rk = (c ? kj.y : kj.x) * x[h][c];
+                        l[h][c] = row > col ? gp[f][2 * h + c] * (rl[i][h] * rk) : 0.f;
+                        mq[h][c] = row >= col ? gq[f][2 * h + c] * (rq[i][h] * rk) : 0.f;
+                    }
+            }
+            const int at = t * S + j;
+            *reinterpret_cast<float2*>(gram_p + at) = make_float2(l[0][0], l[0][1]);
+            *reinterpret_cast<float2*>(gram_p + at + 8 * S) = make_float2(l[1][0], l[1][1]);
+            *reinterpret_cast<float2*>(gram_q + at) = make_float2(mq[0][0], mq[0][1]);
+            *reinterpret_cast<float2*>(gram_q + at + 8 * S) = make_float2(mq[1][0], mq[1][1]);
+        }
+        if (tid < C) {
+            const int c = tid, blk = c >> 4;
+            float before = 1.f, after = 1.f;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                before = i < blk ? before * pb[i] : before;
+                after = i > blk ? after * pb[i] : after;
+            }
+            const float Gc = before * ea[c];
+            rec[R::GP + c] = gfp = Gc * fp[c];
+            rec[R::GQ + c] = scale * Gc * fq[c];
+            rec[R::W + c] = fk[c] * (es[c] * after);
+            if (c == C - 1) rec[R::G] = Gc;
         }
     };
     if (warp == 0) gram(Constant<0>{});
     else if (warp == 1) gram(Constant<1>{});
     else if (warp == 2) gram(Constant<2>{});
     else gram(Constant<3>{});
-    __syncthreads();
-
-    // Column c of L and Mq with the running product fk_c r(c, t), two threads a column: rows 0 .. 31 (tid < 64) and
-    // 32 .. 63, the second starting from the product over rows c + 1 .. 31.  The first then forms the prefix
-    // product G_c.  Every product multiplies in token order, as one walk down the column would.  The half is a
-    // constant of the code (the rows' factors at fixed addresses, four to a load); L and Mq have no entries in
-    // rows 0 .. 31 of columns 32 .. 63, which the second warp of the first half leaves alone.
-    auto decay = [&](auto half_c) {
-        constexpr int HALF = decltype(half_c)::value, T0 = C / 2 * HALF;
-        const int c = tid & (C - 1);
-        float rho = fk[c];  // fk_c r(c, t)
-        if constexpr (HALF == 1) {
-#pragma unroll
-            for (int t = 0; t < C / 2; t += 4) {
-                const float4 e4 = *reinterpret_cast<const float4*>(e + t);
-                rho = t > c ? rho * e4.x : rho;
-                rho = t + 1 > c ? rho * e4.y : rho;
-                rho = t + 2 > c ? rho * e4.z : rho;
-                rho = t + 3 > c ? rho * e4.w : rho;
-            }
-        }
-        if (HALF == 1 || c < C / 2) {
-#pragma unroll
-            for (int t4 = T0; t4 < T0 + C / 2; t4 += 4) {
-                const float4 e4 = *reinterpret_cast<const float4*>(e + t4);
-                const float4 lp4 = *reinterpret_cast<const float4*>(lp + t4);
-                const float4 lq4 = *reinterpret_cast<const float4*>(lq + t4);
-                const float ev[4] = {e4.x, e4.y, e4.z, e4.w}, lpv[4] = {lp4.x, lp4.y, lp4.z, lp4.w},
-                            lqv[4] = {lq4.x, lq4.y, lq4.z, lq4.w};
-#pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    const int t = t4 + u;
-                    const bool below = t > c;
-                    rho = below ? rho * ev[u] : rho;
-                    float& l = gram_p[t * S + c];
-                    float& m = gram_q[t * S + c];
-                    if (below) l *= lpv[u] * rho;
-                    // on and below the diagonal Mq; above it, inside a stored tile, zero
-                    const float mq = t >= c ? m * (lqv[u] * rho) : 0.f;
-                    if (t >= c || (c >> 3) <= 2 * (t >> 4) + 1) m = mq;
-                }
-            }
-        }
-        if constexpr (HALF == 1) {
-            rec[R::W + c] = rho;
-        } else {
-            float G = 1.f;
-#pragma unroll
-            for (int t = 0; t < C / 2; t += 4) {
-                const float4 e4 = *reinterpret_cast<const float4*>(e + t);
-                G = t <= c ? G * e4.x : G;
-                G = t + 1 <= c ? G * e4.y : G;
-                G = t + 2 <= c ? G * e4.z : G;
-                G = t + 3 <= c ? G * e4.w : G;
-            }
-            if (c >= C / 2) {
-#pragma unroll
-                for (int t = C / 2; t < C; t += 4) {
-                    const float4 e4 = *reinterpret_cast<const float4*>(e + t);
-                    G = t <= c ? G * e4.x : G;
-                    G = t + 1 <= c ? G * e4.y : G;
-                    G = t + 2 <= c ? G * e4.z : G;
-                    G = t + 3 <= c ? G * e4.w : G;
-                }
-            }
-            rec[R::GP + c] = G * fp[c];
-            rec[R::GQ + c] = scale * G * fq[c];
-            if (c == C - 1) rec[R::G] = G;
-            return G * fp[c];
-        }
-        return 0.f;
-    };
-    const float gfp = tid < C ? decay(Constant<0>{}) : decay(Constant<1>{});
     __syncthreads();
     float* const gfps = e;  // the gates are read: G fp in their place, for the record of the transposed scan
     if (tid < C) gfps[tid] = gfp;
@@ -860,6 +906,31 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     // whose X_kj are diagonal or above X_ij in the same columns.  X takes L's place (x_entry): a diagonal block once
     // every thread has read L's, a block below the diagonal transposed into the one above it, which L never uses;
     // the L_ik still to be read lie strictly below the diagonal.
+    // Mq's A fragments in the record (ACC 0 .. 5), items first, first + stride, ... (the layout: "A and Mq" below)
+    auto mq_record = [&](int first, int stride) {
+        if constexpr (bf16_products(ACC)) {
+            constexpr int D = ACC == 5 ? 1 : 4, E = ACC == 5 ? 2 : 1;
+            unsigned* const words = reinterpret_cast<unsigned*>(rec);
+            for (int i = first; i < R::TILES * 32; i += stride) {
+                const int f = i >> 5, l = i & 31;
+                const int m = f < 1 ? 0 : f < 3 ? 1 : f < 6 ? 2 : 3, ks = f - m * (m + 1) / 2;
+                const float* m0 = gram_q + (16 * m + (l >> 2)) * S + 16 * ks + E * (l & 3);
+                const float* m1 = m0 + 8 * S;
+                *reinterpret_cast<uint4*>(words + R::MQ + 4 * i) =
+                    make_uint4(bf16_pair(m0[0], m0[D]), bf16_pair(m1[0], m1[D]), bf16_pair(m0[8], m0[8 + D]),
+                               bf16_pair(m1[8], m1[8 + D]));
+            }
+        } else if constexpr (ACC != 6) {
+            for (int i = first; i < R::TILES * 32; i += stride) {
+                const int f = i >> 5, l = i & 31;
+                const int m = f < 2 ? 0 : f < 6 ? 1 : f < 12 ? 2 : 3, ks = f - m * (m + 1);
+                const int r0 = 16 * m + (l >> 2), c0 = 8 * ks + (l & 3);
+                *reinterpret_cast<float4*>(rec + R::MQ + 4 * i) =
+                    make_float4(produced<CM>(gram_q[r0 * S + c0]), produced<CM>(gram_q[(r0 + 8) * S + c0]),
+                                produced<CM>(gram_q[r0 * S + c0 + 4]), produced<CM>(gram_q[(r0 + 8) * S + c0 + 4]));
+            }
+        }
+    };
     float xd[16];
     if (tid < C) {
         const int base = 16 * (tid >> 4), c = tid & 15;
@@ -871,9 +942,11 @@ prefill_prep(COMBA_PREFILL_ARGS) {
 #pragma unroll
             for (int t = j + 1; t < 16; ++t) xd[t] = fmaf(-gram_p[(base + t) * S + base + j], xj, xd[t]);
         }
+    } else if constexpr (ACC == 6) {  // meanwhile warps 2 and 3 put Mq in the record: its region takes v's blocks
+        wy_mq<K>(rec, gram_q, tid - C, C);
+    } else {
+        mq_record(tid - C, C);
     }
-    // the transposed scan's Mq leaves for its record here, its region taking v's blocks
-    if constexpr (ACC == 6) wy_mq<K>(rec, gram_q, tid);
     __syncthreads();
     if (tid < C) {
         const int base = 16 * (tid >> 4), c = tid & 15;
@@ -943,7 +1016,7 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     }
     __syncthreads();
 
-    // A and Mq as A fragments.  TF32: tile (m, ks) at m (m + 1) + ks, lane (lg, lj) the float4 (rows 16 m + lg,
+    // A (and Mq, above) as A fragments.  TF32: tile (m, ks) at m (m + 1) + ks, lane (lg, lj) the float4 (rows 16 m + lg,
     // + 8; columns 8 ks + lj, + 4).  bf16: tile (m, ks) at m (m + 1) / 2 + ks, lane (lg, lj) four bf16 pairs --
     // rows 16 m + lg, + 8 by columns (16 ks + lj, + 4), then (+ 8, + 12): k-slots 2 lj, 2 lj + 1, 2 lj + 8,
     // 2 lj + 9 stand for tokens lj, lj + 4, lj + 8, lj + 12 of the step, the order of the scan's token quads
@@ -963,11 +1036,6 @@ prefill_prep(COMBA_PREFILL_ARGS) {
             *reinterpret_cast<uint4*>(words + R::A + 4 * i) =
                 make_uint4(bf16_pair(x(0, 0) * b0, x(0, D) * b1), bf16_pair(x(8, 0) * b0, x(8, D) * b1),
                            bf16_pair(x(0, 8) * b2, x(0, 8 + D) * b3), bf16_pair(x(8, 8) * b2, x(8, 8 + D) * b3));
-            const float* m0 = gram_q + r0 * S + c0;
-            const float* m1 = m0 + 8 * S;
-            *reinterpret_cast<uint4*>(words + R::MQ + 4 * i) =
-                make_uint4(bf16_pair(m0[0], m0[D]), bf16_pair(m1[0], m1[D]), bf16_pair(m0[8], m0[8 + D]),
-                           bf16_pair(m1[8], m1[8 + D]));
         }
         return;
     } else {
@@ -979,9 +1047,6 @@ prefill_prep(COMBA_PREFILL_ARGS) {
         *reinterpret_cast<float4*>(rec + R::A + 4 * i) =
             make_float4(produced<CM>(x_entry(xs, r0, c0) * b0), produced<CM>(x_entry(xs, r0 + 8, c0) * b0),
                         produced<CM>(x_entry(xs, r0, c0 + 4) * b1), produced<CM>(x_entry(xs, r0 + 8, c0 + 4) * b1));
-        *reinterpret_cast<float4*>(rec + R::MQ + 4 * i) =
-            make_float4(produced<CM>(gram_q[r0 * S + c0]), produced<CM>(gram_q[(r0 + 8) * S + c0]),
-                        produced<CM>(gram_q[r0 * S + c0 + 4]), produced<CM>(gram_q[(r0 + 8) * S + c0 + 4]));
     }
     }
 }

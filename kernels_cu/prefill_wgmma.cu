@@ -549,16 +549,12 @@ __device__ __forceinline__ long long ragged_segments(const Params& prm, long lon
 }
 
 // The sequence of a ragged batch's segment number g, and the segment within it (negative, or past the sequence's
-// segments, for a number of no segment): the last row b with floor(first_slot(b) / lc) + b <= g, by bisection.
+// segments, for a number of no segment): the last row b with floor(first_slot(b) / lc) + b <= g.
 __device__ __forceinline__ int segment_row(const void* cu, const Params& prm, long long lc, long long g, int& seg) {
-    int lo = 0, hi = static_cast<int>(prm.B) - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (first_slot<true>(cu, prm, mid) / lc + mid <= g) lo = mid;
-        else hi = mid - 1;
-    }
-    seg = static_cast<int>(max(min(g - (first_slot<true>(cu, prm, lo) / lc + lo), 1LL << 30), -1LL));
-    return lo;
+    auto number = [&](int b) { return first_slot<true>(cu, prm, b) / lc + b; };
+    const int b = last_row(static_cast<int>(prm.B), number, g);
+    seg = static_cast<int>(max(min(g - number(b), 1LL << 30), -1LL));
+    return b;
 }
 
 // Two CTAs of the K = 128 chain on two warpgroups share an SM in 128 registers a thread.  Its build without serving
