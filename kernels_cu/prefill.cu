@@ -617,7 +617,8 @@ __device__ __forceinline__ void wy_record(float* rec, const float* xs, const uns
         const int blocks = static_cast<int>(prm.V) / 64;
         for (int vb = 0; vb < blocks; ++vb) {
             unsigned char* const buf = vbuf + 8192 * (vb & 1);
-            if (!v_copies) stage_v_block(buf, v, v0, false, prm, vb, n, tid);  // its last reader passed the barrier below
+            // by loads where v does not copy: the buffer's last reader passed the barrier below
+            if (!v_copies) stage_v_block(buf, v, v0, false, prm, vb, n, tid);
             else if (vb + 1 < blocks) copy_async_wait<1>();
             else copy_async_wait<0>();
             __syncthreads();
@@ -798,7 +799,7 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     };
     // This warp's tiles over every key, then into L and Mq with their factors, as (row, column) pairs of a tile in
     // 8-byte stores:
-    //   L[t][j] = beta_t fp_t fk_j r(j, t) (p_t . k_j), j < t;   Mq[t][j] = scale fq_t fk_j r(j, t) (q_t . k_j), j <= t;
+    //   L[t][j] = beta_t fp_t fk_j r(j, t) (p_t . k_j), j < t;  Mq[t][j] = scale fq_t fk_j r(j, t) (q_t . k_j), j <= t;
     // zeros above the diagonal.  r(j, t) across blocks of 16 from the block products (ea, es): es_j, the whole
     // blocks between, ea_t.  Within a diagonal block, r(j, t) = f_{16 I} ... f_t with f_u = e_u past j and 1 up to
     // it: a product scan over the eight lanes of a column (rows lg, then lg + 8).  Threads 0 .. 63 then form the
@@ -1016,11 +1017,11 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     }
     __syncthreads();
 
-    // A (and Mq, above) as A fragments.  TF32: tile (m, ks) at m (m + 1) + ks, lane (lg, lj) the float4 (rows 16 m + lg,
-    // + 8; columns 8 ks + lj, + 4).  bf16: tile (m, ks) at m (m + 1) / 2 + ks, lane (lg, lj) four bf16 pairs --
-    // rows 16 m + lg, + 8 by columns (16 ks + lj, + 4), then (+ 8, + 12): k-slots 2 lj, 2 lj + 1, 2 lj + 8,
-    // 2 lj + 9 stand for tokens lj, lj + 4, lj + 8, lj + 12 of the step, the order of the scan's token quads
-    // (ACC 4); with ACC 5 for tokens 2 lj, 2 lj + 1, 2 lj + 8, 2 lj + 9 (the natural order of wgmma's B tiles).
+    // A (and Mq, above) as A fragments.  TF32: tile (m, ks) at m (m + 1) + ks, lane (lg, lj) the float4 (rows 16 m +
+    // lg, + 8; columns 8 ks + lj, + 4).  bf16: tile (m, ks) at m (m + 1) / 2 + ks, lane (lg, lj) four bf16 pairs --
+    // rows 16 m + lg, + 8 by columns (16 ks + lj, + 4), then (+ 8, + 12): k-slots 2 lj, 2 lj + 1, 2 lj + 8, 2 lj + 9
+    // stand for tokens lj, lj + 4, lj + 8, lj + 12 of the step, the order of the scan's token quads (ACC 4); with
+    // ACC 5 for tokens 2 lj, 2 lj + 1, 2 lj + 8, 2 lj + 9 (the natural order of wgmma's B tiles).
     if constexpr (ACC == 6) {
         wy_record<K>(rec, xs, sp, vbuf, bt, gfps, v, v0, v_copies, prm, n, tid);
         return;
