@@ -163,7 +163,7 @@ class Kernel(NamedTuple):
         ((576, 1, 1), (320, 1, 1), 9)
         """
         chain_cols = 64 * (self.chain_block // 128)
-        numbers = (T // PREFILL_CHUNK + B) // per + B if ragged else 0
+        numbers = prefill_slots(B, T, True) // per + B if ragged else 0
         maps = numbers - 1 if ragged else B * (segments - 1)
         rows = numbers if ragged else B * segments
         return (maps * H * ((V + K) // chain_cols), 1, 1), self.grid(rows, H, V), maps
