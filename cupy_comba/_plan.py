@@ -93,7 +93,7 @@ class Plan:
         if kernel.prep:  # the prefill family: every chunk's coefficients first, into a workspace
             slots = families.prefill_slots(sig.B, sig.T, sig.ragged)
             _validate.check_grid((slots * sig.H, 1, 1), sig.B, sig.H, self.variant)
-            workspace = slots * sig.H * (kernel.record_words + kernel.record_words_v * sig.V) * 4
+            workspace = slots * sig.H * kernel.record_words * 4
         if kernel.chain:  # the segmented scan: each segment's map after the records; a ragged batch by its mean
             segments, seg_chunks = tiling.segments(sig.B * sig.H, sig.V, T, sm_count(self.device), kernel.slab)
             chain_grid, grid, seg_maps = kernel.segment_grids(sig.B, sig.T, sig.H, sig.K, sig.V, segments, seg_chunks,

@@ -6,8 +6,9 @@ on) and the arrays allow it, instead of 16-byte cp.async pieces from every threa
 describes one array as ``[B, T, heads, n]`` (the last axis innermost) and a box of 64 token rows of one
 head: for q, k and p ``K + 16`` elements wide (``K + 8`` for ``prefill_scan_wg``) -- the elements past the
 key axis lie outside the array and arrive as zeros, so that the rows land at the stage's padded pitch --
-and for v one slab of value columns.  ``prefill_scan_wt`` (kernels_cu/prefill_wgmma.cu) takes maps of q and k
-alone, boxes of 64 keys (128 bytes) by 64 token rows with the copy's 128-byte swizzle, the layout wgmma reads.
+and for v one slab of value columns.  ``prefill_scan_wt`` (kernels_cu/prefill_wgmma.cu) takes boxes of 64 elements
+(128 bytes) by 64 token rows with the copy's 128-byte swizzle, the layout wgmma reads: of q, k and p 64 keys, of v
+(bf16 only) 64 value columns.
 
 The maps are opaque 128-byte values made by the CUDA driver (``cuTensorMapEncodeTiled``, through
 ctypes: CuPy does not wrap it).  A map holds its array's address, so a launch with other pointers has
@@ -21,6 +22,7 @@ refuses -- ``use`` is 0 and the kernels stage by cp.async.
 import ctypes
 import functools
 
+from ._dtypes import bfloat16
 from ._launcher import libcuda
 
 #: sizeof(StageMaps) in kernels_cu/prefill.cu: four 128-byte maps and a 64-bit flag, aligned to 64 bytes.
@@ -70,8 +72,9 @@ def stage_geometries(q, k, p, v, ragged, key_itemsize, slab, pad=_PAD, swizzled=
     """The four maps' ``_geometry`` (q, k, p, v; None for a map the scan does not take) of a prefill plan, or None
     where the copy cannot take one it needs (StageMaps' arguments)."""
     if swizzled:
-        maps = [_geometry(a, ragged, 2, 64) if key_itemsize == 2 else None for a in (q, k)]
-        return (*maps, None, None) if all(maps) else None
+        maps = [_geometry(a, ragged, 2, 64) if key_itemsize == 2 else None for a in (q, k, p)]
+        maps.append(_geometry(v, ragged, 2, 64) if v.dtype == bfloat16 else None)
+        return tuple(maps) if all(maps) else None
     maps = [_geometry(a, ragged, key_itemsize, q.shape[3] + pad) for a in (q, k, p)]
     maps.append(_geometry(v, ragged, v.itemsize, slab))
     return tuple(maps) if all(maps) else None
@@ -96,8 +99,8 @@ class StageMaps:
     pad : int
         Elements past the key axis in a staged key row: 16 for ``prefill_scan``, 8 for ``prefill_scan_wg``.
     swizzled : bool
-        ``prefill_scan_wt``'s maps: q's and k's alone, boxes of 64 keys (128 bytes) by 64 token rows swizzled as
-        wgmma reads them (128-byte swizzle), none of p and v (``pad`` unused).
+        ``prefill_scan_wt``'s maps: boxes of 64 elements (128 bytes) by 64 token rows swizzled as wgmma reads them
+        (128-byte swizzle), v's only where it is bf16 (``pad`` unused).
     """
 
     __slots__ = ("_raw", "address", "_maps", "_encoded", "_pointers", "_swizzle")

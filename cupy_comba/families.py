@@ -133,8 +133,8 @@ class Kernel(NamedTuple):
     key_pad: int = 16           #: elements past the key axis in a staged key row (its bulk copies' box width)
     grid3: bool = False         #: a grid of (b, h, slab) rather than of B * H * slabs CTAs in x (the tilings for a
                                 #: decode step over a few heads; Params::grid3)
-    record_words_v: int = 0     #: and more words a value column (the u' slabs of prefill_scan_wt's records)
-    swizzled_keys: bool = False  #: q's and k's rows in 128-byte swizzled boxes of 64 keys (prefill_scan_wt's maps)
+    swizzled_keys: bool = False  #: q, k, p and v rows in 128-byte swizzled boxes of 64 elements (prefill_scan_wt's
+                                 #: maps)
     chain: str = ""             #: the segmented scan's first launch after the prep: each segment's map
     chain_shared_bytes: int = 0  #: its dynamic shared memory a CTA
     chain_block: int = 128      #: its threads a CTA (128 a warpgroup)
@@ -310,18 +310,19 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
     if t.family == "prefill_scan_wt":  # args: (PART, WGS); PART WT_WHOLE or WT_SEGMENTS (after WT_CHAIN)
         part, wgs = t.args
         segmented = part == WT_SEGMENTS
-        # the chain on 128 of the V + K columns of [E | M] a CTA where the segments run pairs and K = 128 (V + K is
-        # then a multiple of 128 too): each chunk's Kc and W' staged once for both warpgroups; one build for both
-        # layouts (it touches no state)
-        chain_wgs = wgs if K == 128 else 1
-        flags = f"{_flag(layout == 'vk')}, {_flag(serving)}"
+        # the chain on 128 of the V + K columns of [E | M] a CTA where the segments run pairs, K = 128 (V + K is then
+        # a multiple of 128 too) and p is k: each chunk's Kc and A staged once for both warpgroups, two CTAs an SM
+        # (Comba's P as well leaves room for one); one build for both layouts (it touches no state)
+        chain_wgs = wgs if K == 128 and not separate_p else 1
+        sep = _flag(separate_p)
+        flags = f"{sep}, {_flag(layout == 'vk')}, {_flag(serving)}"
         return Kernel(t.source, f"comba::prefill_scan_wt<{K}, {flags}, {part}, {wgs}>",
-                      t.slab, t.threads, prefill_wt_bytes(K, wgs=wgs), f"comba::prefill_prep<{K}, 6, {_flag(serving)}>",
-                      prefill_prep_bytes(K, False), 128, record_words=wy_record(K),
-                      record_words_v=WY_WORDS_PER_V, swizzled_keys=True,
-                      chain=f"comba::prefill_scan_wt<{K}, false, {_flag(serving)}, {WT_CHAIN}, {chain_wgs}>"
+                      t.slab, t.threads, prefill_wt_bytes(K, separate_p, wgs=wgs),
+                      f"comba::prefill_prep<{K}, 6, {_flag(serving)}>", prefill_prep_bytes(K, False), 128,
+                      record_words=WT_RECORD, swizzled_keys=True,
+                      chain=f"comba::prefill_scan_wt<{K}, {sep}, false, {_flag(serving)}, {WT_CHAIN}, {chain_wgs}>"
                       if segmented else "",
-                      chain_shared_bytes=prefill_wt_bytes(K, chain=True, wgs=chain_wgs) if segmented else 0,
+                      chain_shared_bytes=prefill_wt_bytes(K, separate_p, chain=True, wgs=chain_wgs) if segmented else 0,
                       chain_block=128 * chain_wgs, dependent=not segmented and _dependent(K, wgs))
     if t.family == "prefill_scan":
         if precision is None:  # 16-bit activations: bf16 products, the fastest (docs/design.md)
@@ -441,26 +442,19 @@ def prefill_wg_bytes(K, slab, separate_p, ring=False):
     return 0 if n > MAX_SHARED else n
 
 
-#: Words a value column of a prefill_scan_wt record past WyRecord<K>::SIZE (u', kernels_cu/prefill.cu).
-WY_WORDS_PER_V = 32
+#: 32-bit words of ``WtRecord`` (kernels_cu/prefill.cu), prefill_scan_wt's record: A (64 x 64 bf16), G fp, scale
+#: G fq, w (64 each) and G_63 (256 words), then Mq (64 x 64 bf16).
+WT_RECORD = 2048 + 256 + 2048
 
 
-def wy_record(K):
-    """32-bit words of ``WyRecord<K>`` (kernels_cu/prefill.cu) before u': W' (64 x K bf16), Mq (64 x 64 bf16), G fp,
-    scale G fq, w (64 each) and G_63."""
-    return 32 * K + 2048 + 256
-
-
-def prefill_wt_bytes(K, chain=False, wgs=1):
-    """Bytes of ``WtLayout<K, CHAIN, WGS>`` (kernels_cu/prefill_wgmma.cu): room to align to 1 KB, two stages of a
-    chunk's Q and Kc (64 rows of K bf16), record and the u' slabs of ``wgs`` warpgroups (64 x 64 bf16 each), their
-    warps' o transposes and two mbarriers; ``chain``: the segments' chain, whose stages hold Kc, W', the record's tail
-    from G fp on and the u' slabs of ``wgs`` warpgroups."""
-    if chain:
-        stage = 2 * PREFILL_CHUNK * K * 2 + 4 * 256 + wgs * PREFILL_CHUNK * 64 * 2
-        return 1024 + 2 * -(-stage // 1024) * 1024 + 16
-    stage = 2 * PREFILL_CHUNK * K * 2 + 4 * wy_record(K) + wgs * PREFILL_CHUNK * 64 * 2
-    return 1024 + 2 * -(-stage // 1024) * 1024 + 4 * wgs * 2048 + 16
+def prefill_wt_bytes(K, separate_p, chain=False, wgs=1):
+    """Bytes of ``WtLayout<K, CHAIN, SEPARATE_P, WGS>`` (kernels_cu/prefill_wgmma.cu): room to align to 1 KB, two
+    stages of a chunk's Q, Kc and (``separate_p``) P rows (64 rows of K bf16 each), record and v slab (a box of
+    64 x 64 bf16 each of ``wgs`` warpgroups), their warps' o transposes and two mbarriers; ``chain``: the segments'
+    chain, whose stages hold no Q and the record without Mq."""
+    keys = (1 if chain else 2) + (1 if separate_p else 0)
+    stage = keys * PREFILL_CHUNK * K * 2 + 4 * (WT_RECORD - (2048 if chain else 0)) + wgs * PREFILL_CHUNK * 64 * 2
+    return 1024 + 2 * stage + (0 if chain else 4 * wgs * 2048) + 16
 
 
 def mma_stage_bytes(K, slab, separate_p, tokens):

@@ -231,7 +231,7 @@ PAIRED_MIN_SLABS = H200_SMS + 1
 #: The segmented scan takes the pairs over fewer heads too: over 32-64 slabs of 64 columns (B * H = 16-32 at
 #: V = 128) from T = 8192 at K = 128 and from T = 4096 at K = 64 (SEGMENTED_MIN_T).  tiling.segments then cuts
 #: twice as many segments, and at K = 128 the chain runs two warpgroups a CTA on 128 of the V + K columns of a
-#: segment's map, each chunk's Kc and W' staged once for both (h200-prefill-lengths.json: H = 16, T = 65536
+#: segment's map, each chunk's Kc and A staged once for both (h200-prefill-lengths.json: H = 16, T = 65536
 #: 1086.6 against 1231.6 us, H = 32 2114.0 against 2354.9).  Over one head both cut the most segments, and the
 #: pairs' chains run slower (T = 8192: 70.2 against 57.5); over 64 heads they lose to one segment of one warpgroup
 #: a CTA (T = 8192: 528.7 against 468.1).

@@ -30,7 +30,7 @@
 // that forms them, A and Mq stored as bf16 fragments by the prep -- half the mma.sync and half the record of
 // the TF32 forms, at bf16's rounding.  The scan stages bf16 keys as they are and fp16 / fp32 ones as floats
 // (ACC 2 and 3).  ACC 5 and 6 are the "bf16" records of the two wgmma scans (prefill_wgmma.cu): ACC 5 the same
-// products with its fragments in wgmma's natural order, ACC 6 the WY form of the transposed scan (WyRecord).
+// products with its fragments in wgmma's natural order, ACC 6 A and Mq as the transposed scan's B tiles (WtRecord).
 //
 // Workspace (the `inter` pointer slot, which these kernels never hold as intermediate_states): one
 // record of Record<ACC>::SIZE words a (chunk slot, value head): A and Mq as mma.sync A fragments of the
@@ -74,34 +74,25 @@ struct Record {
     static constexpr int A = 0, MQ = FRAG, GP = 2 * FRAG, GQ = GP + 64, W = GQ + 64, G = W + 64, SIZE = GP + 256;
 };
 
-// The record of prefill_scan_wt (ACC 6, prefill_wgmma.cu), in 32-bit words: W' = A diag(G fp) P (64 x K) and Mq
-// (64 x 64) as that scan's bf16 B tiles -- element (t, j) of a 64-row matrix at 16-byte row t of block j / 8 (1 KB
-// a block of 8 columns): wgmma's K-major layout with no swizzle -- then G fp, scale G fq, w (64 each) and G_63, then
-// u' = A Vc (64 x V), 8 KB a slab of 64 value columns in the same layout (SIZE + 32 V words a record).
-template <int K>
-struct WyRecord {
-    static constexpr int WP = 0, MQ = 32 * K, GP = MQ + 2048, GQ = GP + 64, W = GQ + 64, G = W + 64, SIZE = GP + 256;
-    static constexpr int WORDS_PER_V = 32;  // u' past SIZE: 64 tokens of two bytes a value column
+// The record of prefill_scan_wt (ACC 6, prefill_wgmma.cu), in 32-bit words: A (64 x 64), then G fp, scale G fq, w
+// (64 each) and G_63, then Mq (64 x 64); A and Mq as that scan's bf16 B tiles -- element (t, j) at 16-byte row t of
+// block j / 8 (1 KB a block of 8 columns), zeros above the diagonal: wgmma's K-major layout with no swizzle.  The
+// segments' chain copies the words before Mq alone.
+struct WtRecord {
+    static constexpr int A = 0, GP = 2048, GQ = GP + 64, W = GQ + 64, G = W + 64, MQ = GP + 256, SIZE = MQ + 2048;
 };
 
-// The record layout of prefill_prep<K, ACC>.
-template <int K, int ACC>
+// The record layout of prefill_prep<K, ACC>: SIZE 32-bit words a (chunk slot, value head) of the workspace.
+template <int ACC>
 struct PrepRecordOf {
     using type = Record<ACC>;
 };
-template <int K>
-struct PrepRecordOf<K, 6> {
-    using type = WyRecord<K>;
+template <>
+struct PrepRecordOf<6> {
+    using type = WtRecord;
 };
-template <int K, int ACC>
-using PrepRecord = typename PrepRecordOf<K, ACC>::type;
-
-// 32-bit words a (chunk slot, value head) of the workspace: the record, and u' with ACC 6.
-template <int K, int ACC>
-__device__ __forceinline__ long long record_words(const Params& prm) {
-    if constexpr (ACC == 6) return WyRecord<K>::SIZE + WyRecord<K>::WORDS_PER_V * prm.V;
-    return Record<ACC>::SIZE;
-}
+template <int ACC>
+using PrepRecord = typename PrepRecordOf<ACC>::type;
 
 // x rounded to TF32 (the hi of split).
 __device__ __forceinline__ unsigned tf32(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
@@ -423,8 +414,7 @@ __device__ __forceinline__ float2 staged_f16x2(const unsigned char* at) {
 // Shared memory: q's rows at 0, k's at KEY_BYTES, p's at P_AT (Gated DeltaNet's k, handed over as p, staged
 // once, at P_AT); once the Gram products are in registers, L (then X = (I + L)^-1, which takes L's place:
 // x_entry) and Mq at 0 and GRAM_BYTES / 2, and the off-diagonal solve's 16 x 8 scratch a warp at ZW_AT, over q and
-// k.  P's rows outlive the Gram products, for the record of the transposed scan (wy_record), and the Mq region
-// takes its blocks of v once Mq is in the record.
+// k.
 //
 // Gram rows are 68 floats: S = 4 (mod 32) makes the solve's A-operand reads and the fragments' output (rows
 // lg, columns lj of a tile) free of bank conflicts, and the transposed reads (rows lj, columns lg) and the Gram
@@ -438,7 +428,6 @@ struct PrepLayout {
     static constexpr int ZW_AT = GRAM_BYTES, ZW_BYTES = 4 * 4 * 16 * 8;
     static constexpr int P_AT = 2 * KEY_BYTES > ZW_AT + ZW_BYTES ? 2 * KEY_BYTES : ZW_AT + ZW_BYTES;
     static constexpr int BYTES = P_AT + KEY_BYTES;
-    static_assert(GRAM_BYTES / 2 >= 2 * 8192, "Mq's region holds wy_record's two blocks of v");
 };
 
 // One step of an inclusive product scan over lanes `delta` apart: x times the value of the lane `delta` below, where
@@ -474,163 +463,23 @@ __device__ __forceinline__ void ldsm4_trans(unsigned (&r)[4], const void* at) {
                  : "memory");
 }
 
-// Mq into prefill_prep's ACC 6 record (WyRecord) from gram_q: word (block jb, row t, pair i) holds columns
-// 8 jb + 2 i, + 1 of row t; zeros above the diagonal.
-template <int K>
-__device__ __forceinline__ void wy_mq(float* rec, const float* gram_q, int first, int stride) {
-    constexpr int S = kPrefillChunk + 4;
-    uint4* const words = reinterpret_cast<uint4*>(rec + WyRecord<K>::MQ);
+// A lower-triangular 64 x 64 matrix into prefill_prep's ACC 6 record (WtRecord) as prefill_scan_wt's B tile: uint4
+// i holds columns 8 (i / 64) .. + 7 of row t = i % 64, entry(t, j) on and below the diagonal, zeros above it; items
+// first, first + stride, ...
+template <class Entry>
+__device__ __forceinline__ void wt_tile(float* at, Entry entry, int first, int stride) {
+    uint4* const words = reinterpret_cast<uint4*>(at);
 #pragma unroll 4
-    for (int i = first; i < 512; i += stride) {  // row t's columns 8 jb .. 8 jb + 7 an item
+    for (int i = first; i < 512; i += stride) {
         const int t = i & 63, j = 8 * (i >> 6);
-        const float4 m0 = *reinterpret_cast<const float4*>(gram_q + t * S + j);
-        const float4 m1 = *reinterpret_cast<const float4*>(gram_q + t * S + j + 4);
-        const float m[8] = {m0.x, m0.y, m0.z, m0.w, m1.x, m1.y, m1.z, m1.w};
         unsigned w[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
-            w[u] = bf16_pair(j + 2 * u <= t ? m[2 * u] : 0.f, j + 2 * u < t ? m[2 * u + 1] : 0.f);
+        for (int u = 0; u < 4; ++u) {
+            const int c = j + 2 * u;
+            w[u] = bf16_pair(c <= t ? entry(t, c) : 0.f, c < t ? entry(t, c + 1) : 0.f);
+        }
         words[i] = make_uint4(w[0], w[1], w[2], w[3]);
     }
-}
-
-// Block vb of the chunk's 64 value columns (as bf16, zeros from row n on) into `buf`: rows of 128 bytes, the
-// 16-byte piece c of row t at c ^ (t & 7), so that the eight rows of an ldmatrix.trans fall in distinct banks.  By
-// cp.async as one commit group where v's rows copy as 16-byte pieces, else by loads.
-__device__ __forceinline__ void stage_v_block(unsigned char* buf, const void* v, long long v0, bool copies,
-                                              const Params& prm, int vb, int n, int tid) {
-    constexpr int C = kPrefillChunk;
-    if (copies) {  // thread tid the piece tid % 8 of rows tid / 8 + 16 j
-        const int t = tid >> 3, e = tid & 7;
-        const char* first = static_cast<const char*>(v) + 2 * (v0 + 64 * vb + 8 * e);
-#pragma unroll
-        for (int j = 0; j < C / 16; ++j) {
-            const int r = t + 16 * j;
-            const bool in = r < n;
-            copy_async16(buf + 128 * r + 16 * (e ^ (t & 7)), in ? first + 2 * r * prm.v_st : first, in);
-        }
-        copy_async_commit();
-        return;
-    }
-    unsigned short* const sv = reinterpret_cast<unsigned short*>(buf);
-#pragma unroll 1
-    for (int j0 = 0; j0 < C * 64 / kPrefillThreads; j0 += 8) {  // eight loads in flight before any is used
-        unsigned bits[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int i = tid + kPrefillThreads * (j0 + j), t = i >> 6, c = i & 63;
-            bits[j] = t < n ? load_bits(v, v0 + t * prm.v_st + (64 * vb + c) * prm.v_sv, prm.v_t) : 0u;
-        }
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int i = tid + kPrefillThreads * (j0 + j), t = i >> 6, c = i & 63;
-            sv[64 * t + 8 * ((c >> 3) ^ (t & 7)) + (c & 7)] = static_cast<unsigned short>(
-                prm.v_t == BF16 ? bits[j] : bf16_pair(bits_to_float(bits[j], prm.v_t), 0.f) & 0xffffu);
-        }
-    }
-}
-
-// The products of prefill_prep's ACC 6 record (WyRecord), once X = (I + L)^-1 (xs, x_entry) and the gates (beta in
-// bt, G fp in gfp) are formed: W' = A diag(G fp) P from P's staged rows (sp) and u' = A Vc from the blocks of v in
-// vbuf (two buffers of 8 KB; where v copies, the caller has issued blocks 0 and 1), with A = X diag(beta), on
-// mma.sync m16n8k16 with bf16 operands (A rounded once, as the other bf16 records) and fp32 sums, as
-// prefill_scan_wt's B tiles.  A's row tile m has k-steps 0 .. m on or below its diagonal, so the row tiles go in
-// pairs of five k-steps, {0, 3} to warps 0 and 1 and {1, 2} to warps 2 and 3, each warp of a pair forming 32 of the
-// 64 columns: the same work in every warp.
-template <int K>
-__device__ __forceinline__ void wy_record(float* rec, const float* xs, const unsigned char* sp, unsigned char* vbuf,
-                                          const float* bt, const float* gfp, const void* v, long long v0, bool v_copies,
-                                          const Params& prm, int n, int tid) {
-    using R = WyRecord<K>;
-    constexpr int KP = K + 16, S = kPrefillChunk + 4;
-    const int lane = tid & 31, warp = tid >> 5, lg = lane >> 2, lj = lane & 3, side = warp & 1;
-    unsigned* const words = reinterpret_cast<unsigned*>(rec);
-    // ldmatrix.trans: lane l gives row (l & 7) + 8 ((l >> 3) & 1) of the k-step, 16-byte piece l >> 4 of the pair
-    const int lrow = (lane & 7) + 8 * ((lane >> 3) & 1), lpiece = lane >> 4;
-    auto pair = [&](auto lo_c) {
-        constexpr int LO = decltype(lo_c)::value, HI = 3 - LO;
-        // row tile m = LO, HI (i = 0, 1) of A diag(G fp) (W) or A (U) as A fragments at [i][k-step], k-steps 0 .. m
-        auto fragments = [&](auto w_c, unsigned (&a)[2][4][4]) {
-            constexpr bool W = decltype(w_c)::value;
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int ks = 0; ks <= (i ? HI : LO); ++ks) {
-                    const int r0 = 16 * (i ? HI : LO) + lg, c0 = 16 * ks + 2 * lj;
-                    // X's rows r0 + 8 (u & 1) by columns c0 + (u >> 1 & 1) + 8 (u >> 2): the diagonal block in place,
-                    // one below it transposed (x_entry)
-                    const bool diagonal = ks == (i ? HI : LO);
-                    const float* x0 = xs + (diagonal ? r0 * S + c0 : c0 * S + r0);
-                    const int row = diagonal ? 8 * S : 8, col = diagonal ? 1 : S;
-                    float x[8];
-#pragma unroll
-                    for (int u = 0; u < 8; ++u) x[u] = x0[row * (u & 1) + col * (u >> 1 & 1) + 8 * col * (u >> 2)];
-                    float f[4] = {bt[c0], bt[c0 + 1], bt[c0 + 8], bt[c0 + 9]};
-                    if constexpr (W) {
-                        f[0] *= gfp[c0], f[1] *= gfp[c0 + 1], f[2] *= gfp[c0 + 8], f[3] *= gfp[c0 + 9];
-                    }
-                    a[i][ks][0] = bf16_pair(x[0] * f[0], x[2] * f[1]);
-                    a[i][ks][1] = bf16_pair(x[1] * f[0], x[3] * f[1]);
-                    a[i][ks][2] = bf16_pair(x[4] * f[2], x[6] * f[3]);
-                    a[i][ks][3] = bf16_pair(x[5] * f[2], x[7] * f[3]);
-                }
-        };
-        // 64 rows (k) by this warp's 32 columns (n), the 16-byte piece c of row r at piece(r, c), times the fragments
-        // a, into words from `out` (block of 8 columns nb at 256 nb, row r at 4 r)
-        auto product = [&](auto piece, const unsigned (&a)[2][4][4], unsigned* out) {
-            float acc[2][4][4];
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int nt = 0; nt < 4; ++nt) acc[i][nt][0] = acc[i][nt][1] = acc[i][nt][2] = acc[i][nt][3] = 0.f;
-#pragma unroll
-            for (int ks = 0; ks <= HI; ++ks)
-#pragma unroll
-                for (int qq = 0; qq < 2; ++qq) {
-                    unsigned bq[4];
-                    ldsm4_trans(bq, piece(16 * ks + lrow, 4 * side + 2 * qq + lpiece));
-#pragma unroll
-                    for (int i = 0; i < 2; ++i) {
-                        if (ks > (i ? HI : LO)) continue;
-                        mma_bf16(acc[i][2 * qq], a[i][ks][0], a[i][ks][1], a[i][ks][2], a[i][ks][3], bq[0], bq[1]);
-                        mma_bf16(acc[i][2 * qq + 1], a[i][ks][0], a[i][ks][1], a[i][ks][2], a[i][ks][3], bq[2], bq[3]);
-                    }
-                }
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const int r0 = 16 * (i ? HI : LO) + lg;
-#pragma unroll
-                for (int nt = 0; nt < 4; ++nt) {
-                    unsigned* const at = out + 256 * (4 * side + nt);
-                    at[4 * r0 + lj] = bf16_pair(acc[i][nt][0], acc[i][nt][1]);
-                    at[4 * (r0 + 8) + lj] = bf16_pair(acc[i][nt][2], acc[i][nt][3]);
-                }
-            }
-        };
-        unsigned a[2][4][4];
-        fragments(Constant<true>{}, a);
-#pragma unroll 1
-        for (int half = 0; half < K / 64; ++half)
-            product([&](int r, int c) { return sp + 2 * KP * r + 128 * half + 16 * c; }, a,
-                    words + R::WP + 2048 * half);
-        fragments(Constant<false>{}, a);
-        const int blocks = static_cast<int>(prm.V) / 64;
-        for (int vb = 0; vb < blocks; ++vb) {
-            unsigned char* const buf = vbuf + 8192 * (vb & 1);
-            // by loads where v does not copy: the buffer's last reader passed the barrier below
-            if (!v_copies) stage_v_block(buf, v, v0, false, prm, vb, n, tid);
-            else if (vb + 1 < blocks) copy_async_wait<1>();
-            else copy_async_wait<0>();
-            __syncthreads();
-            product([&](int r, int c) { return buf + 128 * r + 16 * (c ^ (r & 7)); }, a, words + R::SIZE + 2048 * vb);
-            if (vb + 2 < blocks) {
-                __syncthreads();  // buf read before block vb + 2 lands there
-                if (v_copies) stage_v_block(buf, v, v0, true, prm, vb + 2, n, tid);
-            }
-        }
-    };
-    if (warp < 2) pair(Constant<0>{});
-    else pair(Constant<1>{});
 }
 
 // Four CTAs an SM where they fit: with bf16 keys (ACC 0, 1 and 4) at K <= 128 a CTA needs at most 128
@@ -641,7 +490,7 @@ __global__ void __launch_bounds__(kPrefillThreads, (ACC <= 1 || ACC >= 4) && K <
 prefill_prep(COMBA_PREFILL_ARGS) {
     // keys as they are (bf16), split or rounded; A and Mq rounded for a scan that reads them as they are
     constexpr bool K32 = ACC == 2 || ACC == 3;
-    using R = PrepRecord<K, ACC>;
+    using R = PrepRecord<ACC>;
     constexpr int KM = ACC == 2 ? kSplit : ACC == 3 ? kRound : kExact, CM = ACC == 1 || ACC == 2 ? kSplit : kExact;
     constexpr bool KL = KM == kSplit;
     using Layout = PrepLayout<K, K32>;
@@ -672,7 +521,7 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     if (chunk < 0 || chunk * C >= T) return;  // a slot of no chunk (ragged batches)
     const long long t0 = chunk * C;
     const int n = static_cast<int>(min(static_cast<long long>(C), T - t0));
-    float* rec = work + (slot * H + h) * record_words<K, ACC>(prm);
+    float* rec = work + (slot * H + h) * R::SIZE;
 
     // the gates' loads first (threads 0 .. 63, a token each), so that they arrive with the keys, not after them
     const bool token_in = tid < n;
@@ -804,7 +653,6 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     // blocks between, ea_t.  Within a diagonal block, r(j, t) = f_{16 I} ... f_t with f_u = e_u past j and 1 up to
     // it: a product scan over the eight lanes of a column (rows lg, then lg + 8).  Threads 0 .. 63 then form the
     // record's gates of token c = tid: G_c fp_c, scale G_c fq_c, w_c = fk_c r(c, 63), G_63.
-    float gfp = 0.f;
     auto gram = [&](auto warp_c) {
         using G = GramTiles<decltype(warp_c)::value>;
 #pragma unroll 1
@@ -887,7 +735,7 @@ prefill_prep(COMBA_PREFILL_ARGS) {
                 after = i > blk ? after * pb[i] : after;
             }
             const float Gc = before * ea[c];
-            rec[R::GP + c] = gfp = Gc * fp[c];
+            rec[R::GP + c] = Gc * fp[c];
             rec[R::GQ + c] = scale * Gc * fq[c];
             rec[R::W + c] = fk[c] * (es[c] * after);
             if (c == C - 1) rec[R::G] = Gc;
@@ -898,8 +746,6 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     else if (warp == 2) gram(Constant<2>{});
     else gram(Constant<3>{});
     __syncthreads();
-    float* const gfps = e;  // the gates are read: G fp in their place, for the record of the transposed scan
-    if (tid < C) gfps[tid] = gfp;
 
     // X = (I + L)^-1 blockwise over 16 x 16 blocks: the four diagonal blocks by forward substitution (thread
     // 16 i + c holds column c of block i in registers), then the blocks below them down each column of blocks j,
@@ -943,8 +789,8 @@ prefill_prep(COMBA_PREFILL_ARGS) {
 #pragma unroll
             for (int t = j + 1; t < 16; ++t) xd[t] = fmaf(-gram_p[(base + t) * S + base + j], xj, xd[t]);
         }
-    } else if constexpr (ACC == 6) {  // meanwhile warps 2 and 3 put Mq in the record: its region takes v's blocks
-        wy_mq<K>(rec, gram_q, tid - C, C);
+    } else if constexpr (ACC == 6) {  // meanwhile warps 2 and 3 put Mq in the record
+        wt_tile(rec + WtRecord::MQ, [&](int t, int j) { return gram_q[t * S + j]; }, tid - C, C);
     } else {
         mq_record(tid - C, C);
     }
@@ -953,13 +799,6 @@ prefill_prep(COMBA_PREFILL_ARGS) {
         const int base = 16 * (tid >> 4), c = tid & 15;
 #pragma unroll
         for (int t = 0; t < 16; ++t) xs[(base + t) * S + base + c] = xd[t];
-    }
-    const long long v0 = b * prm.v_sb + t0 * prm.v_st + h * prm.v_sh;
-    const bool v_copies = ACC == 6 && rows_copyable(v, prm.v_sb, prm.v_st, prm.v_sh, prm.v_sv, prm.v_t, 2);
-    unsigned char* const vbuf = reinterpret_cast<unsigned char*>(gram_q);
-    if (v_copies) {  // the first two blocks of v while X is solved
-        stage_v_block(vbuf, v, v0, true, prm, 0, n, tid);
-        if (prm.V > 64) stage_v_block(vbuf + 8192, v, v0, true, prm, 1, n, tid);
     }
     __syncthreads();
     // The blocks below the diagonal on the tensor cores, a 16 x 8 half of a block (columns c0 .. c0 + 7) at a time:
@@ -1021,9 +860,10 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     // lg, + 8; columns 8 ks + lj, + 4).  bf16: tile (m, ks) at m (m + 1) / 2 + ks, lane (lg, lj) four bf16 pairs --
     // rows 16 m + lg, + 8 by columns (16 ks + lj, + 4), then (+ 8, + 12): k-slots 2 lj, 2 lj + 1, 2 lj + 8, 2 lj + 9
     // stand for tokens lj, lj + 4, lj + 8, lj + 12 of the step, the order of the scan's token quads (ACC 4); with
-    // ACC 5 for tokens 2 lj, 2 lj + 1, 2 lj + 8, 2 lj + 9 (the natural order of wgmma's B tiles).
+    // ACC 5 for tokens 2 lj, 2 lj + 1, 2 lj + 8, 2 lj + 9 (the natural order of wgmma's B tiles).  ACC 6: both as the
+    // transposed scan's B tiles (wt_tile).
     if constexpr (ACC == 6) {
-        wy_record<K>(rec, xs, sp, vbuf, bt, gfps, v, v0, v_copies, prm, n, tid);
+        wt_tile(rec + WtRecord::A, [&](int t, int j) { return x_entry(xs, t, j) * bt[j]; }, tid, kPrefillThreads);
         return;
     } else if constexpr (bf16_products(ACC)) {
         constexpr int D = ACC == 5 ? 1 : 4, E = ACC == 5 ? 2 : 1;  // the second token of a pair; lane's step

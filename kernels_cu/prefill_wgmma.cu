@@ -447,26 +447,28 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
 // ---------------------------------------------------------------------------------------------------
 // prefill_scan_wt: the scan transposed, so that the chain from chunk to chunk never leaves the registers.
 //
-// Math (prefill.cu's header, in the WY form that prefill_prep<K, 6> prepares): with W' = A diag(G fp) P and
-// u' = A Vc, the chunk's corrections are U = u' - W' S.  The CTA holds S^T (its 64 value columns by K keys, fp32)
-// as the accumulators of one wgmma m64nK, and per chunk
-//   Rw^T = S^T W'^T,  Rq^T = S^T Q^T                  A = S^T (bf16 fragments of the accumulators)
-//   U^T  = u'^T - Rw^T
+// Math (prefill.cu's header, transposed): the CTA holds S^T (its 64 value columns by K keys, fp32) as the accumulators
+// of one wgmma m64nK, and per chunk
+//   Rp^T = S^T P^T,  Rq^T = S^T Q^T                   A = S^T (bf16 fragments of the accumulators)
+//   Y^T  = Vc^T - Rp^T diag(G fp)
+//   U^T  = Y^T A^T                                    A = Y^T
 //   O^T  = Rq^T diag(scale G fq) + U^T Mq^T            A = U^T
 //   S^T  = G_63 S^T + (U^T diag(w)) Kc                 A = U^T diag(w), Kc N-major
 // Every A operand is an accumulator of the step before it, converted in registers (an m64nN accumulator's
-// 16 x 16 blocks are wgmma's A fragments); every B operand is staged as it arrives: the rows of Q and Kc by tensor
-// map in boxes of 64 keys (128 bytes) by 64 tokens, 128-byte swizzled -- K-major for Q, N-major for Kc --, W' and
-// Mq as the prep wrote them (WyRecord: no swizzle, K-major), u' a slab of 64 columns in the same layout.  No
-// shared-memory round trip and no CTA barrier lies between two chunks' states: one barrier a chunk frees the
-// other stage.  o leaves through a per-warp transpose in shared memory, 32 bytes a token row.
+// 16 x 16 blocks are wgmma's A fragments); every B operand is staged as it arrives: the rows of Q, P and Kc by tensor
+// map in boxes of 64 keys (128 bytes) by 64 tokens, 128-byte swizzled -- K-major for Q and P, N-major for Kc (Gated
+// DeltaNet's P is Kc's box read both ways) --, A and Mq as the prep wrote them (WtRecord: no swizzle, K-major), and
+// the v slab in the same boxes as the keys, read by ldmatrix.trans.  No shared-memory round trip and no CTA barrier
+// lies between two chunks' states: one barrier a chunk frees the other stage.  o leaves through a per-warp transpose
+// in shared memory, 32 bytes a token row.
 //
 // Segments.  Over a few heads one CTA a (row, head, slab) leaves most SMs idle and the pass waits on its chain of
 // chunks.  The segmented scan cuts each row's chunks into segments of Params::seg_chunks and runs in two launches
 // after the prep (PART):
 //   kWtChain     a CTA a (row, segment but the last, head, slab of 64 WGS of the V + K columns of [E | M]): the chunks'
-//                S -> G_63 S + Kc^T diag(w) (u' - W' S), which acts on every column alike, from [E | M] = [0 | I]
-//                with u' = 0 in M's columns and neither Rq nor o, leaves the segment's map S_end = M S_start + E;
+//                S -> G_63 S + Kc^T diag(w) A (Vc - diag(G fp) P S), which acts on every column alike, from
+//                [E | M] = [0 | I] with Vc = 0 in M's columns and neither Rq nor o, leaves the segment's map
+//                S_end = M S_start + E;
 //   kWtSegments  a CTA a (row, segment, head, slab of V): the state at the segment's start composed from the
 //                initial state through the earlier segments' maps, S^T <- E_j^T + S^T M_j^T (S^T as bf16, as every
 //                chunk's products take it, M_j bf16 in shared memory), then the segment's chunks as above; the last
@@ -487,55 +489,58 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
 //
 // Launch geometry: one CTA of WGS warpgroups (128 WGS threads) a (row, value head, slab of 64 WGS value columns);
 // warpgroup g holds the slab's columns 64 g .. 64 g + 63, its warp w columns 64 g + 16 w .. + 15 (rows of S^T, U^T
-// and O^T).  The warpgroups of a CTA share each chunk's stage -- Q, Kc and the record, staged once -- and differ in
-// their u' slabs, which one bulk copy brings side by side.  The chain takes two warpgroups a CTA where K = 128 and
-// the segments do (V a multiple of 128: a CTA's warpgroups then lie both in E's columns or both in M's), else one.
-// Numerics: bf16 operands (S^T, U^T, W', Mq, the keys, M) and fp32 sums, the state fp32 from the first chunk to the
-// last -- the "bf16" precision.
+// and O^T).  The warpgroups of a CTA share each chunk's stage -- Q, P, Kc and the record, staged once -- and each
+// reads its own box of the v slab.  The chain takes two warpgroups a CTA where K = 128, the segments do and P is Kc
+// (V a multiple of 128: a CTA's warpgroups then lie both in E's columns or both in M's), else one.
+// Numerics: bf16 operands (S^T, Y^T, U^T, A, Mq, the keys, v, M) and fp32 sums, the state fp32 from the first chunk
+// to the last -- the "bf16" precision.
 enum WtPart { kWtWhole = 0, kWtChain = 1, kWtSegments = 2 };
 
-// A stage: the scan's Q and Kc rows, record and u' slabs (one a warpgroup, side by side); the chain's Kc rows, W',
-// the record's tail from G fp on and u' slabs: two of them, the next chunk copied while one is computed (a third
-// measured no faster, and at K = 64 leaves room for one CTA an SM where two fit: docs/design.md).  Segments compose
-// their maps in the second stage, two M buffers of 2 K K bytes.
-template <int K, bool CHAIN, int WGS = 1>
+// A stage: the rows of Q (not in the chain), Kc and P (where P is not Kc), the record (the chain's without Mq) and the
+// v slab, a box of 64 columns a warpgroup; every box 1 KB-aligned for its swizzle.  Two stages, the next chunk copied
+// while one is computed (a third measured no faster, and at K = 64 leaves room for one CTA an SM where two fit:
+// docs/design.md).  Segments compose their maps in two M buffers of 2 K K bytes from the second stage on.
+template <int K, bool CHAIN, bool SEPARATE_P, int WGS = 1>
 struct WtLayout {
-    using R = WyRecord<K>;
-    static constexpr int BOX = kPrefillChunk * 128, TILE = K / 64 * BOX;  // Q or Kc: K / 64 swizzled boxes
-    static constexpr int Q_AT = 0, KC_AT = CHAIN ? 0 : TILE, REC_AT = 2 * TILE, REC_BYTES = 4 * R::SIZE;
-    static constexpr int WP_AT = CHAIN ? TILE : REC_AT + 4 * R::WP, WP_BYTES = 4 * (R::MQ - R::WP);
-    static constexpr int GP_AT = CHAIN ? WP_AT + WP_BYTES : REC_AT + 4 * R::GP, GP_BYTES = 4 * (R::SIZE - R::GP);
-    static constexpr int U_AT = CHAIN ? GP_AT + GP_BYTES : REC_AT + REC_BYTES, U_BYTES = WGS * kPrefillChunk * 64 * 2;
-    static constexpr int STAGE_BYTES = (U_AT + U_BYTES + 1023) / 1024 * 1024;
+    using R = WtRecord;
+    static constexpr int BOX = kPrefillChunk * 128, TILE = K / 64 * BOX;  // Q, Kc or P: K / 64 swizzled boxes
+    static constexpr int Q_AT = 0, KC_AT = CHAIN ? 0 : TILE, P_AT = SEPARATE_P ? KC_AT + TILE : KC_AT;
+    static constexpr int KEY_BOXES = (CHAIN ? 1 : 2) + (SEPARATE_P ? 1 : 0);  // key tiles from 0
+    static constexpr int REC_AT = KEY_BOXES * TILE, REC_BYTES = 4 * (CHAIN ? R::MQ : R::SIZE);
+    static constexpr int V_AT = REC_AT + REC_BYTES, V_BYTES = WGS * BOX;
+    static constexpr int STAGE_BYTES = V_AT + V_BYTES;
     static constexpr int OT_AT = 2 * STAGE_BYTES, OT_BYTES = CHAIN ? 0 : kPrefillChunk * 16 * 2;  // a warp's o
     static constexpr int BAR_AT = OT_AT + 4 * WGS * OT_BYTES, BYTES = 1024 + BAR_AT + 16;  // 1 KB to align the boxes
     static constexpr int M_BYTES = 2 * K * K;
+    static_assert(REC_BYTES % 1024 == 0 && STAGE_BYTES % 1024 == 0, "prefill_scan_wt: boxes 1 KB-aligned");
     static_assert(BYTES <= 232448, "prefill_scan_wt: two stages do not fit");
-    static_assert(CHAIN || 2 * M_BYTES <= STAGE_BYTES, "prefill_scan_wt: a stage holds two segment maps");
+    static_assert(CHAIN || STAGE_BYTES + 2 * M_BYTES <= BAR_AT, "prefill_scan_wt: no room for two segment maps");
 };
 
 #if COMBA_WGMMA
 // A descriptor of the 128-byte swizzle (the tensor maps' boxes): bits 62-63 = 1.
 constexpr unsigned long long kSwizzle128 = 1ull << 62;
 
-// Rows t0 .. t0 + 63 of one key array into K / 64 boxes of 64 rows of 128 bytes, swizzled as the tensor map's
-// (16-byte piece j of row r at r 128 + 16 (j ^ (r % 8))), zeros from row n on: cp.async pieces where the rows
-// allow, else plain loads.
+// Rows t0 .. t0 + 63 of K columns of one array (keys, or a slab of v) into K / 64 boxes of 64 rows of 128 bytes as
+// bf16, swizzled as the tensor map's (16-byte piece j of row r at r 128 + 16 (j ^ (r % 8))), zeros from row n on:
+// cp.async pieces where the rows allow (bf16 copies), else plain loads, rounded to bf16.
 template <int K, int NTHREADS>
 __device__ __forceinline__ void stage_swizzled(unsigned char* dst, const void* src, long long row0, long long st,
                                                long long sk, long long dtype, int n, bool copyable, int tid) {
     for (int i = tid; i < kPrefillChunk * K / 8; i += NTHREADS) {
         const int t = i / (K / 8), piece = i % (K / 8), half = piece >> 3, j = piece & 7;
-        unsigned char* to = dst + half * WtLayout<K, false>::BOX + 128 * t + 16 * (j ^ (t & 7));
+        unsigned char* to = dst + half * WtLayout<K, false, false>::BOX + 128 * t + 16 * (j ^ (t & 7));
         if (copyable) {
             const char* from = static_cast<const char*>(src) + 2 * (row0 + 8 * piece);
             copy_async16(to, t < n ? from + 2 * t * st : from, t < n);
             continue;
         }
-        unsigned short e[8];
+        unsigned e[8];
 #pragma unroll
-        for (int x = 0; x < 8; ++x)
-            e[x] = t < n ? static_cast<unsigned short>(load_bits(src, row0 + t * st + (8 * piece + x) * sk, dtype)) : 0;
+        for (int x = 0; x < 8; ++x) {
+            const unsigned bits = t < n ? load_bits(src, row0 + t * st + (8 * piece + x) * sk, dtype) : 0u;
+            e[x] = dtype == BF16 ? bits : bf16_pair(bits_to_float(bits, dtype), 0.f) & 0xffffu;
+        }
         *reinterpret_cast<uint4*>(to) = make_uint4(e[0] | e[1] << 16, e[2] | e[3] << 16, e[4] | e[5] << 16,
                                                    e[6] | e[7] << 16);
     }
@@ -560,13 +565,13 @@ __device__ __forceinline__ int segment_row(const void* cu, const Params& prm, lo
 // Two CTAs of the K = 128 chain on two warpgroups share an SM in 128 registers a thread.  Its build without serving
 // options lands there by itself (held to it, ptxas makes a chain 3-5 % slower); the serving build, which finds a
 // ragged batch's rows, is held to it (else 151 registers, one CTA an SM).
-template <int K, bool VK, bool SERVING, int PART, int WGS>
-__global__ void __launch_bounds__(kWgThreads * WGS, SERVING && PART == kWtChain && WGS == 2 ? 2 : 1)
+template <int K, bool SEPARATE_P, bool VK, bool SERVING, int PART, int WGS>
+__global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2 ? 2 : 1)
     prefill_scan_wt(COMBA_PREFILL_ARGS) {
 #if COMBA_WGMMA
     constexpr bool CHAIN = PART == kWtChain;
-    using R = WyRecord<K>;
-    using L = WtLayout<K, CHAIN, WGS>;
+    using R = WtRecord;
+    using L = WtLayout<K, CHAIN, SEPARATE_P, WGS>;
     constexpr int C = kPrefillChunk, KS = K / 16, NT = kWgThreads * WGS;
     static_assert(K == 64 || K == 128, "bad prefill_scan_wt tiling");
     extern __shared__ __align__(128) unsigned char prefill_smem[];
@@ -616,10 +621,10 @@ __global__ void __launch_bounds__(kWgThreads * WGS, SERVING && PART == kWtChain 
     const int c_begin = PART == kWtWhole ? 0 : seg * lc;
     const int c_end = PART == kWtWhole ? chunks : min(chunks, c_begin + lc);
 
-    const long long words = record_words<K, 6>(prm);
-    const int slab = col0 / 64, slab0 = row.col0 / 64;  // this warpgroup's, the CTA's first
-    const bool m_cols = CHAIN && col0 >= V;  // M's columns of [E | M]: from the identity, with u' = 0
-    // M's columns read u' on every lane and drop it by a select: a read they branch around makes ptxas serialize
+    constexpr long long words = R::SIZE;
+    const int slab = col0 / 64;  // this warpgroup's
+    const bool m_cols = CHAIN && col0 >= V;  // M's columns of [E | M]: from the identity, with Vc = 0
+    // M's columns read v on every lane and drop it by a select: a read they branch around makes ptxas serialize
     // each wgmma (C7518). The K = 128 chain on two warpgroups keeps the branch: pipelined, it needs 156 registers,
     // one CTA an SM where two fit, and runs slower (docs/design.md "Segments").
     constexpr bool SERIAL = CHAIN && K == 128 && WGS == 2;
@@ -629,31 +634,33 @@ __global__ void __launch_bounds__(kWgThreads * WGS, SERVING && PART == kWtChain 
         return inter + records * H * words + ((map0 + j) * H + h) * (static_cast<long long>(K) * V + K * K / 2);
     };
     const KeyCopies copies = key_copies(q, k, p, prm, 2);
+    const bool v_copies = rows_copyable(v, prm.v_sb, prm.v_st, prm.v_sh, prm.v_sv, prm.v_t, 2);
     const bool bulk = maps.use != 0;
     unsigned long long* const bars = reinterpret_cast<unsigned long long*>(smem + L::BAR_AT);
     init_stage_barriers(bars, true, tid);
-    // Chunk c's rows, record and u' slab into stage s: bulk copies from thread 0 on the stage's mbarrier (the rows
-    // by tensor map where the host made one, else cp.async pieces from every thread)
+    // Chunk c's rows, record and v slab into stage s: bulk copies from thread 0 on the stage's mbarrier (the rows by
+    // tensor map where the host made them, else cp.async pieces or loads from every thread)
+    const long long v_col0 = row.col0;  // the CTA's first value column (M's columns stage no v)
     auto stage_next = [&](int c, int s) {
         unsigned char* const at = smem + s * L::STAGE_BYTES;
         const float* rec = work + ((first + c) * H + h) * words;
         if (tid == 0) {
-            mbarrier_expect(bars + s, (CHAIN ? L::WP_BYTES + L::GP_BYTES : L::REC_BYTES) + (m_cols ? 0 : L::U_BYTES) +
-                                          (bulk ? (CHAIN ? 1 : 2) * L::TILE : 0));
-            if (CHAIN) {
-                bulk_copy(at + L::WP_AT, rec + R::WP, L::WP_BYTES, bars + s);
-                bulk_copy(at + L::GP_AT, rec + R::GP, L::GP_BYTES, bars + s);
-            } else {
-                bulk_copy(at + L::REC_AT, rec, L::REC_BYTES, bars + s);
-            }
-            if (!m_cols) bulk_copy(at + L::U_AT, rec + R::SIZE + 2048 * slab0, L::U_BYTES, bars + s);
+            mbarrier_expect(bars + s, L::REC_BYTES + (bulk ? L::KEY_BOXES * L::TILE + (m_cols ? 0 : L::V_BYTES) : 0));
+            bulk_copy(at + L::REC_AT, rec, L::REC_BYTES, bars + s);
             if (bulk) {
                 const int t = static_cast<int>(row.start + static_cast<long long>(c) * C);
 #pragma unroll
                 for (int half = 0; half < K / 64; ++half) {
                     if (!CHAIN) bulk_rows(at + L::Q_AT + half * L::BOX, maps.q, 64 * half, hk, t, row.b_map, bars + s);
                     bulk_rows(at + L::KC_AT + half * L::BOX, maps.k, 64 * half, hk, t, row.b_map, bars + s);
+                    if (SEPARATE_P)
+                        bulk_rows(at + L::P_AT + half * L::BOX, maps.p, 64 * half, hk, t, row.b_map, bars + s);
                 }
+                if (!m_cols)
+#pragma unroll
+                    for (int w = 0; w < WGS; ++w)
+                        bulk_rows(at + L::V_AT + w * L::BOX, maps.v, static_cast<int>(v_col0) + 64 * w, h, t, row.b_map,
+                                  bars + s);
             }
         }
         if (bulk) return;
@@ -664,6 +671,13 @@ __global__ void __launch_bounds__(kWgThreads * WGS, SERVING && PART == kWtChain 
                                   prm.q_sk, prm.q_t, n, copies.q, tid);
         stage_swizzled<K, NT>(at + L::KC_AT, k, b * prm.k_sb + t0 * prm.k_st + hk * prm.k_sh, prm.k_st, prm.k_sk,
                               prm.k_t, n, copies.k, tid);
+        if (SEPARATE_P)
+            stage_swizzled<K, NT>(at + L::P_AT, p, b * prm.p_sb + t0 * prm.p_st + hk * prm.p_sh, prm.p_st, prm.p_sk,
+                                  prm.p_t, n, copies.p, tid);
+        if (!m_cols)
+            stage_swizzled<64 * WGS, NT>(at + L::V_AT, v,
+                                         b * prm.v_sb + t0 * prm.v_st + h * prm.v_sh + v_col0 * prm.v_sv, prm.v_st,
+                                         prm.v_sv, prm.v_t, n, v_copies, tid);
         copy_async_commit();
     };
     await_earlier();  // the records (and the segments' maps) written
@@ -750,9 +764,11 @@ __global__ void __launch_bounds__(kWgThreads * WGS, SERVING && PART == kWtChain 
         }
     }
 
-    // u' rows by ldmatrix.trans: lane l gives token row l & 7 of matrix l >> 3 = (column block 2 warp + (l >> 3 & 1),
-    // token block j + (l >> 4)); the o transpose by stmatrix.trans, the same matrices into [64 tokens][16 columns]
-    const int u_lane = 8192 * wg + (2 * warp + ((lane >> 3) & 1)) * 1024 + 16 * ((lane & 7) + 8 * (lane >> 4));
+    // v by ldmatrix.trans from the warpgroup's box: lane l gives token row l & 7 of matrix l >> 3 = (column block
+    // 2 warp + (l >> 3 & 1), token block j + (l >> 4)), 16-byte piece (column block) ^ (row % 8) of the row; the o
+    // transpose by stmatrix.trans, the same matrices into [64 tokens][16 columns]
+    const int v_lane =
+        L::BOX * wg + 128 * ((lane & 7) + 8 * (lane >> 4)) + 16 * ((2 * warp + ((lane >> 3) & 1)) ^ (lane & 7));
     unsigned char* const ot = smem + L::OT_AT + (tid >> 5) * L::OT_BYTES;
     unsigned char* const ot_lane = ot + 32 * ((lane & 7) + 8 * (lane >> 4)) + 16 * ((lane >> 3) & 1);
     // o rows: 16 bytes (8 columns) a piece where o is bf16 with unit, 16-byte aligned columns, else value by value
@@ -775,40 +791,44 @@ __global__ void __launch_bounds__(kWgThreads * WGS, SERVING && PART == kWtChain 
         // its own: a CTA barrier on a branch makes older ptxas (NVRTC 13.2's) serialize every wgmma of the kernel
         // (C7518).
         if constexpr (SERVING && !CHAIN) {
+            constexpr int KEYS = L::KEY_BOXES * (K / 64), BOXES = KEYS + WGS;  // the key boxes from 0, then v's
             const int borrowed = bulk && prm.cu_t ? C - n : 0;
-            for (int i = tid; i < 2 * (K / 64) * borrowed * 8; i += NT) {
+            for (int i = tid; i < BOXES * borrowed * 8; i += NT) {
                 const int box = i / (borrowed * 8), r = i % (borrowed * 8);
-                *reinterpret_cast<uint4*>(sg + box * L::BOX + 128 * n + 16 * r) = make_uint4(0, 0, 0, 0);
+                unsigned char* const at = sg + (box < KEYS ? box * L::BOX : L::V_AT + (box - KEYS) * L::BOX);
+                *reinterpret_cast<uint4*>(at + 128 * n + 16 * r) = make_uint4(0, 0, 0, 0);
             }
             if (borrowed) fence_async_shared();
         }
         __syncthreads();  // chunk c staged, every warp's reads of the other stage retired
         if (c + 1 < c_end) stage_next(c + 1, s ^ 1);
-        const float* f = reinterpret_cast<const float*>(sg + L::GP_AT);  // G fp, scale G fq, w, G_63
+        const float* f = reinterpret_cast<const float*>(sg + L::REC_AT + 4 * R::GP);  // G fp, scale G fq, w, G_63
+        // a K-major B operand of the staged key rows at `at` (Q, or P) for k-step ks
+        auto key_b = [&](int at, int ks) {
+            return desc(sg_at + at + (ks >> 2) * L::BOX + 32 * (ks & 3), 16, 1024) | kSwizzle128;
+        };
 
-        // Rw^T = S^T W'^T, Rq^T = S^T Q^T
+        // Rp^T = S^T P^T, Rq^T = S^T Q^T
         unsigned sa[KS][4];
         bf16_state(sa);
-        float rw[32], rq[32];
+        float rp[32], rq[32];
         wg_fence();
 #pragma unroll
-        for (int ks = 0; ks < KS; ++ks) wgmma<64>(rw, sa[ks], desc(sg_at + L::WP_AT + 2048 * ks, 1024, 128), ks > 0);
-        wg_commit();  // the chain's product first: U waits on it alone
+        for (int ks = 0; ks < KS; ++ks) wgmma<64>(rp, sa[ks], key_b(L::P_AT, ks), ks > 0);
+        wg_commit();  // the chain's product first: Y waits on it alone
         if constexpr (!CHAIN) {
 #pragma unroll
-            for (int ks = 0; ks < KS; ++ks)
-                wgmma<64>(rq, sa[ks], desc(sg_at + L::Q_AT + (ks >> 2) * L::BOX + 32 * (ks & 3), 16, 1024) | kSwizzle128,
-                          ks > 0);
+            for (int ks = 0; ks < KS; ++ks) wgmma<64>(rq, sa[ks], key_b(L::Q_AT, ks), ks > 0);
             wg_commit();
         }
-        // u' as bf16 pairs: token block j's rows ca (2 j) and cb (2 j + 1); zeros in M's columns (SERIAL above)
-        unsigned uq[16];
+        // v as bf16 pairs: token block j's rows ca (2 j) and cb (2 j + 1); zeros in M's columns (SERIAL above)
+        unsigned vq[16];
 #pragma unroll
         for (int j = 0; j < 8; j += 2) {
             unsigned r[4] = {0u, 0u, 0u, 0u};
-            if (!SERIAL || !m_cols) ldsm4_trans(r, sg + L::U_AT + u_lane + 128 * j);
+            if (!SERIAL || !m_cols) ldsm4_trans(r, sg + L::V_AT + v_lane + 1024 * j);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) uq[2 * j + e] = !SERIAL && m_cols ? 0u : r[e];
+            for (int e = 0; e < 4; ++e) vq[2 * j + e] = !SERIAL && m_cols ? 0u : r[e];
         }
         const float G = f[R::G - R::GP];
 #pragma unroll
@@ -816,15 +836,30 @@ __global__ void __launch_bounds__(kWgThreads * WGS, SERVING && PART == kWtChain 
         if (CHAIN) wg_wait();
         else wg_wait_but_one();
 
-        // U^T = u'^T - Rw^T; the A fragments of U^T and U^T diag(w); O^T = Rq^T diag(scale G fq)
+        // Y^T = Vc^T - Rp^T diag(G fp) as A fragments; U^T = Y^T A^T, into rp
+        unsigned ya[4][4];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float2 x = staged2<2>(reinterpret_cast<const unsigned char*>(vq + 2 * j));
+            const float2 z = staged2<2>(reinterpret_cast<const unsigned char*>(vq + 2 * j + 1));
+            const float2 gp = *reinterpret_cast<const float2*>(f + 8 * j + 2 * lj);
+            const int ks = j >> 1, hi = 2 * (j & 1);
+            ya[ks][hi] = bf16_pair(x.x - rp[4 * j] * gp.x, x.y - rp[4 * j + 1] * gp.y);
+            ya[ks][hi + 1] = bf16_pair(z.x - rp[4 * j + 2] * gp.x, z.y - rp[4 * j + 3] * gp.y);
+        }
+        wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks)
+            wgmma<64>(rp, ya[ks], desc(sg_at + L::REC_AT + 4 * R::A + 2048 * ks, 1024, 128), ks > 0);
+        wg_commit();
+        wg_wait();
+
+        // the A fragments of U^T and U^T diag(w); O^T = Rq^T diag(scale G fq)
         unsigned ua[4][4], uw[4][4];
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             const int t = 8 * j + 2 * lj;
-            const float2 x = staged2<2>(reinterpret_cast<const unsigned char*>(uq + 2 * j));
-            const float2 z = staged2<2>(reinterpret_cast<const unsigned char*>(uq + 2 * j + 1));
-            const float u0 = x.x - rw[4 * j], u1 = x.y - rw[4 * j + 1], u2 = z.x - rw[4 * j + 2],
-                        u3 = z.y - rw[4 * j + 3];
+            const float u0 = rp[4 * j], u1 = rp[4 * j + 1], u2 = rp[4 * j + 2], u3 = rp[4 * j + 3];
             const float2 w = *reinterpret_cast<const float2*>(f + (R::W - R::GP) + t);
             const int ks = j >> 1, hi = 2 * (j & 1);
             ua[ks][hi] = bf16_pair(u0, u1), ua[ks][hi + 1] = bf16_pair(u2, u3);
@@ -840,7 +875,6 @@ __global__ void __launch_bounds__(kWgThreads * WGS, SERVING && PART == kWtChain 
             wg_wait();
             continue;
         }
-        wg_wait_but_one();  // Rq retired
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             const float2 gq = *reinterpret_cast<const float2*>(f + (R::GQ - R::GP) + 8 * j + 2 * lj);

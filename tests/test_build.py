@@ -1,6 +1,7 @@
 """Every kernel specialisation compiles with NVRTC (no GPU needed): for sm_90 without spills and with
 its state accesses as wide as they are written, and a spread of them for sm_80 and sm_89."""
 
+import itertools
 import re
 
 import numpy
@@ -39,11 +40,11 @@ def test_the_registry_lists_every_build_once():
     # layout; prefill: 3 K x 2 slabs x 2 layouts x p or not scans x 5 numerics (tf32 or fp32, bf16 or wider keys;
     # bf16 products) less the 24 whose stage does not fit (K = 256, wider keys), and 3 K x 5 preps; the wgmma
     # scans: 2 K x 2 slabs x 2 layouts x p or not, and 2 K x its prep (ACC 5); the transposed one, whole and in
-    # segments, 2 K x 2 layouts x 2 (p folded into the prep's W') x one or two warpgroups a CTA, and 2 K x its prep
-    # (ACC 6); the segments' chain (one warpgroup a CTA at K = 64, one or two at K = 128), one build for both layouts;
-    # each with and without the serving options
+    # segments, 2 K x 2 layouts x p or not x one or two warpgroups a CTA, and 2 K x its prep (ACC 6); the segments'
+    # chain x p or not (one warpgroup a CTA at K = 64 and with p, one or two at K = 128 without), one build for both
+    # layouts; each with and without the serving options
     assert counts == {"token_loop.cu": 464, "chunked.cu": 24, "delta_rule_mma.cu": 72, "prefill.cu": 246,
-                      "prefill_wgmma.cu": 78,
+                      "prefill_wgmma.cu": 114,
                       "copy.cu": 1}
     for source, expressions in SPECIALISATIONS.items():
         assert len(set(expressions)) == len(expressions), source
@@ -93,7 +94,10 @@ def test_the_default_half_precision_is_bf16_products():
 SERVING_STACK = {"comba::delta_rule_vk_chunked<128, 64, false, true>": 8,
                  "comba::delta_rule_mma<128, 64, true, false, 1, true>": 24,
                  "comba::delta_rule_mma<128, 64, true, true, 1, true>": 28,
-                 "comba::delta_rule_mma<128, 64, false, true, 1, true>": 64}
+                 "comba::delta_rule_mma<128, 64, false, true, 1, true>": 64,
+                 # the K = 128 chain on two warpgroups, held to 128 registers for two CTAs an SM
+                 "comba::prefill_scan_wt<128, false, false, false, 1, 2>": 36,
+                 "comba::prefill_scan_wt<128, false, false, true, 1, 2>": 56}
 
 
 @pytest.mark.parametrize("source", [s for s in SPECIALISATIONS if s != "copy.cu"])
@@ -110,7 +114,8 @@ def test_nvrtc_compiles_every_specialisation_for_sm90(source):
         # state stores into 4-byte ones (four times the L2 requests), which common.cuh's PTX stores prevent.
         loads = len(re.findall(r"ld\.global(?:\.nc)?\.v[24]\.f32", ptx))
         stores = len(re.findall(r"st\.global\.v[24]\.f32", ptx))
-        if expression.startswith("comba::prefill_scan_wt") and _template_args(expression)[3] == str(families.WT_SEGMENTS):
+        wt = expression.startswith("comba::prefill_scan_wt")
+        if wt and _template_args(expression)[4] == str(families.WT_SEGMENTS):
             loads -= int(_template_args(expression)[0]) // 8  # the segments' E maps (float4s the chain stored)
         assert stores >= loads, f"{expression}: {loads} vector loads, {stores} vector stores"
         # The tensor-core kernel's kv build loads its state as 4-byte values (32 a lane) straight into
@@ -122,7 +127,7 @@ def test_nvrtc_compiles_every_specialisation_for_sm90(source):
         # divergent path) only in the K = 128 chain on two warpgroups, where products in flight need more registers
         # than two of its CTAs an SM leave (docs/design.md, "Segments").
         serialized = [n for n in notes if "serialized" in n]
-        serial_chain = expression.startswith("comba::prefill_scan_wt<128,") and _template_args(expression)[3:] == \
+        serial_chain = expression.startswith("comba::prefill_scan_wt<128,") and _template_args(expression)[4:] == \
             [str(families.WT_CHAIN), "2"]
         if source == "prefill_wgmma.cu":
             assert bool(serialized) == serial_chain, f"{expression}: {serialized or 'no serialized wgmma'}"
@@ -156,9 +161,9 @@ def test_every_family_also_builds_for_pre_hopper_gpus(arch):
     picks = _pre_hopper_spread()
     # 12 + 12 token loop (the decode step for run-time dtypes and for one dtype), 8 one-warp decode steps, 4 + 4
     # chunked, 16 tensor cores, 5 + 20 prefill (numerics, x p x layout), 4 wgmma scans (p x layout) and their prep,
-    # 2 transposed scans (layout) and their prep (each with and without serving), the copy; the wgmma scans build
-    # empty there
-    assert len(picks) == 123
+    # 4 transposed scans (p x layout) and their prep (each with and without serving), the copy; the wgmma scans
+    # build empty there
+    assert len(picks) == 127
     for source in SPECIALISATIONS:
         expressions = [e for s, e in picks if s == source]
         assert set(_build.compile_for_arch(source, expressions, arch)) == set(expressions)
@@ -237,9 +242,9 @@ def test_which_prefill_scans_launch_as_dependents():
     """The whole scans launch as programmatic dependents of their prep, but for those of one-warpgroup CTAs at
     K = 64 (the wgmma scan, the transposed scan on 64 columns); the segmented scan's chain and segments launch in
     turn (docs/design.md, "Host path"); the segments on pairs run their chain on two warpgroups a CTA at K = 128
-    only."""
-    def kernel(variant, K):
-        return families.kernel(variant[:2], variant, K=K, separate_p=True, multi=True, bf16_keys=True,
+    where p is k only."""
+    def kernel(variant, K, separate_p=True):
+        return families.kernel(variant[:2], variant, K=K, separate_p=separate_p, multi=True, bf16_keys=True,
                                precision="bf16")
 
     assert kernel("kv16c64wg", 128).dependent and kernel("vk32c64wg", 128).dependent
@@ -247,19 +252,20 @@ def test_which_prefill_scans_launch_as_dependents():
     assert all(kernel(v, K).dependent for v in ("kv16c64", "vk128c64wt") for K in (64, 128))
     assert kernel("kv64c64wt", 128).dependent and not kernel("kv64c64wt", 64).dependent
     assert not any(kernel(v, K).dependent for v in ("kv64c64sg", "vk128c64sg") for K in (64, 128))
-    assert [kernel("kv128c64sg", K).chain_block for K in (64, 128)] == [128, 256]
-    assert kernel("kv64c64sg", 128).chain_block == 128
+    assert [kernel("kv128c64sg", K, False).chain_block for K in (64, 128)] == [128, 256]
+    assert kernel("kv128c64sg", 128).chain_block == kernel("kv64c64sg", 128, False).chain_block == 128
 
 
 def test_serving_plans_run_the_chain_s_serving_build():
     """The segmented scan's chain reads no state and writes no o: one build serves both layouts, and a plan with
     serving options runs its serving build, which finds a ragged batch's rows (docs/design.md, "Segments")."""
-    for variant, K in (("kv128c64sg", 128), ("vk128c64sg", 128), ("kv64c64sg", 64)):
-        dense, serving = (families.kernel(variant[:2], variant, K=K, separate_p=True, multi=True, serving=flag,
-                                          precision="bf16") for flag in (False, True))
-        assert dense.chain == f"comba::prefill_scan_wt<{K}, false, false, {families.WT_CHAIN}, " \
+    for (variant, K), sep in itertools.product((("kv128c64sg", 128), ("vk128c64sg", 128), ("kv64c64sg", 64)),
+                                               ("true", "false")):
+        dense, serving = (families.kernel(variant[:2], variant, K=K, separate_p=sep == "true", multi=True,
+                                          serving=flag, precision="bf16") for flag in (False, True))
+        assert dense.chain == f"comba::prefill_scan_wt<{K}, {sep}, false, false, {families.WT_CHAIN}, " \
                               f"{dense.chain_block // 128}>"
-        assert serving.chain == dense.chain.replace("false, false", "false, true")
+        assert serving.chain == dense.chain.replace(f"{sep}, false, false", f"{sep}, false, true")
         assert ", true, " in serving.expression and serving.prep == dense.prep.replace("false>", "true>")
 
 
@@ -277,13 +283,13 @@ def test_prefill_shared_bytes_are_the_layouts():
             wg_checks.append(f'static_assert(comba::PrepLayout<{K}, false>::BYTES == '
                              f'{families.prefill_prep_bytes(int(K), False)}, "{expression}");')
             if acc == "6":
-                wg_checks.append(f'static_assert(comba::WyRecord<{K}>::SIZE == {families.wy_record(int(K))} && '
-                                 f'comba::WyRecord<{K}>::WORDS_PER_V == {families.WY_WORDS_PER_V}, "{expression}");')
+                wg_checks.append(f'static_assert(comba::WtRecord::SIZE == {families.WT_RECORD}, "{expression}");')
         elif expression.startswith("comba::prefill_scan_wt"):
-            K, _, _, part, wgs = args
+            K, sep, _, _, part, wgs = args
             chain = part == "1"
-            wg_checks.append(f'static_assert(comba::WtLayout<{K}, {"true" if chain else "false"}, {wgs}>::BYTES == '
-                             f'{families.prefill_wt_bytes(int(K), chain, int(wgs))}, "{expression}");')
+            layout = f'comba::WtLayout<{K}, {"true" if chain else "false"}, {sep}, {wgs}>'
+            wg_checks.append(f'static_assert({layout}::BYTES == '
+                             f'{families.prefill_wt_bytes(int(K), sep == "true", chain, int(wgs))}, "{expression}");')
         else:
             K, slab, sep, _, _ = args
             n = families.prefill_wg_bytes(int(K), int(slab), sep == "true")
@@ -295,7 +301,7 @@ def test_prefill_shared_bytes_are_the_layouts():
     wg_checks.append(f'static_assert(comba::kWgRingChunks == {families.WG_RING_CHUNKS}, "the ring");')
     wg_checks.append(f'static_assert(comba::kWtWhole == {families.WT_WHOLE} && comba::kWtChain == {families.WT_CHAIN} '
                      f'&& comba::kWtSegments == {families.WT_SEGMENTS}, "WtPart");')
-    assert len(wg_checks) == 85
+    assert len(wg_checks) == 121
     _compiles_with("prefill_wgmma.cu", wg_checks)
     for expression in SPECIALISATIONS["prefill.cu"]:
         args = _template_args(expression)

@@ -106,10 +106,11 @@ def test_a_dropped_coupling_is_caught():
 
 
 def _segments_model(K, V, C, chunks, seed, decay):
-    """One head of Gated DeltaNet in the WY form of prefill_prep<K, 6> / prefill_scan_wt, chunk by chunk:
-    ``step(X, c, u_cols, rnd)`` applies chunk c's map X -> G_63 X + Kc^T diag(w) (u' - W' X) to the columns of X
-    (u' in the first ``u_cols``, zero in the rest), with ``rnd`` the rounding of the bf16 operands (W', u', X and
-    diag(w) U) or none; the initial state and the exact token recurrence's final state."""
+    """One head of Gated DeltaNet as prefill_prep<K, 6> / prefill_scan_wt form it, chunk by chunk:
+    ``step(X, c, v_cols, rnd)`` applies chunk c's map X -> G_63 X + Kc^T diag(w) A (Vc - diag(G fp) Kc X) to the
+    columns of X (Vc in the first ``v_cols``, zero in the rest), with ``rnd`` the rounding of the bf16 operands (A,
+    v, X, Y = Vc - diag(G fp) Kc X and diag(w) U) or none; the initial state and the exact token recurrence's final
+    state."""
     import ml_dtypes
     rng = numpy.random.default_rng(seed)
     T = C * chunks
@@ -131,15 +132,15 @@ def _segments_model(K, V, C, chunks, seed, decay):
         r = numpy.exp(cum[None, :] - cum[:, None])  # r[j][t]: the decay from token j to token t
         L = numpy.tril(beta[sl, None] * (k[sl] @ k[sl].T) * r.T, -1)
         A = numpy.linalg.solve(numpy.eye(C) + L, numpy.diag(beta[sl]))
-        return k[sl], A @ (numpy.exp(cum)[:, None] * k[sl]), A @ v[sl], r[:, -1], numpy.exp(cum[-1])
+        return k[sl], A, numpy.exp(cum), v[sl], r[:, -1], numpy.exp(cum[-1])
 
     chunk = [coefficients(c) for c in range(chunks)]
 
-    def step(X, c, u_cols, rnd):
-        kc, W, u, w, G = chunk[c]
-        u = numpy.concatenate([u[:, :u_cols], numpy.zeros((C, X.shape[1] - u_cols))], 1)
-        U = rnd(u) - rnd(W) @ rnd(X)
-        return G * X + kc.T @ rnd(w[:, None] * U)
+    def step(X, c, v_cols, rnd):
+        kc, A, gp, vc, w, G = chunk[c]
+        vc = numpy.concatenate([vc[:, :v_cols], numpy.zeros((C, X.shape[1] - v_cols))], 1)
+        Y = rnd(rnd(vc) - gp[:, None] * (rnd(kc) @ rnd(X)))
+        return G * X + rnd(kc).T @ rnd(w[:, None] * (rnd(A) @ Y))
 
     return step, S0, S, bf16
 
@@ -147,7 +148,7 @@ def _segments_model(K, V, C, chunks, seed, decay):
 @pytest.mark.parametrize("decay", [1.0, 0.01], ids=["fast", "slow"])
 def test_segments_compose_to_the_whole_scan(decay):
     """kernels_cu/prefill_wgmma.cu, "Segments": each segment's map [E | M], the chunks' recurrence over V + K
-    columns from [0 | I] with u' = 0 in M's columns, composed as S <- E_j + M_j S, gives the state of the whole
+    columns from [0 | I] with Vc = 0 in M's columns, composed as S <- E_j + M_j S, gives the state of the whole
     chunk recurrence (float64: to rounding), and with the kernels' bf16 operands -- M_j and the state rounded for
     the composition too -- an error against the token recurrence within a few percent of the whole scan's, also
     where the gates decay slowly (a 1/e memory of ~500 tokens) and each segment's start depends on the ones
