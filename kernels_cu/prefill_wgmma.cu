@@ -562,9 +562,8 @@ __device__ __forceinline__ int segment_row(const void* cu, const Params& prm, lo
     return b;
 }
 
-// Two CTAs of the K = 128 chain on two warpgroups share an SM in 128 registers a thread.  Its build without serving
-// options lands there by itself (held to it, ptxas makes a chain 3-5 % slower); the serving build, which finds a
-// ragged batch's rows, is held to it (else 151 registers, one CTA an SM).
+// Two CTAs of the K = 128 chain on two warpgroups share an SM in 128 registers a thread: both builds are held to it
+// (left to ptxas, the one without serving options takes 153, one CTA an SM), at a few dozen bytes of spills.
 template <int K, bool SEPARATE_P, bool VK, bool SERVING, int PART, int WGS>
 __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2 ? 2 : 1)
     prefill_scan_wt(COMBA_PREFILL_ARGS) {
