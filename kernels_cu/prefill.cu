@@ -753,9 +753,12 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     // whose X_kj are diagonal or above X_ij in the same columns.  X takes L's place (x_entry): a diagonal block once
     // every thread has read L's, a block below the diagonal transposed into the one above it, which L never uses;
     // the L_ik still to be read lie strictly below the diagonal.
-    // Mq's A fragments in the record (ACC 0 .. 5), items first, first + stride, ... (the layout: "A and Mq" below)
+    // Mq in the record (ACC 0 .. 5: A fragments, the layout under "A and Mq" below; ACC 6: a B tile, wt_tile), items
+    // first, first + stride, ...
     auto mq_record = [&](int first, int stride) {
-        if constexpr (bf16_products(ACC)) {
+        if constexpr (ACC == 6) {
+            wt_tile(rec + R::MQ, [&](int t, int j) { return gram_q[t * S + j]; }, first, stride);
+        } else if constexpr (bf16_products(ACC)) {
             constexpr int D = ACC == 5 ? 1 : 4, E = ACC == 5 ? 2 : 1;
             unsigned* const words = reinterpret_cast<unsigned*>(rec);
             for (int i = first; i < R::TILES * 32; i += stride) {
@@ -767,7 +770,7 @@ prefill_prep(COMBA_PREFILL_ARGS) {
                     make_uint4(bf16_pair(m0[0], m0[D]), bf16_pair(m1[0], m1[D]), bf16_pair(m0[8], m0[8 + D]),
                                bf16_pair(m1[8], m1[8 + D]));
             }
-        } else if constexpr (ACC != 6) {
+        } else {
             for (int i = first; i < R::TILES * 32; i += stride) {
                 const int f = i >> 5, l = i & 31;
                 const int m = f < 2 ? 0 : f < 6 ? 1 : f < 12 ? 2 : 3, ks = f - m * (m + 1);
@@ -789,9 +792,7 @@ prefill_prep(COMBA_PREFILL_ARGS) {
 #pragma unroll
             for (int t = j + 1; t < 16; ++t) xd[t] = fmaf(-gram_p[(base + t) * S + base + j], xj, xd[t]);
         }
-    } else if constexpr (ACC == 6) {  // meanwhile warps 2 and 3 put Mq in the record
-        wt_tile(rec + WtRecord::MQ, [&](int t, int j) { return gram_q[t * S + j]; }, tid - C, C);
-    } else {
+    } else {  // meanwhile warps 2 and 3 put Mq in the record
         mq_record(tid - C, C);
     }
     __syncthreads();

@@ -496,8 +496,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
 // to the last -- the "bf16" precision.
 enum WtPart { kWtWhole = 0, kWtChain = 1, kWtSegments = 2 };
 
-// A stage: the rows of Q (not in the chain), Kc and P (where P is not Kc), the record (the chain's without Mq) and the
-// v slab, a box of 64 columns a warpgroup; every box 1 KB-aligned for its swizzle.  Two stages, the next chunk copied
+// A stage: the rows of Q (not in the chain), Kc and P (where P is not Kc), the v slab (a box of 64 columns a
+// warpgroup) -- every box 1 KB-aligned for its swizzle, side by side from the stage's start -- then the record (the
+// chain's without Mq).  Two stages, the next chunk copied
 // while one is computed (a third measured no faster, and at K = 64 leaves room for one CTA an SM where two fit:
 // docs/design.md).  Segments compose their maps in two M buffers of 2 K K bytes from the second stage on.
 template <int K, bool CHAIN, bool SEPARATE_P, int WGS = 1>
@@ -505,14 +506,14 @@ struct WtLayout {
     using R = WtRecord;
     static constexpr int BOX = kPrefillChunk * 128, TILE = K / 64 * BOX;  // Q, Kc or P: K / 64 swizzled boxes
     static constexpr int Q_AT = 0, KC_AT = CHAIN ? 0 : TILE, P_AT = SEPARATE_P ? KC_AT + TILE : KC_AT;
-    static constexpr int KEY_BOXES = (CHAIN ? 1 : 2) + (SEPARATE_P ? 1 : 0);  // key tiles from 0
-    static constexpr int REC_AT = KEY_BOXES * TILE, REC_BYTES = 4 * (CHAIN ? R::MQ : R::SIZE);
-    static constexpr int V_AT = REC_AT + REC_BYTES, V_BYTES = WGS * BOX;
-    static constexpr int STAGE_BYTES = V_AT + V_BYTES;
+    static constexpr int KEY_TILES = (CHAIN ? 1 : 2) + (SEPARATE_P ? 1 : 0);
+    static constexpr int V_AT = KEY_TILES * TILE, V_BYTES = WGS * BOX, BOXES = KEY_TILES * (K / 64) + WGS;
+    static constexpr int REC_AT = V_AT + V_BYTES, REC_BYTES = 4 * (CHAIN ? R::MQ : R::SIZE);
+    static constexpr int STAGE_BYTES = REC_AT + REC_BYTES;
     static constexpr int OT_AT = 2 * STAGE_BYTES, OT_BYTES = CHAIN ? 0 : kPrefillChunk * 16 * 2;  // a warp's o
     static constexpr int BAR_AT = OT_AT + 4 * WGS * OT_BYTES, BYTES = 1024 + BAR_AT + 16;  // 1 KB to align the boxes
     static constexpr int M_BYTES = 2 * K * K;
-    static_assert(REC_BYTES % 1024 == 0 && STAGE_BYTES % 1024 == 0, "prefill_scan_wt: boxes 1 KB-aligned");
+    static_assert(STAGE_BYTES % 1024 == 0, "prefill_scan_wt: boxes 1 KB-aligned");
     static_assert(BYTES <= 232448, "prefill_scan_wt: two stages do not fit");
     static_assert(CHAIN || STAGE_BYTES + 2 * M_BYTES <= BAR_AT, "prefill_scan_wt: no room for two segment maps");
 };
@@ -639,12 +640,11 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
     init_stage_barriers(bars, true, tid);
     // Chunk c's rows, record and v slab into stage s: bulk copies from thread 0 on the stage's mbarrier (the rows by
     // tensor map where the host made them, else cp.async pieces or loads from every thread)
-    const long long v_col0 = row.col0;  // the CTA's first value column (M's columns stage no v)
     auto stage_next = [&](int c, int s) {
         unsigned char* const at = smem + s * L::STAGE_BYTES;
         const float* rec = work + ((first + c) * H + h) * words;
         if (tid == 0) {
-            mbarrier_expect(bars + s, L::REC_BYTES + (bulk ? L::KEY_BOXES * L::TILE + (m_cols ? 0 : L::V_BYTES) : 0));
+            mbarrier_expect(bars + s, L::REC_BYTES + (bulk ? L::KEY_TILES * L::TILE + (m_cols ? 0 : L::V_BYTES) : 0));
             bulk_copy(at + L::REC_AT, rec, L::REC_BYTES, bars + s);
             if (bulk) {
                 const int t = static_cast<int>(row.start + static_cast<long long>(c) * C);
@@ -658,8 +658,7 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
                 if (!m_cols)
 #pragma unroll
                     for (int w = 0; w < WGS; ++w)
-                        bulk_rows(at + L::V_AT + w * L::BOX, maps.v, static_cast<int>(v_col0) + 64 * w, h, t, row.b_map,
-                                  bars + s);
+                        bulk_rows(at + L::V_AT + w * L::BOX, maps.v, row.col0 + 64 * w, h, t, row.b_map, bars + s);
             }
         }
         if (bulk) return;
@@ -673,9 +672,9 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
         if (SEPARATE_P)
             stage_swizzled<K, NT>(at + L::P_AT, p, b * prm.p_sb + t0 * prm.p_st + hk * prm.p_sh, prm.p_st, prm.p_sk,
                                   prm.p_t, n, copies.p, tid);
-        if (!m_cols)
+        if (!m_cols)  // M's columns stage no v
             stage_swizzled<64 * WGS, NT>(at + L::V_AT, v,
-                                         b * prm.v_sb + t0 * prm.v_st + h * prm.v_sh + v_col0 * prm.v_sv, prm.v_st,
+                                         b * prm.v_sb + t0 * prm.v_st + h * prm.v_sh + row.col0 * prm.v_sv, prm.v_st,
                                          prm.v_sv, prm.v_t, n, v_copies, tid);
         copy_async_commit();
     };
@@ -790,12 +789,10 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
         // its own: a CTA barrier on a branch makes older ptxas (NVRTC 13.2's) serialize every wgmma of the kernel
         // (C7518).
         if constexpr (SERVING && !CHAIN) {
-            constexpr int KEYS = L::KEY_BOXES * (K / 64), BOXES = KEYS + WGS;  // the key boxes from 0, then v's
             const int borrowed = bulk && prm.cu_t ? C - n : 0;
-            for (int i = tid; i < BOXES * borrowed * 8; i += NT) {
+            for (int i = tid; i < L::BOXES * borrowed * 8; i += NT) {
                 const int box = i / (borrowed * 8), r = i % (borrowed * 8);
-                unsigned char* const at = sg + (box < KEYS ? box * L::BOX : L::V_AT + (box - KEYS) * L::BOX);
-                *reinterpret_cast<uint4*>(at + 128 * n + 16 * r) = make_uint4(0, 0, 0, 0);
+                *reinterpret_cast<uint4*>(sg + box * L::BOX + 128 * n + 16 * r) = make_uint4(0, 0, 0, 0);
             }
             if (borrowed) fence_async_shared();
         }
