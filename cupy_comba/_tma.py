@@ -70,14 +70,20 @@ def _geometry(a, ragged, itemsize, width):
 
 def stage_geometries(q, k, p, v, ragged, key_itemsize, slab, pad=_PAD, swizzled=False):
     """The four maps' ``_geometry`` (q, k, p, v; None for a map the scan does not take) of a prefill plan, or None
-    where the copy cannot take one it needs (StageMaps' arguments)."""
+    where the copy cannot take one it needs (StageMaps' arguments).  p's is None where p is k: Gated DeltaNet's
+    plans hand k as p, and its scans read k's rows in p's place."""
+    if swizzled and key_itemsize != 2:
+        return None
+
+    def key_map(a):
+        return _geometry(a, ragged, 2, 64) if swizzled else _geometry(a, ragged, key_itemsize, q.shape[3] + pad)
+
     if swizzled:
-        maps = [_geometry(a, ragged, 2, 64) if key_itemsize == 2 else None for a in (q, k, p)]
-        maps.append(_geometry(v, ragged, 2, 64) if v.dtype == bfloat16 else None)
-        return tuple(maps) if all(maps) else None
-    maps = [_geometry(a, ragged, key_itemsize, q.shape[3] + pad) for a in (q, k, p)]
-    maps.append(_geometry(v, ragged, v.itemsize, slab))
-    return tuple(maps) if all(maps) else None
+        v_map = _geometry(v, ragged, 2, 64) if v.dtype == bfloat16 else None
+    else:
+        v_map = _geometry(v, ragged, v.itemsize, slab)
+    maps = (key_map(q), key_map(k), None if p is k else key_map(p), v_map)
+    return maps if all(m for i, m in enumerate(maps) if i != 2 or p is not k) else None
 
 
 class StageMaps:
@@ -100,7 +106,7 @@ class StageMaps:
         Elements past the key axis in a staged key row: 16 for ``prefill_scan``, 8 for ``prefill_scan_wg``.
     swizzled : bool
         ``prefill_scan_wt``'s maps: boxes of 64 elements (128 bytes) by 64 token rows swizzled as wgmma reads them
-        (128-byte swizzle), v's only where it is bf16 (``pad`` unused).
+        (128-byte swizzle), v's only where it is bf16, none of p where p is k (``pad`` unused).
     """
 
     __slots__ = ("_raw", "address", "_maps", "_encoded", "_pointers", "_swizzle")

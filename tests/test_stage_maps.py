@@ -34,15 +34,18 @@ def test_a_v_box_is_one_slab_of_64_rows():
 
 def test_the_transposed_scan_takes_its_rows_in_boxes_of_64_elements():
     """prefill_scan_wt's maps (``swizzled``): q, k and p in boxes of 64 keys (128 bytes) by 64 token rows, v in
-    boxes of 64 value columns; none at all for keys staged as fp32 or a v that is not bf16 (the stage holds bf16)."""
-    q, v = _sig((2, 100, 4, 128)), _sig((2, 100, 8, 128))
-    qm, km, pm, vm = _tma.stage_geometries(q, q, q, v, False, 2, 64, swizzled=True)
+    boxes of 64 value columns; none of p where it is k (Gated DeltaNet's plans hand k as p), and none at all for
+    keys staged as fp32 or a v that is not bf16 (the stage holds bf16)."""
+    q, k, p, v = _sig((2, 100, 4, 128)), _sig((2, 100, 4, 128)), _sig((2, 100, 4, 128)), _sig((2, 100, 8, 128))
+    qm, km, pm, vm = _tma.stage_geometries(q, k, p, v, False, 2, 64, swizzled=True)
     assert qm == km == pm == (1, (128, 4, 100, 2), (256, 1024, 102400), (64, 1, 64, 1))
     assert vm == (1, (128, 8, 100, 2), (256, 2048, 204800), (64, 1, 64, 1))
+    assert _tma.stage_geometries(q, k, k, v, False, 2, 64, swizzled=True) == (qm, km, None, vm)
     assert _tma.stage_geometries(q, q, q, v, False, 4, 64, swizzled=True) is None
     for dtype in (F16, F32):
         assert _tma.stage_geometries(q, q, q, _sig((2, 100, 8, 128), dtype), False, 2, 64, swizzled=True) is None
     assert _tma.stage_geometries(q, q, q, v, False, 2, 16)[0][3] == (144, 1, 64, 1)  # prefill_scan's, padded
+    assert _tma.stage_geometries(q, k, k, v, False, 2, 16)[2] is None  # its p's, where p is k, neither
 
 
 def test_a_packed_batch_is_one_row():
