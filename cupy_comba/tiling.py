@@ -92,32 +92,32 @@ def _mma(c):
 
 #: The shortest pass the prefill kernels take at each K, over at most so many heads: (heads, T) in order
 #: (h200-prefill-lengths.json).  Their cost rises in steps of 64 tokens and the 16-token kernel's in steps of 16,
-#: so the thresholds fall on that kernel's step boundaries: T = 33, 49, 97 and 113 open a step of it that costs
-#: more than the prefill chunks, and at T = 96 over 33-64 heads the two tie.  Over one head at K = 128 one chunk
-#: costs less than the 16-token kernel's three steps (T = 48: 11.2 against 12.0 us for kv32tc16; 16 heads: 12.6
-#: against 12.2, which keep it), and so at K = 64 over 1-32 heads (T = 48: 9.8 against 11.5 us for kv64tc16 over
-#: 16 heads, 10.8 against 11.6 over 32; T = 32: 9.8 against 8.7, which keep it); there over 65-128 heads
-#: prefill_scan's two chunks cost less than the 16-token kernel's eight steps (128 heads, T = 113: 28.3 against
-#: 30.6).  Beyond 128 heads, the most the sweeps measured, the token kernels keep every length (and no workspace
+#: so the thresholds fall on that kernel's step boundaries: T = 33, 97 and 113 open a step of it that costs more
+#: than the prefill chunks, and over 33-64 heads T = 96.  Over 1-32 heads one chunk costs less than the 16-token
+#: kernel's three steps (K = 128, T = 48: one head 9.4 against 11.9 us for kv32tc16, 16 heads 10.6 against 12.4, 32
+#: heads 12.4 against 12.8; K = 64: 16 heads 9.3 against 11.7 for kv64tc16, 32 heads 10.3 against 11.6; T = 32: 16
+#: heads 11.3 against 9.4 and 9.5 against 8.9, which keep it); at K = 64 over 65-128 heads prefill_scan's two
+#: chunks cost less than the 16-token kernel's eight steps (128 heads, T = 113: 27.5 against 30.4).  Beyond 128
+#: heads, the most the sweeps measured, the token kernels keep every length (and no workspace
 #: of 11-21.5 KB a chunk and head is made); at K = 256 the token loops the prefill kernels replace walk 256 keys a
 #: token, and lose from T = 16 over any number of heads.
 PREFILL_MIN_T = {
     64: ((32, 33), (64, 96), (128, 113)),
-    128: ((1, 33), (32, 49), (64, 96), (128, 97)),
+    128: ((32, 33), (64, 96), (128, 97)),
     256: ((None, 16),),
 }
 #: The same where the scan runs on wgmma (:func:`_warpgroup`): over 65-128 heads at K = 128 from T = 97, where
 #: its two chunks cost less than the 16-token kernel's seven steps, and at K = 64 over 33-128 heads from T = 49,
-#: where the transposed scan's one chunk costs less than four steps (h200-prefill-lengths.json, 128 heads: 15.3
+#: where the transposed scan's one chunk costs less than four steps (h200-prefill-lengths.json, 128 heads: 15.2
 #: against 17.1 us).  Over the heads that take the transposed scan it begins at TRANSPOSED_MIN_T where that is shorter.
-PREFILL_MIN_T_WGMMA = {64: ((32, 33), (128, 49)), 128: ((1, 33), (32, 49), (64, 96), (128, 97))}
+PREFILL_MIN_T_WGMMA = {64: ((32, 33), (128, 49)), 128: ((32, 33), (64, 96), (128, 97))}
 
 
 def _prefill_min_t(c):
     """The shortest pass the prefill kernels take at this head size and head count, or None."""
     for most, T in (PREFILL_MIN_T_WGMMA if _warpgroup(c) else PREFILL_MIN_T).get(c.K, ()):
         if most is None or (c.heads is not None and c.heads <= most):
-            return min(T, TRANSPOSED_MIN_T[c.K]) if _transposed_heads(c) else T
+            return min(T, _transposed_min_t(c)) if _transposed_heads(c) else T
     return None
 
 
@@ -134,10 +134,10 @@ def _prefill_slab(c):
 
 
 #: From this many tokens Comba's 16-column slabs over one head take the wgmma scan (h200-prefill-wgmma.json:
-#: T = 1024 33.3 against 34.9 us; T = 256 18.1 against 17.8, and h200-prefill-lengths.json T = 49-256 12.9-16.4
-#: against 12.1-16.3), and at K = 64 every slab over at most NARROW_HEADS heads, where prefill_scan's chunks cost
-#: less before (h200-prefill-lengths.json, K = 64: 16 heads, T = 64 9.7 against 10.6 us for kv16c64wg, Comba
-#: over 32 heads 11.3 against 12.7; T = 8192 195.0 against 181.1).
+#: T = 1024 33.3 against 34.9 us; T = 256 18.1 against 17.8, and h200-prefill-lengths.json T = 49-256 10.3-14.4
+#: against 9.8-14.1), and at K = 64 every slab over at most NARROW_HEADS heads, where prefill_scan's chunks cost
+#: less before (h200-prefill-lengths.json, K = 64: 16 heads, T = 64 9.3 against 9.8 us for kv16c64wg, Comba
+#: over 32 heads 10.8 against 11.8; T = 8192 189.6 against 174.8).
 WGMMA_MIN_T = 1024
 
 
@@ -155,14 +155,11 @@ def _warpgroup(c):
 #: TRANSPOSED_MIN_T tokens with V a multiple of 64 (h200-prefill-transposed.json): two CTAs a head of V = 128, each
 #: bound by the tensor cores' rate on its chunk's products, which over fewer heads leave most SMs idle.
 TRANSPOSED_MIN_HEADS = {128: 64, 64: 64}
-#: ... by K, from so many tokens, where over those heads the prefill kernels then begin: one chunk costs less than
-#: the 16-token kernel's four steps (h200-prefill-lengths.json).
-TRANSPOSED_MIN_T = {128: 49, 64: 49}
-#: Gated DeltaNet at K = 64 over at most H200_SMS slabs of 64 columns (64 heads of V = 128: one CTA an SM) takes its
-#: 32-column slabs on wgmma from this many tokens instead (h200-prefill-lengths.json, 64 heads: T = 513 37.7 us
-#: against 40.7 for kv64c64wt, T = 1024 57.0 against 59.5; T = 8192 and 65536 1.01 and 1.03 of its time, T = 512
-#: 30.7 against 30.2).
-ONE_WAVE_GDN_WGMMA_MIN_T = 513
+#: ... by K, (at most so many heads, from so many tokens), where over those heads the prefill kernels then begin:
+#: over 64 heads one chunk costs less than the 16-token kernel's four steps, over 65-128 at K = 128, on two
+#: warpgroups a CTA, less than its three (h200-prefill-lengths.json, K = 128: 64 heads T = 49 15.3 against 17.5 us
+#: for kv64tc16, T = 48 15.5 against 14.3; 128 heads T = 48 17.9 against 20.1, T = 32 17.8 against 15.0).
+TRANSPOSED_MIN_T = {128: ((64, 49), (FEW_HEADS, 33)), 64: ((FEW_HEADS, 49),)}
 
 
 def _transposed_heads(c):
@@ -172,19 +169,22 @@ def _transposed_heads(c):
         most <= c.heads <= FEW_HEADS
 
 
+def _transposed_min_t(c):
+    return next(T for most, T in TRANSPOSED_MIN_T[c.K] if c.heads <= most)
+
+
 def _transposed(c):
-    one_wave_gdn = c.K == 64 and not c.separate_p and c.slabs <= H200_SMS and c.T >= ONE_WAVE_GDN_WGMMA_MIN_T
-    return _transposed_heads(c) and c.T >= TRANSPOSED_MIN_T[c.K] and not one_wave_gdn
+    return _transposed_heads(c) and c.T >= _transposed_min_t(c)
 
 
 #: The segmented scan (``{layout}64c64sg``): a batch (a ragged one as N rows of its mean length) too few to fill the
 #: GPU with one CTA a (row, head, 64 value columns), cut into segments whose CTAs fill it once -- from so many tokens
 #: over at most so many such CTAs (h200-prefill-segments.json), and over up to 256 from T = 8192, where one segment a
-#: row already leads the transposed scan (h200-prefill-lengths.json, K = 128, 128 heads, two warpgroups a CTA: T =
-#: 65536 6698.3 against 6831.7 us, one a CTA 7441.0 against 7581.0; T = 8192 853.2 against 844.0).  At K = 64 from T =
-#: 1024 over up to 32 such CTAs (h200-prefill-tiling.json, Comba, 16 heads: 28.3 against 29.7 us for kv16c64) and
-#: from T = 4096 over up to 64, in the pairs below (32 heads: 126.7 against 132.5 for kv16c64wg; 16 heads 73.4
-#: against 80.3 for one warpgroup a CTA).
+#: row runs level with the whole transposed scan (h200-prefill-lengths.json, K = 128, 128 heads, two warpgroups a CTA: T =
+#: 65536 5280.8 against 5267.3 us, one a CTA 6221.7 against 6210.0; T = 8192 668.8 against 661.3).  At K = 64 from T =
+#: 1024 over up to 32 such CTAs (h200-prefill-tiling.json, Gated DeltaNet, 16 heads: 28.7 against 28.4 us for
+#: kv16c64wg, Comba 29.8 against 29.6 for kv16c64) and from T = 4096 over up to 64, in the pairs below (32 heads:
+#: 111.6 against 126.1 for kv32c64wg; 16 heads 65.7 against 73.5 for one warpgroup a CTA).
 SEGMENTED_MIN_T = {128: ((16, 1024), (32, 2048), (256, 8192)),
                    64: ((32, 1024), (64, 4096), (256, 8192))}
 #: At most so many segments (the last one composes the maps of all before it, one after another), each of at
@@ -223,7 +223,7 @@ def segments(heads, V, T, sms, slab=64):
 #: ``sg``), sharing each chunk's staged keys and record, where one warpgroup a 64-column slab would make more CTAs
 #: than the H200's 132 SMs (B * H * V / 64 of them, from this many): one CTA an SM either way, and two chains on
 #: each in place of a second wave (h200-prefill-lengths.json, 128 heads; docs/design.md; at K = 64, where a chunk
-#: costs less, mostly by 1-5 %: T = 1024 97.3 against 99.1 us, Comba 99.1 against 101.6; 0.96-1.06 of their
+#: costs less, mostly by 1-4 %: T = 1024 82.2 against 84.4 us, Comba 87.4 against 89.1; 0.96-1.03 of their
 #: time over T = 49-65536).  Over fewer
 #: CTAs the pairs leave SMs idle, and each chain runs 1.28 times slower beside another (B = 1, T = 8192, H = 16:
 #: 301.4 against 235.5 us for the scan alone).
@@ -232,9 +232,9 @@ PAIRED_MIN_SLABS = H200_SMS + 1
 #: V = 128) from T = 8192 at K = 128 and from T = 4096 at K = 64 (SEGMENTED_MIN_T).  tiling.segments then cuts
 #: twice as many segments, and at K = 128 the chain runs two warpgroups a CTA on 128 of the V + K columns of a
 #: segment's map, each chunk's Kc and A staged once for both (h200-prefill-lengths.json: H = 16, T = 65536
-#: 1086.6 against 1231.6 us, H = 32 2114.0 against 2354.9).  Over one head both cut the most segments, and the
-#: pairs' chains run slower (T = 8192: 70.2 against 57.5); over 64 heads they lose to one segment of one warpgroup
-#: a CTA (T = 8192: 528.7 against 468.1).
+#: 991.5 against 1157.4 us, H = 32 1923.7 against 2098.0).  Over one head both cut the most segments, and the
+#: pairs' chains run slower (T = 8192: 74.7 against 56.9); over 64 heads they lose to one segment of one warpgroup
+#: a CTA (T = 8192: 457.5 against 411.0).
 PAIRED_SEGMENT_SLABS = (32, 64)
 PAIRED_SEGMENTS_MIN_T = {128: 8192, 64: 4096}
 
@@ -271,15 +271,13 @@ RULES = (
          "h200-prefill-tiling.json (kv and vk, K = 64 / 128 / 256, 1-128 heads, T = 256-4096) and "
          "h200-prefill-lengths.json (kv, T = 16-65536 and either side of each threshold), Gated DeltaNet at "
          "K = 128 unless said, prefill_scan (mma.sync) first.  The prefill kernels cost a step every 64 tokens, the "
-         "16-token kernel every 16, so the thresholds fall on the latter's step boundaries: over one head at K = 128 "
-         "from T = 33 (T = 48: 11.2 against 12.0 us for kv32tc16) and over 1-32 heads at K = 64 (16 heads, T = 48: "
-         "9.8 against 11.5 us for kv64tc16), over 1-32 heads otherwise from T = 49 (16 "
-         "heads: T = 48 12.2 against 12.2 us for kv32tc16, T = 49 12.0 against 15.3, T = 65536 1823.6 against "
-         "12864.5), 16-column slabs over 1-16 heads and 32-column ones over more "
-         "(32 heads, T = 49: 13.5 against 15.8); over 33-64 heads from T = 96 (64 heads: 22.4 against 24.2 for "
-         "kv64tc16, T = 64 18.3 against 17.4); over 65-128 heads from T = 97 (128 heads: T = 97 36.6 against 40.4, "
-         "T = 96 36.6 against 35.4; T = 65536 10646.6 against 20660.8), at K = 64 from T = 113 (T = 113 28.3 against "
-         "30.6, T = 112 28.2 against 27.5); at K = 256 over every head count from T = 16 (1 head: 15.8 against "
+         "16-token kernel every 16, so the thresholds fall on the latter's step boundaries: over 1-32 heads from "
+         "T = 33, 16-column slabs over 1-16 heads and 32-column ones over more (T = 48: one head 9.4 against 11.9 us "
+         "for kv32tc16, 16 heads 10.6 against 12.4, 32 heads 12.4 against 12.8; K = 64, 16 heads 9.3 against 11.7 "
+         "for kv64tc16; T = 32: 16 heads 11.3 against 9.4; T = 65536, 16 heads: 1743.6 against 12873.9); over 33-64 "
+         "heads from T = 96 (64 heads: 21.9 against 24.4 for kv64tc16, T = 64 17.4 against 17.5); over 65-128 heads "
+         "from T = 97 (128 heads: T = 97 36.2 against 40.6, T = 96 34.6 against 35.3; T = 65536 9960.5 against "
+         "20804.7), at K = 64 from T = 113 (T = 113 27.5 against 30.4, T = 112 27.7 against 27.5); at K = 256 over every head count from T = 16 (1 head: 15.8 against "
          "18.8 us for kv32x16, 128 heads: 37.5 against 53.9), 6.6-33x the token loops from T = 256.  Where q, k, "
          "p are bf16 with bf16 products on compute capability 9.0, the same slabs' scan on wgmma "
          "(h200-prefill-wgmma.json, K = 64 / 128, kv and vk, 1-128 heads, T = 256-8192): 32-column slabs "
@@ -288,23 +286,23 @@ RULES = (
          "against 248.0), Comba's 16-column ones over one head 0.91-1.02 (T = 8192 178.4 against 195.5; from T = "
          "1024, shorter passes keeping prefill_scan: WGMMA_MIN_T) but over 16 heads 1.11 (289.9 against "
          "261.5), which keeps prefill_scan; at K = 64 over 1-32 heads from T = 1024 only (h200-prefill-lengths.json, "
-         "16 heads, T = 64: 9.7 against 10.6 us for kv16c64wg; T = 8192 195.0 against 181.1); and over 65-128 heads "
-         "from T = 97 at K = 128 (h200-prefill-lengths.json, 128 heads, T = 112: 32.3 against 40.5 us for "
-         "kv64tc16, Comba 37.3 against 42.1; T = 96: 31.6 against 35.4, Comba 36.2 against 36.6).  The transposed "
-         "wgmma scan over 64-128 heads at K = 128 from T = 49, where the prefill kernels then begin "
-         "(h200-prefill-lengths.json, 128 heads, in two-warpgroup CTAs: T = 49 20.2 against 25.2 us for kv64tc16, "
-         "T = 48 20.4 against 20.2; T = 192 35.3 against 43.3 for kv32c64wg; h200-prefill-transposed.json, "
-         "32-128 heads, T = 256-4096, against the choice without it: 64 heads, T = 256 26.4 against 30.0 us for "
-         "kv32c64wg, T = 4096 277.7 against 325.7 (Comba 28.3 against 34.8, 284.2 against 356.2; vk 26.9 against "
-         "30.2, 276.4 against 325.1), 128 heads T = 4096 523.1 against 632.5; over 32 heads it loses (T = 4096: "
-         "199.1 against 169.6)), and at K = 64 too (h200-prefill-lengths.json, 128 heads in two-warpgroup CTAs: "
-         "T = 49 15.3 against 17.1 us for kv64tc16), where over 64 heads Gated DeltaNet takes its 32-column "
-         "wgmma scan from T = 513 (ONE_WAVE_GDN_WGMMA_MIN_T: 37.7 against 40.7).  The transposed scans run two "
-         "warpgroups a CTA where one a 64-column slab would make more than 132 CTAs (PAIRED_MIN_SLABS; "
-         "h200-prefill-lengths.json, 128 heads: T = 1024 127.6 against 138.0 us, T = 65536 in segments 6698.3 "
-         "against 7441.0; K = 64, T = 1024 97.3 against 99.1), and the segmented scan over 16-32 heads from "
-         "T = 8192, 4096 at K = 64 (PAIRED_SEGMENT_SLABS: 16 heads, T = 65536 1086.6 against 1231.6; K = 64, "
-         "T = 4096 73.4 against 80.3, h200-prefill-tiling.json)."),
+         "16 heads, T = 64: 9.3 against 9.8 us for kv16c64wg; T = 8192 189.6 against 174.8); and over 65-128 heads "
+         "from T = 97 at K = 128 (h200-prefill-lengths.json, 128 heads, T = 112: 31.9 against 40.6 us for "
+         "kv64tc16, Comba 36.1 against 42.2; T = 96: 30.5 against 35.3, Comba 34.2 against 36.9).  The transposed "
+         "wgmma scan over 64 heads at K = 128 from T = 49 and over 65-128 from T = 33, where the prefill kernels "
+         "then begin (h200-prefill-lengths.json: 64 heads, T = 49 15.3 against 17.5 us for kv64tc16, T = 48 15.5 "
+         "against 14.3; 128 heads, in two-warpgroup CTAs, T = 48 17.9 against 20.1, T = 32 17.8 against 15.0; T = "
+         "192 27.9 against 41.0 for kv32c64wg; h200-prefill-transposed.json, 32-128 heads, T = 256-4096, against "
+         "the choice without it: 64 heads, T = 256 22.2 against 26.4 us for kv32c64wg, T = 4096 214.5 against "
+         "286.6 (Comba 23.4 against 29.6, 226.1 against 321.9; vk 21.8 against 26.5, 215.6 against 286.9), 128 "
+         "heads in two-warpgroup CTAs T = 4096 342.4 against 556.0; over 32 heads it loses (T = 4096: 172.8 "
+         "against 145.2)), and at K = 64 too (h200-prefill-lengths.json, 128 heads in two-warpgroup CTAs: T = 49 "
+         "15.2 against 17.1 us for kv64tc16; 64 heads T = 1024 53.1 against 55.0 for kv32c64wg).  The transposed "
+         "scans run two warpgroups a CTA where one a 64-column slab would make more than 132 CTAs "
+         "(PAIRED_MIN_SLABS; h200-prefill-lengths.json, 128 heads: T = 1024 100.4 against 118.0 us, T = 65536 in "
+         "segments 5280.8 against 6221.7; K = 64, T = 1024 82.2 against 84.4), and the segmented scan over 16-32 "
+         "heads from T = 8192, 4096 at K = 64 (PAIRED_SEGMENT_SLABS: 16 heads, T = 65536 991.5 against 1157.4; "
+         "K = 64, T = 4096 65.7 against 73.5, h200-prefill-tiling.json)."),
     Rule("K = 256: the kv token loop",
          lambda c: c.K == 256 and c.layout == "kv",
          lambda c: "kv64x16" if c.wide and (c.heads is None or c.heads > 1024) else "kv32x16",
