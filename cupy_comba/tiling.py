@@ -133,22 +133,23 @@ def _prefill_slab(c):
     return 16 if c.heads is not None and c.heads <= 16 else 32
 
 
-#: From this many tokens Comba's 16-column slabs over one head take the wgmma scan (h200-prefill-wgmma.json:
-#: T = 1024 33.3 against 34.9 us; T = 256 18.1 against 17.8, and h200-prefill-lengths.json T = 49-256 10.3-14.4
-#: against 9.8-14.1), and at K = 64 every slab over at most NARROW_HEADS heads, where prefill_scan's chunks cost
+#: From this many tokens Comba's 16-column slabs (1-16 heads) take the wgmma scan (h200-prefill-wgmma.json: T = 1024
+#: one head 29.0 against 30.7 us, 16 heads 34.7 against 34.7; T = 8192 174.2 against 191.8 and 225.7 against
+#: 236.8; T = 256 13.7 against 13.6 and 16.7 against 16.2, and h200-prefill-lengths.json, one head, T = 49-256
+#: 10.3-14.4 against 9.8-14.1), and at K = 64 every slab over at most NARROW_HEADS heads, where prefill_scan's chunks cost
 #: less before (h200-prefill-lengths.json, K = 64: 16 heads, T = 64 9.3 against 9.8 us for kv16c64wg, Comba
 #: over 32 heads 10.8 against 11.8; T = 8192 189.6 against 174.8).
 WGMMA_MIN_T = 1024
 
 
 def _warpgroup(c):
-    """The prefill scan on wgmma: 32-column slabs, Gated DeltaNet's 16-column ones, and Comba's over one head from
-    WGMMA_MIN_T tokens; at K = 64 over at most NARROW_HEADS heads from WGMMA_MIN_T tokens only."""
+    """The prefill scan on wgmma: 32-column slabs, Gated DeltaNet's 16-column ones, and Comba's from WGMMA_MIN_T
+    tokens; at K = 64 over at most NARROW_HEADS heads from WGMMA_MIN_T tokens only."""
     if not (c.wgmma and c.K in (64, 128)):
         return False
     if c.K == 64 and c.heads is not None and c.heads <= NARROW_HEADS and c.T < WGMMA_MIN_T:
         return False
-    return _prefill_slab(c) == 32 or not c.separate_p or (c.heads == 1 and c.T >= WGMMA_MIN_T)
+    return _prefill_slab(c) == 32 or not c.separate_p or c.T >= WGMMA_MIN_T
 
 
 #: The heads from which the prefill pass takes the transposed wgmma scan (``{layout}64c64wt``), by K, from
@@ -281,11 +282,10 @@ RULES = (
          "18.8 us for kv32x16, 128 heads: 37.5 against 53.9), 6.6-33x the token loops from T = 256.  Where q, k, "
          "p are bf16 with bf16 products on compute capability 9.0, the same slabs' scan on wgmma "
          "(h200-prefill-wgmma.json, K = 64 / 128, kv and vk, 1-128 heads, T = 256-8192): 32-column slabs "
-         "0.72-0.93 of prefill_scan's time from 64 heads (K = 128, 128 heads, T = 8192: 1241.1 against 1398.5 us; "
-         "K = 64: 868.6 against 1193.0), Gated DeltaNet's 16-column slabs 0.92-0.98 (16 heads, T = 8192: 242.7 "
-         "against 248.0), Comba's 16-column ones over one head 0.91-1.02 (T = 8192 178.4 against 195.5; from T = "
-         "1024, shorter passes keeping prefill_scan: WGMMA_MIN_T) but over 16 heads 1.11 (289.9 against "
-         "261.5), which keeps prefill_scan; at K = 64 over 1-32 heads from T = 1024 only (h200-prefill-lengths.json, "
+         "0.70-0.94 of prefill_scan's time (K = 128, 128 heads, T = 8192: 1089.9 against 1263.9 us; K = 64: 729.0 "
+         "against 1036.5), Gated DeltaNet's 16-column slabs 0.89-0.99 (16 heads, T = 8192: 206.4 against 224.1), "
+         "Comba's 16-column ones from T = 1024 0.91-1.02 (16 heads, T = 8192 225.7 against 236.8; shorter passes "
+         "keep prefill_scan: WGMMA_MIN_T); at K = 64 over 1-32 heads from T = 1024 only (h200-prefill-lengths.json, "
          "16 heads, T = 64: 9.3 against 9.8 us for kv16c64wg; T = 8192 189.6 against 174.8); and over 65-128 heads "
          "from T = 97 at K = 128 (h200-prefill-lengths.json, 128 heads, T = 112: 31.9 against 40.6 us for "
          "kv64tc16, Comba 36.1 against 42.2; T = 96: 30.5 against 35.3, Comba 34.2 against 36.9).  The transposed "

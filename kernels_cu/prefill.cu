@@ -306,18 +306,25 @@ __device__ __forceinline__ void init_stage_barriers(unsigned long long* bars, bo
     __syncthreads();
 }
 // One chunk's inputs into the stage at `at` by bulk copies, issued by one thread: the q, k (and p, where the stage
-// holds NK = 3 key inputs) rows of key head hk, the v slab at column col0 of head h (v_row bytes a token), and the
-// chunk's record `rec` (rec_bytes), all from token t of row b_map, completing on `bar`.  Stage names its offsets:
-// KEY_BYTES, NK, V_AT, REC_AT.
+// holds NK = 3 key inputs) rows of key head hk and the v slab at column col0 of head h (v_row bytes a token), all
+// from token t of row b_map (bulk_stage_rows), and the chunk's record `rec` (rec_bytes), completing on `bar`.
+// Stage names its offsets: KEY_BYTES, NK, V_AT, REC_AT.  The rows are the call's inputs and the record the prep's
+// output, so a scan launched as the prep's dependent issues its first chunks' rows before it awaits the prep and
+// their records after (bulk_stage_rows, then bulk_copy): the mbarrier expects the record's bytes from the start.
 template <class Stage>
-__device__ __forceinline__ void bulk_stage(unsigned char* at, const StageMaps& maps, int hk, int h, int col0, int t,
-                                           int b_map, int v_row, const float* rec, int rec_bytes,
-                                           unsigned long long* bar) {
+__device__ __forceinline__ void bulk_stage_rows(unsigned char* at, const StageMaps& maps, int hk, int h, int col0,
+                                                int t, int b_map, int v_row, int rec_bytes, unsigned long long* bar) {
     mbarrier_expect(bar, Stage::NK * Stage::KEY_BYTES + kPrefillChunk * v_row + rec_bytes);
     bulk_rows(at, maps.q, 0, hk, t, b_map, bar);
     bulk_rows(at + Stage::KEY_BYTES, maps.k, 0, hk, t, b_map, bar);
     if (Stage::NK == 3) bulk_rows(at + 2 * Stage::KEY_BYTES, maps.p, 0, hk, t, b_map, bar);
     bulk_rows(at + Stage::V_AT, maps.v, col0, h, t, b_map, bar);
+}
+template <class Stage>
+__device__ __forceinline__ void bulk_stage(unsigned char* at, const StageMaps& maps, int hk, int h, int col0, int t,
+                                           int b_map, int v_row, const float* rec, int rec_bytes,
+                                           unsigned long long* bar) {
+    bulk_stage_rows<Stage>(at, maps, hk, h, col0, t, b_map, v_row, rec_bytes, bar);
     bulk_copy(at + Stage::REC_AT, rec, rec_bytes, bar);
 }
 #else
@@ -1169,8 +1176,9 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_PREFILL_AR
     constexpr bool bulk = false;
     constexpr int v_row = Stage::V_ROW;
 #endif
-    // Chunk c's inputs into stage s; chunks are staged in order.
-    auto stage_next = [&](int c, int s) {
+    // Chunk c's inputs into stage s; chunks are staged in order.  By bulk copies its rows and its record may go in
+    // two calls, `rows` then `record` (bulk_stage_rows).
+    auto stage_next = [&](int c, int s, bool rows = true, bool record = true) {
         unsigned char* const at = prefill_smem + Layout::STAGE_AT + s * Stage::BYTES;
         if (!fast) {
             stage_chunk(c, at);
@@ -1179,9 +1187,12 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_PREFILL_AR
         const int n = static_cast<int>(min(static_cast<long long>(C), T - static_cast<long long>(c) * C));
 #if COMBA_BULK_COPY
         if (bulk) {
-            if (tid == 0)  // thread 0's rfrom: the record
-                bulk_stage<Stage>(at, maps, hk, h, col0, static_cast<int>(t_first + static_cast<long long>(c) * C),
-                                  b_map, v_row, rfrom, 4 * R::SIZE, bars + s);
+            if (tid == 0 && rows)
+                bulk_stage_rows<Stage>(at, maps, hk, h, col0,
+                                       static_cast<int>(t_first + static_cast<long long>(c) * C), b_map, v_row,
+                                       4 * R::SIZE, bars + s);
+            if (tid == 0 && record) bulk_copy(at + Stage::REC_AT, rfrom, 4 * R::SIZE, bars + s);  // thread 0's rfrom
+            if (!record) return;  // the pointers step once the chunk is issued whole
         } else
 #endif
         if (n == C) stage_fast(Constant<true>{}, C, at);
@@ -1192,14 +1203,12 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_PREFILL_AR
         rfrom += static_cast<long long>(H) * R::SIZE;
     };
 
+    // Chunk 0's rows and the state, inputs of the call, while the prep may still run (bulk_stage_rows)
+    const bool early = bulk && chunks > 0;
+    if (early) stage_next(0, 0, true, false);
     // This lane's state: key tile m = MT mrow + i holds keys 16 m + 2 lg (accumulator row lg) and
     // 16 m + 2 lg + 1 (row lg + 8) -- a permutation of the key index that makes a lane's two write-key
     // values one pair load -- and columns 8 nt + 2 lj, + 1.
-    await_earlier();  // the records written
-    if (chunks > 0) {
-        stage_next(0, 0);
-        copy_async_commit();
-    }
     float hacc[MT][NTW][4];
     auto key_of = [&](int i) { return 16 * (MT * mrow + i) + 2 * lg; };
     if (prm.has_initial) {
@@ -1226,6 +1235,11 @@ __global__ void __launch_bounds__(kScanThreads, 1) prefill_scan(COMBA_PREFILL_AR
             for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
                 for (int r = 0; r < 4; ++r) hacc[i][nt][r] = 0.f;
+    }
+    await_earlier();  // the records written
+    if (chunks > 0) {
+        stage_next(0, 0, !early, true);
+        copy_async_commit();
     }
     auto publish_state = [&]() {  // the accumulators into the state slab, the read's B operand
 #pragma unroll

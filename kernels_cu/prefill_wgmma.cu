@@ -218,15 +218,17 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
     const int b_map = row.b_map;
     unsigned long long* const bars = reinterpret_cast<unsigned long long*>(prefill_smem + L::BAR_AT);
     init_stage_barriers<3>(bars, bulk, tid);
-    // Chunk c's inputs into stage s (bulk copies from thread 0, else cp.async pieces and plain stores that the
-    // caller's next wait and barrier publish).
-    auto stage_next = [&](int c, int s) {
+    // Chunk c's inputs into stage s (bulk copies from thread 0 -- its rows and its record in two calls where
+    // `rows` and `record` say so, bulk_stage_rows -- else cp.async pieces and plain stores that the caller's next
+    // wait and barrier publish).
+    auto stage_next = [&](int c, int s, bool rows = true, bool record = true) {
         unsigned char* const at = prefill_smem + L::STAGE_AT + s * L::STAGE_BYTES;
         const float* rec = work + ((first + c) * H + h) * R::SIZE;
         if (bulk) {
-            if (tid == 0)
-                bulk_stage<L>(at, maps, hk, h, col0, static_cast<int>(t_first + static_cast<long long>(c) * C), b_map,
-                              v_row, rec, 4 * R::SIZE, bars + s);
+            if (tid == 0 && rows)
+                bulk_stage_rows<L>(at, maps, hk, h, col0, static_cast<int>(t_first + static_cast<long long>(c) * C),
+                                   b_map, v_row, 4 * R::SIZE, bars + s);
+            if (tid == 0 && record) bulk_copy(at + L::REC_AT, rec, 4 * R::SIZE, bars + s);
             return;
         }
         const long long t0 = static_cast<long long>(c) * C;
@@ -258,8 +260,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
         if (c < chunks) stage_next(c, s);
         else if (!bulk) copy_async_commit();
     };
-    await_earlier();  // the records written
-    for (int i = 0; i + 1 < ns; ++i) issue(i, i);
+    // the first chunks' rows, inputs of the call, while the prep may still run; their records once it is done
+    // (bulk_stage_rows)
+    if (bulk)
+        for (int i = 0; i + 1 < ns && i < chunks; ++i) stage_next(i, i, true, false);
 
     // The state: tile mt's rows 64 mt + 16 warp + lg (accumulators 4 j, 4 j + 1) and + 8 (4 j + 2, 4 j + 3), columns
     // 8 j + 2 lj, + 1 of the slab.
@@ -285,6 +289,11 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
                 d[0] = a.x, d[1] = a.y, d[2] = z.x, d[3] = z.y;
             }
         }
+    await_earlier();  // the records written
+    for (int i = 0; i + 1 < ns; ++i) {
+        if (!bulk) issue(i, i);
+        else if (i < chunks) stage_next(i, i, false, true);
+    }
     auto publish_state = [&]() {  // S as the bf16 B tile of the read, then visible to wgmma
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) store_bt<VT, K>(s_state, sacc[mt], 8 * mt + 2 * warp, lane);
@@ -640,12 +649,17 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
     init_stage_barriers(bars, true, tid);
     // Chunk c's rows, record and v slab into stage s: bulk copies from thread 0 on the stage's mbarrier (the rows by
     // tensor map where the host made them, else cp.async pieces or loads from every thread)
-    auto stage_next = [&](int c, int s) {
+    // (its rows and its record in two calls where `rows` and `record` say so: bulk_stage_rows in prefill.cu)
+    auto stage_next = [&](int c, int s, bool rows = true, bool record = true) {
         unsigned char* const at = smem + s * L::STAGE_BYTES;
         const float* rec = work + ((first + c) * H + h) * words;
+        if (tid == 0 && record && !rows) {
+            bulk_copy(at + L::REC_AT, rec, L::REC_BYTES, bars + s);
+            return;
+        }
         if (tid == 0) {
             mbarrier_expect(bars + s, L::REC_BYTES + (bulk ? L::KEY_TILES * L::TILE + (m_cols ? 0 : L::V_BYTES) : 0));
-            bulk_copy(at + L::REC_AT, rec, L::REC_BYTES, bars + s);
+            if (record) bulk_copy(at + L::REC_AT, rec, L::REC_BYTES, bars + s);
             if (bulk) {
                 const int t = static_cast<int>(row.start + static_cast<long long>(c) * C);
 #pragma unroll
@@ -678,8 +692,14 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
                                          prm.v_sv, prm.v_t, n, v_copies, tid);
         copy_async_commit();
     };
-    await_earlier();  // the records (and the segments' maps) written
-    if (c_begin < c_end) stage_next(c_begin, 0);
+    // The whole scan, its prep's dependent: the first chunk's rows and the state, inputs of the call, while the prep
+    // may still run, the chunk's record once the prep is done.  The segmented scan's launches run in turn.
+    const bool early = PART == kWtWhole && bulk && c_begin < c_end;
+    if (early) stage_next(c_begin, 0, true, false);
+    if constexpr (PART != kWtWhole) {
+        await_earlier();  // the records (and the segments' maps) written
+        if (c_begin < c_end) stage_next(c_begin, 0);
+    }
 
     // S^T: rows ca = col0 + 16 warp + lg (accumulators 4 j, 4 j + 1) and cb = ca + 8 (4 j + 2, 4 j + 3), keys
     // 8 j + 2 lj, + 1
@@ -703,6 +723,10 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
             d[0] = src[key * V + ca], d[1] = src[(key + 1) * V + ca];
             d[2] = src[key * V + cb], d[3] = src[(key + 1) * V + cb];
         }
+    }
+    if constexpr (PART == kWtWhole) {
+        await_earlier();  // the records written
+        if (c_begin < c_end) stage_next(c_begin, 0, !early, true);
     }
     const unsigned long long d_base = wg_desc(smem, 0, 0);
     auto desc = [&](int at, unsigned lbo, unsigned sbo) {  // a descriptor at byte `at` of the aligned smem

@@ -239,22 +239,23 @@ def test_the_wgmma_scan_choice_is_within_5_percent_of_the_best_timed():
     capability 9.0), its choice among both slabs of both scans is within 5% of the fastest at every point."""
     with open(RESULTS / "h200-prefill-wgmma.json") as f:
         rows = json.load(f)["rows"]
-    for r in rows:  # it predates the transposed scan (h200-prefill-transposed.json)
+    for r in rows:  # the rules without the transposed scans (h200-prefill-transposed.json), which a row may time too
         chosen = tiling.choose(r["layout"], r["K"], r["V"], r["op"] == "comba", True, r["T"], r["B"] * r["H"],
                                wgmma=True, transposed=False)
-        assert r["us"][chosen] <= 1.05 * min(r["us"].values()), r
+        scans = {v: t for v, t in r["us"].items() if v.endswith(("c64", "c64wg"))}
+        assert len(scans) == 4 and scans[chosen] <= 1.05 * min(scans.values()), r
     assert len(rows) == 92
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 def test_the_wgmma_scan_where_it_wins(layout):
-    """32-column slabs and Gated DeltaNet's 16-column ones on wgmma; Comba's 16-column ones only over one head, from
-    T = 1024; never at K = 256, nor without wgmma."""
+    """32-column slabs and Gated DeltaNet's 16-column ones on wgmma; Comba's 16-column ones from T = 1024; never at
+    K = 256, nor without wgmma."""
     def choose(comba, K=128, heads=16, wgmma=True, T=4096):  # the rules before the transposed scans
         return tiling.choose(layout, K, 128, comba, True, T, heads, wgmma=wgmma, transposed=False)
-    assert choose(False) == f"{layout}16c64wg" and choose(True) == f"{layout}16c64"
+    assert choose(False) == choose(True) == choose(True, T=1024) == f"{layout}16c64wg"
     assert choose(True, heads=1) == choose(True, heads=1, T=1024) == f"{layout}16c64wg"
-    assert choose(True, heads=1, T=1023) == f"{layout}16c64"
+    assert choose(True, heads=1, T=1023) == choose(True, T=1023) == f"{layout}16c64"
     assert choose(True, heads=32) == choose(False, K=64, heads=64) == f"{layout}32c64wg"
     assert choose(False, K=256) == f"{layout}16c64" and choose(False, wgmma=False) == f"{layout}16c64"
 
@@ -287,13 +288,18 @@ def test_the_segmented_choice_is_within_5_percent_of_the_best_timed():
     them is within 5% of the fastest at every point."""
     with open(RESULTS / "h200-prefill-segments.json") as f:
         rows = json.load(f)["rows"]
+    untimed = 0
     for r in rows:
         heads = r["B"] * r["H"]
         chosen = tiling.choose(r["layout"], r["K"], r["V"], r["op"] == "comba", True, r["T"], heads, wgmma=True,
                                paired=False)
-        assert r["us"][chosen] <= 1.05 * min(r["us"].values()), r
         assert r["auto_segments"] == tiling.segments(heads, r["V"], r["T"], 132)[0]
-    assert len(rows) == 74
+        if chosen not in r["us"]:  # the file predates Comba's 16-column wgmma slabs over 2-16 heads (T = 1024 over
+            assert r["op"] == "comba" and chosen.endswith("16c64wg") and r["T"] == 1024  # 16 heads: the lengths
+            untimed += 1  # and tiling sweeps time them there)
+            continue
+        assert r["us"][chosen] <= 1.05 * min(r["us"].values()), r
+    assert len(rows) == 74 and untimed == 1
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
