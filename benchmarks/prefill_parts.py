@@ -4,7 +4,7 @@ variant the rules choose without the transposed scans and for each of ``--varian
 flash-linear-attention's table and over 64 heads (bf16, K = V = ``--head-size``, 128 unless given, "kv", compute
 capability 9.0).
 
-    PYTHONPATH=. python benchmarks/prefill_parts.py --json benchmarks/results/h200-prefill-parts.json
+    PYTHONPATH=. python benchmarks/prefill_parts.py --variants kv64c64wt --json benchmarks/results/h200-prefill-parts.json
     PYTHONPATH=. python benchmarks/prefill_parts.py --ops gdn --shapes 8,2048,16 1,8192,16   # a quick subset
     PYTHONPATH=. python benchmarks/prefill_parts.py --ops gdn --head-size 64 --shapes 1,4096,16 --variants kv64c64sg
     PYTHONPATH=. python benchmarks/prefill_parts.py --ops gdn --pool --shapes 1,8192,16 --variants kv128c64sg

@@ -136,9 +136,9 @@ def _prefill_slab(c):
 #: From this many tokens Comba's 16-column slabs (1-16 heads) take the wgmma scan (h200-prefill-wgmma.json: T = 1024
 #: one head 29.0 against 30.7 us, 16 heads 34.7 against 34.7; T = 8192 174.2 against 191.8 and 225.7 against
 #: 236.8; T = 256 13.7 against 13.6 and 16.7 against 16.2, and h200-prefill-lengths.json, one head, T = 49-256
-#: 10.3-14.4 against 9.8-14.1), and at K = 64 every slab over at most NARROW_HEADS heads, where prefill_scan's chunks cost
-#: less before (h200-prefill-lengths.json, K = 64: 16 heads, T = 64 9.3 against 9.8 us for kv16c64wg, Comba
-#: over 32 heads 10.8 against 11.8; T = 8192 189.6 against 174.8).
+#: 10.3-14.4 against 9.8-14.1), and at K = 64 every slab over at most NARROW_HEADS heads, where prefill_scan's
+#: chunks cost less before (h200-prefill-lengths.json, K = 64: 16 heads, T = 64 9.3 against 9.8 us for kv16c64wg,
+#: Comba over 32 heads 10.8 against 11.8; T = 8192 189.6 against 174.8).
 WGMMA_MIN_T = 1024
 
 
@@ -181,11 +181,11 @@ def _transposed(c):
 #: The segmented scan (``{layout}64c64sg``): a batch (a ragged one as N rows of its mean length) too few to fill the
 #: GPU with one CTA a (row, head, 64 value columns), cut into segments whose CTAs fill it once -- from so many tokens
 #: over at most so many such CTAs (h200-prefill-segments.json), and over up to 256 from T = 8192, where one segment a
-#: row runs level with the whole transposed scan (h200-prefill-lengths.json, K = 128, 128 heads, two warpgroups a CTA: T =
-#: 65536 5280.8 against 5267.3 us, one a CTA 6221.7 against 6210.0; T = 8192 668.8 against 661.3).  At K = 64 from T =
-#: 1024 over up to 32 such CTAs (h200-prefill-tiling.json, Gated DeltaNet, 16 heads: 28.7 against 28.4 us for
-#: kv16c64wg, Comba 29.8 against 29.6 for kv16c64) and from T = 4096 over up to 64, in the pairs below (32 heads:
-#: 111.6 against 126.1 for kv32c64wg; 16 heads 65.7 against 73.5 for one warpgroup a CTA).
+#: row runs level with the whole transposed scan (h200-prefill-lengths.json, K = 128, 128 heads, two warpgroups a
+#: CTA: T = 65536 5280.8 against 5267.3 us, one a CTA 6221.7 against 6210.0; T = 8192 668.8 against 661.3).  At
+#: K = 64 from T = 1024 over up to 32 such CTAs (h200-prefill-tiling.json, Gated DeltaNet, 16 heads: 28.7 against
+#: 28.4 us for kv16c64wg, Comba 29.8 against 29.6 for kv16c64) and from T = 4096 over up to 64, in the pairs below
+#: (32 heads: 111.6 against 126.1 for kv32c64wg; 16 heads 65.7 against 73.5 for one warpgroup a CTA).
 SEGMENTED_MIN_T = {128: ((16, 1024), (32, 2048), (256, 8192)),
                    64: ((32, 1024), (64, 4096), (256, 8192))}
 #: At most so many segments (the last one composes the maps of all before it, one after another), each of at
@@ -278,8 +278,9 @@ RULES = (
          "for kv64tc16; T = 32: 16 heads 11.3 against 9.4; T = 65536, 16 heads: 1743.6 against 12873.9); over 33-64 "
          "heads from T = 96 (64 heads: 21.9 against 24.4 for kv64tc16, T = 64 17.4 against 17.5); over 65-128 heads "
          "from T = 97 (128 heads: T = 97 36.2 against 40.6, T = 96 34.6 against 35.3; T = 65536 9960.5 against "
-         "20804.7), at K = 64 from T = 113 (T = 113 27.5 against 30.4, T = 112 27.7 against 27.5); at K = 256 over every head count from T = 16 (1 head: 15.8 against "
-         "18.8 us for kv32x16, 128 heads: 37.5 against 53.9), 6.6-33x the token loops from T = 256.  Where q, k, "
+         "20804.7), at K = 64 from T = 113 (T = 113 27.5 against 30.4, T = 112 27.7 against 27.5); at K = 256 "
+         "over every head count from T = 16 (1 head: 15.8 against 18.8 us for kv32x16, 128 heads: 37.5 against "
+         "53.9), 6.6-33x the token loops from T = 256.  Where q, k, "
          "p are bf16 with bf16 products on compute capability 9.0, the same slabs' scan on wgmma "
          "(h200-prefill-wgmma.json, K = 64 / 128, kv and vk, 1-128 heads, T = 256-8192): 32-column slabs "
          "0.70-0.94 of prefill_scan's time (K = 128, 128 heads, T = 8192: 1089.9 against 1263.9 us; K = 64: 729.0 "
