@@ -305,12 +305,12 @@ __device__ __forceinline__ void init_stage_barriers(unsigned long long* bars, bo
         for (int i = 0; i < N; ++i) mbarrier_init(bars + i);
     __syncthreads();
 }
-// One chunk's inputs into the stage at `at` by bulk copies, issued by one thread: the q, k (and p, where the stage
+// One chunk's rows into the stage at `at` by bulk copies, issued by one thread: the q, k (and p, where the stage
 // holds NK = 3 key inputs) rows of key head hk and the v slab at column col0 of head h (v_row bytes a token), all
-// from token t of row b_map (bulk_stage_rows), and the chunk's record `rec` (rec_bytes), completing on `bar`.
-// Stage names its offsets: KEY_BYTES, NK, V_AT, REC_AT.  The rows are the call's inputs and the record the prep's
-// output, so a scan launched as the prep's dependent issues its first chunks' rows before it awaits the prep and
-// their records after (bulk_stage_rows, then bulk_copy): the mbarrier expects the record's bytes from the start.
+// from token t of row b_map, completing on `bar`, whose expected bytes include the chunk's record (rec_bytes), which
+// the caller copies to Stage::REC_AT by bulk_copy on the same barrier.  Stage names its offsets: KEY_BYTES, NK,
+// V_AT, REC_AT.  The rows are the call's inputs and the record the prep's output, so a scan launched as the prep's
+// dependent issues its first chunks' rows before it awaits the prep and their records after.
 template <class Stage>
 __device__ __forceinline__ void bulk_stage_rows(unsigned char* at, const StageMaps& maps, int hk, int h, int col0,
                                                 int t, int b_map, int v_row, int rec_bytes, unsigned long long* bar) {
@@ -319,13 +319,6 @@ __device__ __forceinline__ void bulk_stage_rows(unsigned char* at, const StageMa
     bulk_rows(at + Stage::KEY_BYTES, maps.k, 0, hk, t, b_map, bar);
     if (Stage::NK == 3) bulk_rows(at + 2 * Stage::KEY_BYTES, maps.p, 0, hk, t, b_map, bar);
     bulk_rows(at + Stage::V_AT, maps.v, col0, h, t, b_map, bar);
-}
-template <class Stage>
-__device__ __forceinline__ void bulk_stage(unsigned char* at, const StageMaps& maps, int hk, int h, int col0, int t,
-                                           int b_map, int v_row, const float* rec, int rec_bytes,
-                                           unsigned long long* bar) {
-    bulk_stage_rows<Stage>(at, maps, hk, h, col0, t, b_map, v_row, rec_bytes, bar);
-    bulk_copy(at + Stage::REC_AT, rec, rec_bytes, bar);
 }
 #else
 #define COMBA_BULK_COPY 0
