@@ -38,6 +38,14 @@ PLANS_MAX = 256
 #: the whole transposed scan over 64 (docs/design.md, "Host path").  benchmarks/prefill_launches.py sets it.
 ALL_DEPENDENT = False
 
+#: The prep's CTAs an SM in its full layout (bf16 keys, K <= 128): where a prep has more CTAs than this many an SM,
+#: Gated DeltaNet's runs in its lean layout (``families.Kernel.prep_lean_bytes``), five an SM, and takes 0.86-0.95 of
+#: the time (B = 8, T = 2048, H = 16 84.7 us against 92.7; B = 1, T = 32768, H = 32 300 against 329); where they
+#: fit in one wave at four the lean layout moves nothing ahead, and the room it leaves beside them made the 16-column
+#: wgmma scan, launched as its dependent, take 37.2 us against 31.5 at B = 1, T = 1024, H = 16
+#: (``PYTHONPATH=. python benchmarks/prefill_parts.py``, docs/design.md "Long prompts").
+LEAN_PREP_WAVE = 4
+
 
 class Plan:
     """One validated call signature on one device (or the CPU), ready to run.
@@ -112,8 +120,11 @@ class Plan:
 
             maps = None
             if kernel.prep:
-                before.append((compiled(kernel.prep, kernel.prep_shared_bytes), (slots * sig.H, 1, 1),
-                               kernel.prep_block, kernel.prep_shared_bytes))
+                prep_bytes = kernel.prep_shared_bytes
+                if slots * sig.H > LEAN_PREP_WAVE * sm_count(self.device) and kernel.prep_lean_bytes:
+                    prep_bytes = kernel.prep_lean_bytes
+                before.append((compiled(kernel.prep, prep_bytes), (slots * sig.H, 1, 1), kernel.prep_block,
+                               prep_bytes))
                 maps = StageMaps(a["q"], a["k"], a["p"] if a["p"] is not None else a["k"], a["v"], sig.ragged,
                                  2 if sig.bf16_keys else 4, kernel.slab, int(cc) >= 90, kernel.key_pad,
                                  kernel.swizzled_keys)

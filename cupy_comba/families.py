@@ -141,6 +141,8 @@ class Kernel(NamedTuple):
     ring_shared_bytes: int = 0  #: ``shared_bytes`` with room for a third stage (prefill_scan_wg), 0: none
     dependent: bool = True      #: launched as a programmatic dependent of the prep on compute capability 9.0 (the
                                 #: prefill family's scans; not where that measured slower: _plan.ALL_DEPENDENT)
+    prep_lean_bytes: int = 0    #: the prep's dynamic shared memory where p is k (Gated DeltaNet stages no rows of
+                                #: p: five CTAs an SM where Comba's take four); _plan.LEAN_PREP_WAVE says where
 
     def grid(self, B, H, V):
         """The launch's grid ``(x, y, z)`` for B x H heads of V value columns: one CTA a slab of a head."""
@@ -306,7 +308,7 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
                                 f"{_flag(serving)}>", t.slab, t.threads, prefill_wg_bytes(K, t.slab, separate_p),
                       f"comba::prefill_prep<{K}, 5, {_flag(serving)}>", prefill_prep_bytes(K, False), 128,
                       PREFILL_RECORD_BF16, 8, ring_shared_bytes=prefill_wg_bytes(K, t.slab, separate_p, ring=True),
-                      dependent=_dependent(K, 1))
+                      dependent=_dependent(K, 1), prep_lean_bytes=prefill_prep_bytes(K, False, separate_p))
     if t.family == "prefill_scan_wt":  # args: (PART, WGS); PART WT_WHOLE or WT_SEGMENTS (after WT_CHAIN)
         part, wgs = t.args
         segmented = part == WT_SEGMENTS
@@ -323,7 +325,8 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
                       chain=f"comba::prefill_scan_wt<{K}, {sep}, false, {_flag(serving)}, {WT_CHAIN}, {chain_wgs}>"
                       if segmented else "",
                       chain_shared_bytes=prefill_wt_bytes(K, separate_p, chain=True, wgs=chain_wgs) if segmented else 0,
-                      chain_block=128 * chain_wgs, dependent=not segmented and _dependent(K, wgs))
+                      chain_block=128 * chain_wgs, dependent=not segmented and _dependent(K, wgs),
+                      prep_lean_bytes=prefill_prep_bytes(K, False, separate_p))
     if t.family == "prefill_scan":
         if precision is None:  # 16-bit activations: bf16 products, the fastest (docs/design.md)
             precision = "bf16"
@@ -332,7 +335,8 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
         return Kernel(t.source, f"comba::prefill_scan<{K}, {t.slab}, {_flag(separate_p)}, {_flag(layout == 'vk')}, "
                                 f"{acc}, {_flag(serving)}>", t.slab, t.threads,
                       prefill_scan_bytes(K, t.slab, separate_p, wide, record),
-                      f"comba::prefill_prep<{K}, {acc}, {_flag(serving)}>", prefill_prep_bytes(K, wide), 128, record)
+                      f"comba::prefill_prep<{K}, {acc}, {_flag(serving)}>", prefill_prep_bytes(K, wide), 128,
+                      record, prep_lean_bytes=prefill_prep_bytes(K, wide, separate_p))
     if t.family == "delta_rule_mma":
         slab, tokens = t.slab, t.tokens
         if f32_keys and tokens == 16:
@@ -401,11 +405,12 @@ def _prefill_layout(K, slab, separate_p, wide_keys, record):
     return stage, fixed
 
 
-def prefill_prep_bytes(K, wide_keys):
+def prefill_prep_bytes(K, wide_keys, separate_p=True):
     """Bytes of ``PrepLayout<K, K32>`` (kernels_cu/prefill.cu): a chunk's q, k, p rows; over q's and k's, once
-    read, L (then X = (I + L)^-1) and Mq, rows of 68 floats, and the solve's scratch (2 KB); p's rows last."""
+    read, L (then X = (I + L)^-1) and Mq, rows of 68 floats, and the solve's scratch (2 KB); p's rows last
+    (``BYTES``), or no p rows where p is k (Gated DeltaNet: ``SHARED_P_BYTES``)."""
     key = PREFILL_CHUNK * (K + 16) * (4 if wide_keys else 2)
-    return max(2 * key, 4 * 2 * PREFILL_CHUNK * (PREFILL_CHUNK + 4) + 2048) + key
+    return max(2 * key, 4 * 2 * PREFILL_CHUNK * (PREFILL_CHUNK + 4) + 2048) + (key if separate_p else 0)
 
 
 def prefill_fits(K, slab, separate_p, wide_keys, max_shared=MAX_SHARED):

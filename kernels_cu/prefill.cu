@@ -411,15 +411,15 @@ __device__ __forceinline__ float2 staged_f16x2(const unsigned char* at) {
 // memory, the 20 tiles on or below the diagonal of each shared out evenly, five a warp over all the
 // keys (GramTiles), each written once.
 //
-// Shared memory: q's rows at 0, k's at KEY_BYTES, p's at P_AT (Gated DeltaNet's k, handed over as p, staged
-// once, at P_AT); once the Gram products are in registers, L (then X = (I + L)^-1, which takes L's place:
-// x_entry) and Mq at 0 and GRAM_BYTES / 2, and the off-diagonal solve's 16 x 8 scratch a warp at ZW_AT, over q and
-// k.
+// Shared memory: q's rows at 0, k's at KEY_BYTES, p's at P_AT; once the Gram products are in registers, L (then
+// X = (I + L)^-1, which takes L's place: x_entry) and Mq at 0 and GRAM_BYTES / 2, and the off-diagonal solve's
+// 16 x 8 scratch a warp at ZW_AT, over q and k.  Gated DeltaNet's k, handed over as p, is staged once, at
+// KEY_BYTES, and its CTA needs SHARED_P_BYTES (the launch passes BYTES or SHARED_P_BYTES by the op).
 //
 // Gram rows are 68 floats: S = 4 (mod 32) makes the solve's A-operand reads and the fragments' output (rows
 // lg, columns lj of a tile) free of bank conflicts, and the transposed reads (rows lj, columns lg) and the Gram
-// products' 8-byte stores two-way at most; at K = 128 the three staged bf16 key arrays are 55.3 KB, four CTAs an
-// SM.
+// products' 8-byte stores two-way at most.  At K = 128 Comba's three staged bf16 key arrays are 55.3 KB, four
+// CTAs an SM; Gated DeltaNet's two 36.9 KB, five (its registers allow no more).
 template <int K, bool K32>
 struct PrepLayout {
     static constexpr int KP = K + 16, ES = K32 ? 4 : 2, S = kPrefillChunk + 4;
@@ -427,7 +427,7 @@ struct PrepLayout {
     static constexpr int GRAM_BYTES = 4 * 2 * kPrefillChunk * S;  // L (then X) and Mq
     static constexpr int ZW_AT = GRAM_BYTES, ZW_BYTES = 4 * 4 * 16 * 8;
     static constexpr int P_AT = 2 * KEY_BYTES > ZW_AT + ZW_BYTES ? 2 * KEY_BYTES : ZW_AT + ZW_BYTES;
-    static constexpr int BYTES = P_AT + KEY_BYTES;
+    static constexpr int BYTES = P_AT + KEY_BYTES, SHARED_P_BYTES = P_AT;
 };
 
 // One step of an inclusive product scan over lanes `delta` apart: x times the value of the lane `delta` below, where
@@ -464,29 +464,43 @@ __device__ __forceinline__ void ldsm4_trans(unsigned (&r)[4], const void* at) {
 }
 
 // A lower-triangular 64 x 64 matrix into prefill_prep's ACC 6 record (WtRecord) as prefill_scan_wt's B tile: uint4
-// i holds columns 8 (i / 64) .. + 7 of row t = i % 64, entry(t, j) on and below the diagonal, zeros above it; items
-// first, first + stride, ...
-template <class Entry>
-__device__ __forceinline__ void wt_tile(float* at, Entry entry, int first, int stride) {
+// i holds columns 8 (i / 64) .. + 7 of row t = i % 64, zeros above the diagonal; row8(t, j, x) gives entries (t, j)
+// .. (t, j + 7), j a multiple of 8; items first, first + stride, ...  Consecutive threads take consecutive rows:
+// the stores are whole 512-byte lines, and a row's eight entries read as two float4 from rows of 68 floats fall in
+// distinct banks for each eight threads.
+template <class Row8>
+__device__ __forceinline__ void wt_tile(float* at, Row8 row8, int first, int stride) {
     uint4* const words = reinterpret_cast<uint4*>(at);
 #pragma unroll 4
     for (int i = first; i < 512; i += stride) {
         const int t = i & 63, j = 8 * (i >> 6);
-        unsigned w[4];
+        unsigned w[4] = {0u, 0u, 0u, 0u};
+        if (j <= t) {
+            float x[8];
+            row8(t, j, x);
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            const int c = j + 2 * u;
-            w[u] = bf16_pair(c <= t ? entry(t, c) : 0.f, c < t ? entry(t, c + 1) : 0.f);
+            for (int u = 0; u < 4; ++u) {
+                const int c = j + 2 * u;
+                w[u] = bf16_pair(c <= t ? x[2 * u] : 0.f, c < t ? x[2 * u + 1] : 0.f);
+            }
         }
         words[i] = make_uint4(w[0], w[1], w[2], w[3]);
     }
 }
 
-// Four CTAs an SM where they fit: with bf16 keys (ACC 0, 1 and 4) at K <= 128 a CTA needs at most 128
-// registers and 57.6 KB of shared memory, four of which are within the SM's 228 KB; wider keys stage twice the
-// bytes.
+// Entries (t, j) .. (t, j + 7) of a matrix in rows of 68 floats, j a multiple of 8.
+__device__ __forceinline__ void gram_row8(const float* m, int t, int j, float (&x)[8]) {
+    constexpr int S = kPrefillChunk + 4;
+    const float4 a = *reinterpret_cast<const float4*>(m + t * S + j);
+    const float4 b = *reinterpret_cast<const float4*>(m + t * S + j + 4);
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
+
+// Five CTAs an SM where they fit: with bf16 keys (ACC 0, 1 and 4-6) at K <= 128 a CTA needs at most 96 registers
+// and 57.6 KB of shared memory (Comba: four CTAs an SM within its 228 KB) or 38.7 KB (Gated DeltaNet: five); wider
+// keys stage twice the bytes.
 template <int K, int ACC, bool SERVING>
-__global__ void __launch_bounds__(kPrefillThreads, (ACC <= 1 || ACC >= 4) && K <= 128 ? 4 : 1)
+__global__ void __launch_bounds__(kPrefillThreads, (ACC <= 1 || ACC >= 4) && K <= 128 ? 5 : 1)
 prefill_prep(COMBA_PREFILL_ARGS) {
     // keys as they are (bf16), split or rounded; A and Mq rounded for a scan that reads them as they are
     constexpr bool K32 = ACC == 2 || ACC == 3;
@@ -501,8 +515,8 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     // Gated DeltaNet hands k as p (the same array): its rows are staged once, where p's are
     const bool p_is_k = p == k && prm.p_sb == prm.k_sb && prm.p_st == prm.k_st && prm.p_sh == prm.k_sh &&
                         prm.p_sk == prm.k_sk && prm.p_t == prm.k_t;
-    unsigned char* const sp = prefill_smem + Layout::P_AT;
-    unsigned char* const sk = p_is_k ? sp : prefill_smem + Layout::KEY_BYTES;
+    unsigned char* const sk = prefill_smem + Layout::KEY_BYTES;
+    unsigned char* const sp = p_is_k ? sk : prefill_smem + Layout::P_AT;
     float* const gram_p = reinterpret_cast<float*>(prefill_smem);  // p_t . k_j, then L, then X = (I + L)^-1
     float* const gram_q = gram_p + C * S;                          // q_t . k_j, then Mq
     float* const xs = gram_p;
@@ -757,7 +771,7 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     // first, first + stride, ...
     auto mq_record = [&](int first, int stride) {
         if constexpr (ACC == 6) {
-            wt_tile(rec + R::MQ, [&](int t, int j) { return gram_q[t * S + j]; }, first, stride);
+            wt_tile(rec + R::MQ, [&](int t, int j, float (&x)[8]) { gram_row8(gram_q, t, j, x); }, first, stride);
         } else if constexpr (bf16_products(ACC)) {
             constexpr int D = ACC == 5 ? 1 : 4, E = ACC == 5 ? 2 : 1;
             unsigned* const words = reinterpret_cast<unsigned*>(rec);
@@ -864,7 +878,17 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     // ACC 5 for tokens 2 lj, 2 lj + 1, 2 lj + 8, 2 lj + 9 (the natural order of wgmma's B tiles).  ACC 6: both as the
     // transposed scan's B tiles (wt_tile).
     if constexpr (ACC == 6) {
-        wt_tile(rec + WtRecord::A, [&](int t, int j) { return x_entry(xs, t, j) * bt[j]; }, tid, kPrefillThreads);
+        // A = X diag(beta): X's diagonal blocks by rows, those below the diagonal (stored transposed) by columns
+        wt_tile(rec + WtRecord::A, [&](int t, int j, float (&x)[8]) {
+            if ((t >> 4) == (j >> 4)) {
+                gram_row8(xs, t, j, x);
+            } else {
+#pragma unroll
+                for (int u = 0; u < 8; ++u) x[u] = xs[(j + u) * S + t];
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u) x[u] *= bt[j + u];
+        }, tid, kPrefillThreads);
         return;
     } else if constexpr (bf16_products(ACC)) {
         constexpr int D = ACC == 5 ? 1 : 4, E = ACC == 5 ? 2 : 1;  // the second token of a pair; lane's step

@@ -2,12 +2,13 @@
 with the serving options (a ragged batch from a pool; the segmented scan, in segments of one chunk, also over a dense
 batch from a pool with a padding row), in "bf16" and "fp32", and the wgmma scans' builds on compute capability
 9.0, those also over a row long enough for their third stage, and the transposed scan's two-warpgroup CTAs over 128
-value columns: run under compute-sanitizer's racecheck and memcheck by test_sanitizer_gpu.py."""
+value columns, Gated DeltaNet's prep in its lean layout: run under compute-sanitizer's racecheck and memcheck by
+test_sanitizer_gpu.py."""
 
 import cupy
 import numpy
 
-from cupy_comba import comba_forward, families, gated_delta_forward, tiling
+from cupy_comba import _plan, comba_forward, families, gated_delta_forward, tiling
 from cupy_comba.inputs import forward_inputs
 
 T = 150
@@ -44,6 +45,7 @@ def _ring():
 
 def main():
     tiling.MIN_SEGMENT_CHUNKS = 1  # segments of one chunk: the chain and the compose run at T = 150
+    _plan.LEAN_PREP_WAVE = 0  # Gated DeltaNet's prep in its lean layout, in the room it takes on a long prompt
     launches = 0
     for precision in ("bf16", "fp32"):
         for K, V in ((64, 64), (128, 64), (128, 128), (256, 32)):

@@ -281,7 +281,8 @@ def test_prefill_shared_bytes_are_the_layouts():
             K, acc, _ = args
             assert acc in ("5", "6") and families.prefill_record(5) == families.PREFILL_RECORD_BF16
             wg_checks.append(f'static_assert(comba::PrepLayout<{K}, false>::BYTES == '
-                             f'{families.prefill_prep_bytes(int(K), False)}, "{expression}");')
+                             f'{families.prefill_prep_bytes(int(K), False)} && comba::PrepLayout<{K}, false>::'
+                             f'SHARED_P_BYTES == {families.prefill_prep_bytes(int(K), False, False)}, "{expression}");')
             if acc == "6":
                 wg_checks.append(f'static_assert(comba::WtRecord::SIZE == {families.WT_RECORD}, "{expression}");')
         elif expression.startswith("comba::prefill_scan_wt"):
@@ -307,9 +308,11 @@ def test_prefill_shared_bytes_are_the_layouts():
         args = _template_args(expression)
         if expression.startswith("comba::prefill_prep"):
             K, acc, _ = args
-            n = families.prefill_prep_bytes(int(K), int(acc) in (2, 3))
-            checks.append(f'static_assert(comba::PrepLayout<{K}, {"true" if int(acc) in (2, 3) else "false"}>::BYTES '
-                          f'== {n}, "{expression}");')
+            wide = int(acc) in (2, 3)
+            layout = f'comba::PrepLayout<{K}, {"true" if wide else "false"}>'
+            checks.append(f'static_assert({layout}::BYTES == {families.prefill_prep_bytes(int(K), wide)} && '
+                          f'{layout}::SHARED_P_BYTES == {families.prefill_prep_bytes(int(K), wide, False)}, '
+                          f'"{expression}");')
         else:
             K, slab, sep, _, acc, _ = args
             wide = int(acc) in (2, 3)

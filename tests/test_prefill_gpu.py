@@ -466,6 +466,32 @@ def test_repeated_calls_with_new_buffers():
     assert reference.relative_error(results[-1][0], o_ref) <= TOL["bf16", "bfloat16"][1]
 
 
+@pytest.mark.parametrize("variant,precision", [("kv16c64", "bf16"), ("vk32c64", "tf32"), ("kv16c64wg", None),
+                                               ("vk64c64wt", None), ("kv128c64sg", None)])
+def test_gated_deltanets_lean_prep(variant, precision, monkeypatch):
+    """Gated DeltaNet's prep in its lean layout (k staged once, no room for p: five CTAs an SM), which a prep of
+    more than _plan.LEAN_PREP_WAVE CTAs an SM takes, gives bit for bit what the full layout gives, near the
+    reference; Comba's prep keeps the full layout."""
+    if variant[2:] != "16c64" and variant[2:] != "32c64" and not _wgmma():
+        pytest.skip("the wgmma scans need compute capability 9.0")
+    layout = variant[:2]
+    B, T, H, K, V = 2, 700, 3, 128, 128
+    q, k, v, p, beta, g, S0 = forward_inputs(B, T, H, K, V, state_layout=layout, seed=17, xp=cupy)
+    runs = []
+    for wave in (10 ** 9, 0):  # the full layout, then the lean one for every prep
+        monkeypatch.setattr(_plan, "LEAN_PREP_WAVE", wave)
+        monkeypatch.setattr(_plan, "PLANS", {})
+        for comba in (False, True):
+            runs.append(_check(comba, (q, k, v, p, beta, g, S0), precision, state_layout=layout, variant=variant))
+            (plan,) = _plan.PLANS.values()
+            _plan.PLANS.clear()
+            full = families.prefill_prep_bytes(K, False)
+            assert plan.launcher._steps[0][3] == (full if comba or wave else families.prefill_prep_bytes(K, False,
+                                                                                                         False))
+    for (o, S), (o_lean, S_lean) in zip(runs[:2], runs[2:]):
+        assert bool((o == o_lean).all()) and bool((S == S_lean).all())
+
+
 @pytest.mark.parametrize("variant", ["kv16c64", "kv16c64wg", "vk64c64wt", "kv64c64sg", "kv128c64wt", "vk128c64sg"])
 def test_programmatic_dependent_launches(variant, monkeypatch):
     """Each kernel of a plan after the first launched as a programmatic dependent of the one before (compute
