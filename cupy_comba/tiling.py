@@ -92,25 +92,29 @@ def _mma(c):
 
 #: The shortest pass the prefill kernels take at each K, over at most so many heads: (heads, T) in order
 #: (h200-prefill-lengths.json).  Their cost rises in steps of 64 tokens and the 16-token kernel's in steps of 16,
-#: so the thresholds fall on that kernel's step boundaries: T = 33, 97 and 113 open a step of it that costs more
-#: than the prefill chunks, and over 33-64 heads T = 96.  Over 1-32 heads one chunk costs less than the 16-token
-#: kernel's three steps (K = 128, T = 48: one head 9.4 against 11.9 us for kv32tc16, 16 heads 10.6 against 12.4, 32
-#: heads 12.4 against 12.8; K = 64: 16 heads 9.3 against 11.7 for kv64tc16, 32 heads 10.3 against 11.6; T = 32: 16
-#: heads 11.3 against 9.4 and 9.5 against 8.9, which keep it); at K = 64 over 65-128 heads prefill_scan's two
-#: chunks cost less than the 16-token kernel's eight steps (128 heads, T = 113: 27.5 against 30.4).  Beyond 128
+#: so the thresholds fall on that kernel's step boundaries: T = 17, 33, 49, 97 and 113 open a step of it that costs
+#: more than the prefill chunks.  Over 1-32 heads one chunk costs less than the 16-token kernel's three steps (K =
+#: 128, T = 48: one head 9.1 against 11.9 us for kv32tc16, 16 heads 9.8 against 12.3, 32 heads 11.4 against 12.6;
+#: K = 64: 16 heads 8.7 against 11.6 for kv64tc16, 32 heads 9.8 against 11.6; K = 128, T = 32: 16 heads 9.8 against
+#: 9.1, which keep it), at K = 64 over 1-16 heads no more than its two (T = 32: one head 8.0 against 8.4, 16 heads
+#: 8.7 against 8.7; 32 heads 9.8 against 8.6, which keep it); over 33-64 heads one chunk costs less than four
+#: steps (64 heads, T = 49: K = 128 16.3 against 17.3 us for kv64tc16, K = 64 13.9 against 14.7; T = 48 16.4
+#: against 14.0 and 13.9 against 11.9); at K = 64 over 65-128 heads prefill_scan's two chunks cost less than the
+#: 16-token kernel's eight steps (128 heads, T = 113: 27.8 against 30.6).  Beyond 128
 #: heads, the most the sweeps measured, the token kernels keep every length (and no workspace
 #: of 11-21.5 KB a chunk and head is made); at K = 256 the token loops the prefill kernels replace walk 256 keys a
 #: token, and lose from T = 16 over any number of heads.
 PREFILL_MIN_T = {
-    64: ((32, 33), (64, 96), (128, 113)),
-    128: ((32, 33), (64, 96), (128, 97)),
+    64: ((16, 17), (32, 33), (64, 49), (128, 113)),
+    128: ((32, 33), (64, 49), (128, 97)),
     256: ((None, 16),),
 }
 #: The same where the scan runs on wgmma (:func:`_warpgroup`): over 65-128 heads at K = 128 from T = 97, where
 #: its two chunks cost less than the 16-token kernel's seven steps, and at K = 64 over 33-128 heads from T = 49,
-#: where the transposed scan's one chunk costs less than four steps (h200-prefill-lengths.json, 128 heads: 15.2
-#: against 17.1 us).  Over the heads that take the transposed scan it begins at TRANSPOSED_MIN_T where that is shorter.
-PREFILL_MIN_T_WGMMA = {64: ((32, 33), (128, 49)), 128: ((32, 33), (64, 96), (128, 97))}
+#: where one chunk costs less than four steps (h200-prefill-lengths.json, 64 heads: 12.1 against 14.7 us on the
+#: transposed scan).  Over the heads that take the transposed scan it begins at TRANSPOSED_MIN_T where that is
+#: shorter.
+PREFILL_MIN_T_WGMMA = {64: ((16, 17), (32, 33), (128, 49)), 128: ((32, 33), (64, 49), (128, 97))}
 
 
 def _prefill_min_t(c):
@@ -134,11 +138,10 @@ def _prefill_slab(c):
 
 
 #: From this many tokens Comba's 16-column slabs (1-16 heads) take the wgmma scan (h200-prefill-wgmma.json: T = 1024
-#: one head 29.0 against 30.7 us, 16 heads 34.7 against 34.7; T = 8192 174.2 against 191.8 and 225.7 against
-#: 236.8; T = 256 13.7 against 13.6 and 16.7 against 16.2, and h200-prefill-lengths.json, one head, T = 49-256
-#: 10.3-14.4 against 9.8-14.1), and at K = 64 every slab over at most NARROW_HEADS heads, where prefill_scan's
-#: chunks cost less before (h200-prefill-lengths.json, K = 64: 16 heads, T = 64 9.3 against 9.8 us for kv16c64wg,
-#: Comba over 32 heads 10.8 against 11.8; T = 8192 189.6 against 174.8).
+#: one head 29.1 against 30.8 us, 16 heads 36.1 against 35.2; T = 8192 175.6 against 193.1 and 226.9 against
+#: 237.4; T = 256 13.7 against 13.6 and 16.4 against 16.0), and at K = 64 every slab over at most NARROW_HEADS
+#: heads, where prefill_scan's chunks cost less before (h200-prefill-lengths.json, K = 64: 16 heads, T = 64 8.7
+#: against 9.6 us for kv16c64wg, Comba over 32 heads 10.3 against 11.6; T = 8192 186.1 against 174.3).
 WGMMA_MIN_T = 1024
 
 
@@ -157,10 +160,12 @@ def _warpgroup(c):
 #: bound by the tensor cores' rate on its chunk's products, which over fewer heads leave most SMs idle.
 TRANSPOSED_MIN_HEADS = {128: 64, 64: 64}
 #: ... by K, (at most so many heads, from so many tokens), where over those heads the prefill kernels then begin:
-#: over 64 heads one chunk costs less than the 16-token kernel's four steps, over 65-128 at K = 128, on two
-#: warpgroups a CTA, less than its three (h200-prefill-lengths.json, K = 128: 64 heads T = 49 15.3 against 17.5 us
-#: for kv64tc16, T = 48 15.5 against 14.3; 128 heads T = 48 17.9 against 20.1, T = 32 17.8 against 15.0).
-TRANSPOSED_MIN_T = {128: ((64, 49), (FEW_HEADS, 33)), 64: ((FEW_HEADS, 49),)}
+#: one chunk costs less than the 16-token kernel's three steps at K = 128 over 64-128 heads and at K = 64 over
+#: 65-128 (on two warpgroups a CTA), and over 64 at K = 64 less than four (h200-prefill-lengths.json, K = 128: 64
+#: heads T = 48 13.5 against 14.0 us for kv64tc16 (Comba 14.1 against 14.6), T = 32 13.4 against 10.6; 128 heads T
+#: = 48 16.3 against 20.0, T = 32 16.2 against 14.9; K = 64: 128 heads T = 48 13.4 against 14.1, 64 heads T = 48
+#: 12.0 against 11.9).
+TRANSPOSED_MIN_T = {128: ((FEW_HEADS, 33),), 64: ((64, 49), (FEW_HEADS, 33))}
 
 
 def _transposed_heads(c):
@@ -181,11 +186,12 @@ def _transposed(c):
 #: The segmented scan (``{layout}64c64sg``): a batch (a ragged one as N rows of its mean length) too few to fill the
 #: GPU with one CTA a (row, head, 64 value columns), cut into segments whose CTAs fill it once -- from so many tokens
 #: over at most so many such CTAs (h200-prefill-segments.json), and over up to 256 from T = 8192, where one segment a
-#: row runs level with the whole transposed scan (h200-prefill-lengths.json, K = 128, 128 heads, two warpgroups a
-#: CTA: T = 65536 5280.8 against 5267.3 us, one a CTA 6221.7 against 6210.0; T = 8192 668.8 against 661.3).  At
-#: K = 64 from T = 1024 over up to 32 such CTAs (h200-prefill-tiling.json, Gated DeltaNet, 16 heads: 28.7 against
-#: 28.4 us for kv16c64wg, Comba 29.8 against 29.6 for kv16c64) and from T = 4096 over up to 64, in the pairs below
-#: (32 heads: 111.6 against 126.1 for kv32c64wg; 16 heads 65.7 against 73.5 for one warpgroup a CTA).
+#: row runs level with the whole transposed scan or ahead of it (h200-prefill-lengths.json, K = 128, 128 heads,
+#: two warpgroups a CTA: T = 65536 4743.4 against 4927.1 us, one a CTA 5819.0 against 5704.4; T = 8192 594.9
+#: against 588.4).  At K = 64 from T = 1024 over up to 32 such CTAs (h200-prefill-tiling.json, Gated DeltaNet, 16
+#: heads: 27.1 against 27.9 us for kv16c64wg, Comba 28.4 against 29.2 for kv16c64) and from T = 4096 over up to
+#: 64, in the pairs below (32 heads: 103.9 against 127.8 for kv32c64wg; 16 heads 63.3 against 71.1 for one
+#: warpgroup a CTA), which take up to 64 from T = 1024 (PAIRED_SEGMENTS_MIN_T).
 SEGMENTED_MIN_T = {128: ((16, 1024), (32, 2048), (256, 8192)),
                    64: ((32, 1024), (64, 4096), (256, 8192))}
 #: At most so many segments (the last one composes the maps of all before it, one after another), each of at
@@ -198,7 +204,7 @@ def _segmented(c):
     if not (c.segmented and c.transposed and c.wgmma and c.wide and c.K in (64, 128)
             and c.heads is not None):
         return False
-    return any(c.slabs <= most and c.T >= T for most, T in SEGMENTED_MIN_T[c.K])
+    return any(c.slabs <= most and c.T >= T for most, T in SEGMENTED_MIN_T[c.K]) or _paired_segments(c)
 
 
 def segments(heads, V, T, sms, slab=64):
@@ -224,28 +230,35 @@ def segments(heads, V, T, sms, slab=64):
 #: ``sg``), sharing each chunk's staged keys and record, where one warpgroup a 64-column slab would make more CTAs
 #: than the H200's 132 SMs (B * H * V / 64 of them, from this many): one CTA an SM either way, and two chains on
 #: each in place of a second wave (h200-prefill-lengths.json, 128 heads; docs/design.md; at K = 64, where a chunk
-#: costs less, mostly by 1-4 %: T = 1024 82.2 against 84.4 us, Comba 87.4 against 89.1; 0.96-1.03 of their
+#: costs less, mostly by 1-4 %: T = 1024 75.1 against 77.2 us, Comba 79.1 against 81.9; 0.93-1.01 of their
 #: time over T = 49-65536).  Over fewer
 #: CTAs the pairs leave SMs idle, and each chain runs 1.28 times slower beside another (B = 1, T = 8192, H = 16:
 #: 301.4 against 235.5 us for the scan alone).
 PAIRED_MIN_SLABS = H200_SMS + 1
 #: The segmented scan takes the pairs over fewer heads too: over 32-64 slabs of 64 columns (B * H = 16-32 at
-#: V = 128) from T = 8192 at K = 128 and from T = 4096 at K = 64 (SEGMENTED_MIN_T).  tiling.segments then cuts
+#: V = 128) from T = 8192 at K = 128, and at K = 64 over 32 from T = 4096 and over 33-64 from T = 1024 (where the
+#: segments begin for them: h200-prefill-tiling.json, 32 heads, T = 1024 35.7 against 35.0 us for kv32c64wg, Comba
+#: 37.1 against 38.8, in vk 36.9 against 38.9; h200-prefill-lengths.json 35.1 against 34.7, Comba 37.3 against
+#: 38.4; without the pairs they begin at T = 4096, SEGMENTED_MIN_T).  tiling.segments then cuts
 #: twice as many segments, and at K = 128 the chain runs two warpgroups a CTA on 128 of the V + K columns of a
 #: segment's map, each chunk's Kc and A staged once for both (h200-prefill-lengths.json: H = 16, T = 65536
-#: 991.5 against 1157.4 us, H = 32 1923.7 against 2098.0).  Over one head both cut the most segments, and the
-#: pairs' chains run slower (T = 8192: 74.7 against 56.9); over 64 heads they lose to one segment of one warpgroup
-#: a CTA (T = 8192: 457.5 against 411.0).
+#: 913.7 against 1079.1 us, H = 32 1770.2 against 1947.6).  Over one head both cut the most segments, and the
+#: pairs' chains run slower (T = 8192: 73.6 against 55.9); over 64 heads they lose to one segment of one warpgroup
+#: a CTA (T = 8192: 419.6 against 378.4).
 PAIRED_SEGMENT_SLABS = (32, 64)
-PAIRED_SEGMENTS_MIN_T = {128: 8192, 64: 4096}
+PAIRED_SEGMENTS_MIN_T = {128: ((64, 8192),), 64: ((32, 4096), (64, 1024))}
+
+
+def _paired_segments(c):
+    """The segmented scan on two warpgroups a CTA over PAIRED_SEGMENT_SLABS, from PAIRED_SEGMENTS_MIN_T."""
+    return c.paired and c.V % 128 == 0 and PAIRED_SEGMENT_SLABS[0] <= c.slabs <= PAIRED_SEGMENT_SLABS[1] and \
+        c.T >= next(T for most, T in PAIRED_SEGMENTS_MIN_T[c.K] if c.slabs <= most)
 
 
 def _paired(c):
     if not (c.paired and c.V % 128 == 0):
         return False
-    return c.slabs >= PAIRED_MIN_SLABS or (
-        _segmented(c) and c.T >= PAIRED_SEGMENTS_MIN_T[c.K] and
-        PAIRED_SEGMENT_SLABS[0] <= c.slabs <= PAIRED_SEGMENT_SLABS[1])
+    return c.slabs >= PAIRED_MIN_SLABS or (_segmented(c) and _paired_segments(c))
 
 
 def _prefill_variant(c):
@@ -273,37 +286,39 @@ RULES = (
          "h200-prefill-lengths.json (kv, T = 16-65536 and either side of each threshold), Gated DeltaNet at "
          "K = 128 unless said, prefill_scan (mma.sync) first.  The prefill kernels cost a step every 64 tokens, the "
          "16-token kernel every 16, so the thresholds fall on the latter's step boundaries: over 1-32 heads from "
-         "T = 33, 16-column slabs over 1-16 heads and 32-column ones over more (T = 48: one head 9.4 against 11.9 us "
-         "for kv32tc16, 16 heads 10.6 against 12.4, 32 heads 12.4 against 12.8; K = 64, 16 heads 9.3 against 11.7 "
-         "for kv64tc16; T = 32: 16 heads 11.3 against 9.4; T = 65536, 16 heads: 1743.6 against 12873.9); over 33-64 "
-         "heads from T = 96 (64 heads: 21.9 against 24.4 for kv64tc16, T = 64 17.4 against 17.5); over 65-128 heads "
-         "from T = 97 (128 heads: T = 97 36.2 against 40.6, T = 96 34.6 against 35.3; T = 65536 9960.5 against "
-         "20804.7), at K = 64 from T = 113 (T = 113 27.5 against 30.4, T = 112 27.7 against 27.5); at K = 256 "
+         "T = 33, 16-column slabs over 1-16 heads and 32-column ones over more (T = 48: one head 9.1 against 11.9 us "
+         "for kv32tc16, 16 heads 9.8 against 12.3, 32 heads 11.4 against 12.6; K = 64, 16 heads 8.7 against 11.6 "
+         "for kv64tc16; T = 32: 16 heads 9.8 against 9.1; T = 65536, 16 heads: 1711.7 against 12855.9), at K = 64 "
+         "over 1-16 heads from T = 17 (T = 32: one head 8.0 against 8.4, 16 heads 8.7 against 8.7); over 33-64 "
+         "heads from T = 49 (64 heads: 16.3 against 17.3 for kv64tc16, T = 48 16.4 against 14.0); over 65-128 heads "
+         "from T = 97 (128 heads: T = 97 35.2 against 40.4, T = 96 33.8 against 35.2; T = 65536 9742.0 against "
+         "20803.7), at K = 64 from T = 113 (T = 113 27.8 against 30.6, T = 112 27.3 against 27.6); at K = 256 "
          "over every head count from T = 16 (1 head: 15.8 against 18.8 us for kv32x16, 128 heads: 37.5 against "
          "53.9), 6.6-33x the token loops from T = 256.  Where q, k, "
          "p are bf16 with bf16 products on compute capability 9.0, the same slabs' scan on wgmma "
          "(h200-prefill-wgmma.json, K = 64 / 128, kv and vk, 1-128 heads, T = 256-8192): 32-column slabs "
-         "0.70-0.94 of prefill_scan's time (K = 128, 128 heads, T = 8192: 1089.9 against 1263.9 us; K = 64: 729.0 "
-         "against 1036.5), Gated DeltaNet's 16-column slabs 0.89-0.99 (16 heads, T = 8192: 206.4 against 224.1), "
-         "Comba's 16-column ones from T = 1024 0.91-1.02 (16 heads, T = 8192 225.7 against 236.8; shorter passes "
-         "keep prefill_scan: WGMMA_MIN_T); at K = 64 over 1-32 heads from T = 1024 only (h200-prefill-lengths.json, "
-         "16 heads, T = 64: 9.3 against 9.8 us for kv16c64wg; T = 8192 189.6 against 174.8); and over 65-128 heads "
-         "from T = 97 at K = 128 (h200-prefill-lengths.json, 128 heads, T = 112: 31.9 against 40.6 us for "
-         "kv64tc16, Comba 36.1 against 42.2; T = 96: 30.5 against 35.3, Comba 34.2 against 36.9).  The transposed "
-         "wgmma scan over 64 heads at K = 128 from T = 49 and over 65-128 from T = 33, where the prefill kernels "
-         "then begin (h200-prefill-lengths.json: 64 heads, T = 49 15.3 against 17.5 us for kv64tc16, T = 48 15.5 "
-         "against 14.3; 128 heads, in two-warpgroup CTAs, T = 48 17.9 against 20.1, T = 32 17.8 against 15.0; T = "
-         "192 27.9 against 41.0 for kv32c64wg; h200-prefill-transposed.json, 32-128 heads, T = 256-4096, against "
-         "the choice without it: 64 heads, T = 256 22.2 against 26.4 us for kv32c64wg, T = 4096 214.5 against "
-         "286.6 (Comba 23.4 against 29.6, 226.1 against 321.9; vk 21.8 against 26.5, 215.6 against 286.9), 128 "
-         "heads in two-warpgroup CTAs T = 4096 342.4 against 556.0; over 32 heads it loses (T = 4096: 172.8 "
-         "against 145.2)), and at K = 64 too (h200-prefill-lengths.json, 128 heads in two-warpgroup CTAs: T = 49 "
-         "15.2 against 17.1 us for kv64tc16; 64 heads T = 1024 53.1 against 55.0 for kv32c64wg).  The transposed "
-         "scans run two warpgroups a CTA where one a 64-column slab would make more than 132 CTAs "
-         "(PAIRED_MIN_SLABS; h200-prefill-lengths.json, 128 heads: T = 1024 100.4 against 118.0 us, T = 65536 in "
-         "segments 5280.8 against 6221.7; K = 64, T = 1024 82.2 against 84.4), and the segmented scan over 16-32 "
-         "heads from T = 8192, 4096 at K = 64 (PAIRED_SEGMENT_SLABS: 16 heads, T = 65536 991.5 against 1157.4; "
-         "K = 64, T = 4096 65.7 against 73.5, h200-prefill-tiling.json)."),
+         "(K = 128, 128 heads, T = 8192: 1070.0 against 1243.9 us; K = 64: 707.8 against 1020.4), Gated DeltaNet's "
+         "16-column slabs (16 heads, T = 8192: 206.2 against 224.5), Comba's 16-column ones from T = 1024 (16 "
+         "heads, T = 8192 226.9 against 237.4; shorter passes keep prefill_scan: WGMMA_MIN_T); at K = 64 over 1-32 "
+         "heads from T = 1024 only (h200-prefill-lengths.json, 16 heads, T = 64: 8.7 against 9.6 us for kv16c64wg; "
+         "T = 8192 186.1 against 174.3); and over 65-128 heads from T = 97 at K = 128 (h200-prefill-lengths.json, "
+         "128 heads, T = 112: 31.0 against 40.5 us for kv64tc16, Comba 35.2 against 42.3; T = 96: 29.1 against "
+         "35.2, Comba 32.9 against 36.9).  The transposed wgmma scan over 64-128 heads at K = 128 from T = 33, where "
+         "the prefill kernels then begin (h200-prefill-lengths.json: 64 heads, T = 48 13.5 against 14.0 us for "
+         "kv64tc16, T = 32 13.4 against 10.6; 128 heads, in two-warpgroup CTAs, T = 48 16.3 against 20.0, T = 32 "
+         "16.2 against 14.9; T = 192 18.0 against 22.1 for kv32c64wg; h200-prefill-transposed.json, 32-128 heads, "
+         "T = 256-4096, against the choice without it: 64 heads, T = 256 21.0 against 25.6 us for kv32c64wg, T = "
+         "4096 195.5 against 279.0 (Comba 22.2 against 28.6, 214.0 against 316.8; vk 20.4 against 25.8, 196.9 "
+         "against 279.6), 128 heads in two-warpgroup CTAs T = 4096 306.1 against 549.3; over 32 heads it loses (T = "
+         "4096: 166.2 against 143.5)), and at K = 64 over 64 heads from T = 49 and over 65-128 from T = 33 "
+         "(h200-prefill-lengths.json: 64 heads T = 49 12.1 against 14.7 us for kv64tc16; 128 heads in "
+         "two-warpgroup CTAs, T = 48 13.4 against 14.1; 64 heads T = 1024 50.2 against 53.9 for kv32c64wg).  The "
+         "transposed scans run two warpgroups a CTA where one a 64-column slab would make more than 132 CTAs "
+         "(PAIRED_MIN_SLABS; h200-prefill-lengths.json, 128 heads: T = 1024 88.9 against 108.9 us, T = 65536 in "
+         "segments 4743.4 against 5819.0; K = 64, T = 1024 75.1 against 77.2), and the segmented scan over 16-32 "
+         "heads from T = 8192, at K = 64 over 16 from T = 4096 and 32 from T = 1024 (PAIRED_SEGMENT_SLABS: 16 "
+         "heads, T = 65536 913.7 against 1079.1; K = 64, h200-prefill-tiling.json, T = 4096 63.3 against 71.1, 32 "
+         "heads T = 1024 35.7 against 37.4, Comba 37.1 against 39.4)."),
     Rule("K = 256: the kv token loop",
          lambda c: c.K == 256 and c.layout == "kv",
          lambda c: "kv64x16" if c.wide and (c.heads is None or c.heads > 1024) else "kv32x16",

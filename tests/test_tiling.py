@@ -44,7 +44,7 @@ def test_vk_chunked_kernel_to_seven_tokens_over_many_heads(heads):
 
 @pytest.mark.parametrize("heads,K,slab", [(16, 128, 32), (32, 128, 32), (64, 128, 64), (16, 64, 64)])
 def test_slab_width_over_few_heads(heads, K, slab):
-    T = dict(tiling.PREFILL_MIN_T[K])[32 if heads <= 32 else 64] - 1  # the longest tensor-core pass
+    T = next(t for most, t in tiling.PREFILL_MIN_T[K] if heads <= most) - 1  # the longest tensor-core pass
     assert tiling.choose("kv", K, 128, False, True, T, heads) == f"kv{slab}tc16"
     assert tiling.choose("kv", K, 96, False, True, T, heads) == "kv32tc16"  # V not a multiple of 64
 
@@ -128,19 +128,19 @@ def test_vk_verify_over_many_heads_on_eight_warps(heads, variant):
 @pytest.mark.parametrize("comba", [True, False])
 def test_prefill_over_few_heads_and_long_prompts(layout, comba):
     """h200-prefill-tiling.json, h200-prefill-lengths.json: 64-token chunks over at most 32 heads from T = 33
-    (16-column slabs over at most 16), from T = 96 over at most 64, from T = 97 (K = 128) or 113 (K = 64) over at
-    most 128 (the sweeps' most); at K = 256 from T = 16 over any number; the tensor-core kernel or the token loop
-    otherwise."""
+    (16-column slabs over at most 16; at K = 64 over at most 16 heads from T = 17), from T = 49 over at most 64,
+    from T = 97 (K = 128) or 113 (K = 64) over at most 128 (the sweeps' most); at K = 256 from T = 16 over any
+    number; the tensor-core kernel or the token loop otherwise."""
     def choose(T, heads, K=128, **kw):
         return tiling.choose(layout, K, 128, comba, True, T, heads, **kw)
 
     assert choose(32, 16) == choose(32, 32) == choose(32, 1) == f"{layout}32tc16"
     assert choose(33, 1) == choose(48, 1) == choose(33, 16) == f"{layout}16c64"
-    assert choose(95, 33) == choose(95, 64) == choose(96, 65) == choose(255, None) == f"{layout}64tc16"
-    assert choose(49, 1) == choose(8192, 16) == choose(33, 16, K=64) == choose(33, 1, K=64) == f"{layout}16c64"
-    assert choose(33, 17) == choose(33, 32, K=64) == choose(96, 64) == choose(96, 64, K=64) == f"{layout}32c64"
+    assert choose(48, 33) == choose(48, 64) == choose(96, 65) == choose(255, None) == f"{layout}64tc16"
+    assert choose(49, 1) == choose(8192, 16) == choose(17, 16, K=64) == choose(17, 1, K=64) == f"{layout}16c64"
+    assert choose(33, 17) == choose(33, 32, K=64) == choose(49, 33) == choose(49, 64, K=64) == f"{layout}32c64"
     assert choose(97, 65) == choose(65536, 128) == choose(113, 128, K=64) == f"{layout}32c64"
-    assert choose(112, 65, K=64) == choose(32, 1, K=64) == choose(32, 32, K=64) == f"{layout}64tc16"
+    assert choose(112, 65, K=64) == choose(16, 1, K=64) == choose(32, 32, K=64) == f"{layout}64tc16"
     assert choose(177, 129) == choose(65536, 8192) == choose(65536, None) == f"{layout}64tc16"  # beyond the sweeps
     assert choose(65536, 129, K=64) == choose(65536, None, K=64) == f"{layout}128tc16"
     assert choose(16, 16, K=256) == f"{layout}16c64" and not choose(15, 16, K=256).endswith("c64")
@@ -168,7 +168,7 @@ def test_prefill_only_where_its_shared_memory_fits(layout):
     assert choose(True) == f"{layout}16c64" and choose(True, max_shared=a100) == f"{layout}32tc16"
     for comba, K in itertools.product((True, False), families.SUPPORTED_K):
         assert not choose(comba, K, max_shared=ada).endswith("c64")
-        assert choose(comba, K, max_shared=ada) == choose(comba, K, T=15 if K == 256 else 32)
+        assert choose(comba, K, max_shared=ada) == choose(comba, K, T=15 if K == 256 else 16 if K == 64 else 32)
     assert choose(True, 256, heads=64, max_shared=a100) == choose(True, 256, T=15, heads=64)
 
 
@@ -196,24 +196,27 @@ def test_the_forward_choice_is_within_5_percent_of_the_best_timed(name):
 @pytest.mark.parametrize("comba", [True, False])
 def test_prefill_thresholds_on_wgmma(layout, comba):
     """h200-prefill-lengths.json, h200-prefill-tiling.json: where the scan runs on wgmma the prefill kernels take
-    64 heads from T = 49 and at K = 128 65-128 from T = 33, where the transposed scan takes them, at K = 64 33-63
-    heads from T = 49 too; at K = 64 over at
-    most 32 heads the wgmma scan from T = 1024 only, and the segmented scan from T = 1024 over 16 heads and on two
-    warpgroups a CTA over 16-32 from T = 4096; the other thresholds stay."""
+    64-128 heads from T = 33, where the transposed scan takes them (at K = 64 64 heads from T = 49), 33-63 heads
+    from T = 49; at K = 64 over at most 32 heads the wgmma scan from T = 1024 only, and the segmented scan from
+    T = 1024 over 16 heads, on two warpgroups a CTA over 32 from T = 1024 and over 16 from T = 4096; the other
+    thresholds stay."""
     def choose(T, heads, K=128, **kw):
         return tiling.choose(layout, K, 128, comba, True, T, heads, wgmma=True, **kw)
 
-    assert choose(48, 128, K=64) == choose(48, 33, K=64) == choose(48, 64) == choose(32, 128) == f"{layout}64tc16"
+    assert choose(32, 128, K=64) == choose(48, 33, K=64) == choose(32, 64) == choose(32, 128) == f"{layout}64tc16"
+    assert choose(48, 64, K=64) == choose(48, 63) == f"{layout}64tc16"
+    assert choose(33, 128, K=64) == f"{layout}128c64wt" and choose(33, 64) == f"{layout}64c64wt"
     assert choose(49, 33, K=64) == choose(1023, 63, K=64) == choose(97, 128, K=64, transposed=False) == \
         f"{layout}32c64wg"
     assert choose(49, 64, K=64) == f"{layout}64c64wt" and choose(49, 128, K=64) == f"{layout}128c64wt"
-    assert choose(32, 16, K=64) == f"{layout}64tc16" and choose(33, 16, K=64) == choose(1023, 16, K=64) == \
+    assert choose(16, 16, K=64) == f"{layout}64tc16" and choose(17, 16, K=64) == choose(1023, 16, K=64) == \
         f"{layout}16c64"
     assert choose(33, 32, K=64) == choose(1023, 32, K=64) == f"{layout}32c64"
-    assert choose(1024, 32, K=64) == choose(4095, 32, K=64) == f"{layout}32c64wg"
+    assert choose(1024, 32, K=64, paired=False) == choose(4095, 32, K=64, paired=False) == f"{layout}32c64wg"
+    assert choose(1024, 32, K=64) == f"{layout}128c64sg"
     assert choose(1024, 16, K=64) == choose(4095, 16, K=64) == choose(65536, 1, K=64) == f"{layout}64c64sg"
     assert choose(4096, 16, K=64) == choose(4096, 32, K=64) == f"{layout}128c64sg"
-    assert choose(96, 65, transposed=False) == choose(95, 63) == f"{layout}64tc16"
+    assert choose(96, 65, transposed=False) == choose(48, 63) == f"{layout}64tc16"
     assert choose(49, 64) == choose(33, 128, paired=False) == f"{layout}64c64wt"
     assert choose(49, 67) == choose(33, 128) == f"{layout}128c64wt"  # more 64-column CTAs than SMs: pairs
     assert choose(8192, 128) == f"{layout}128c64sg" and choose(4096, 16) == f"{layout}64c64sg"
@@ -325,7 +328,7 @@ def test_the_segmented_scan_where_it_wins(layout, comba):
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("comba", [True, False])
 def test_the_transposed_scan_where_it_wins(layout, comba):
-    """Over 64-128 heads from T = 49 (at K = 128 over 65-128 from T = 33), with wgmma and V a multiple of 64, in
+    """Over 64-128 heads from T = 33 (at K = 64 over 64 heads from T = 49), with wgmma and V a multiple of 64, in
     segments from T = 8192; nowhere else."""
     def choose(T=4096, heads=64, K=128, V=128, **kw):
         return tiling.choose(layout, K, V, comba, True, T, heads, **{"wgmma": True, **kw})
@@ -334,7 +337,7 @@ def test_the_transposed_scan_where_it_wins(layout, comba):
     assert choose(heads=67) == choose(heads=128) == choose(K=64, heads=128) == choose(K=64, heads=128, T=49) == \
         f"{layout}128c64wt"  # pairs where 64-column CTAs pass the SMs
     assert choose(K=64, T=513) == choose(K=64) == choose(T=33, heads=65) == f"{layout}64c64wt"
-    assert choose(T=48, heads=64) == f"{layout}64tc16"
+    assert choose(T=32, heads=64) == choose(K=64, T=48) == f"{layout}64tc16" and choose(T=33) == f"{layout}64c64wt"
     assert choose(K=64, T=8192) == choose(T=8192) == f"{layout}64c64sg"
     assert choose(heads=63) == choose(K=64, heads=63) == choose(V=96) == f"{layout}32c64wg"
     assert choose(wgmma=False) == f"{layout}32c64" and choose(transposed=False) == f"{layout}32c64wg"
