@@ -39,11 +39,13 @@ PLANS_MAX = 256
 ALL_DEPENDENT = False
 
 #: The prep's CTAs an SM in its full layout (bf16 keys, K <= 128): where a prep has more CTAs than this many an SM,
-#: Gated DeltaNet's runs in its lean layout (``families.Kernel.prep_lean_bytes``), five an SM, and takes 0.86-0.95 of
-#: the time (B = 8, T = 2048, H = 16 84.7 us against 92.7; B = 1, T = 32768, H = 32 300 against 329); where they
-#: fit in one wave at four the lean layout moves nothing ahead, and the room it leaves beside them made the 16-column
-#: wgmma scan, launched as its dependent, take 37.2 us against 31.5 at B = 1, T = 1024, H = 16
-#: (``PYTHONPATH=. python benchmarks/prefill_parts.py``, docs/design.md "Long prompts").
+#: Gated DeltaNet's runs in its lean layout (``families.Kernel.prep_lean_bytes``), five an SM, and takes 0.91-1.00 of
+#: the time (the transposed scan's prep at B = 8, T = 2048, H = 16 84.7-85.2 us against 92.6-92.9, at B = 1, T =
+#: 32768, H = 32 299.7-308.0 against 328.7-334.4; at B = 1, T = 4096, H = 16, two waves either way, level); where
+#: they fit in one wave of four the lean layout moves nothing ahead, and the room it leaves beside them made the
+#: 16-column wgmma scan, launched as its dependent, take 37.2 us against 31.5 at B = 1, T = 1024, H = 16 (one run,
+#: two rounds, ``PYTHONPATH=. python benchmarks/prefill_parts.py --shapes ... --variants kv16c64wg kv128c64sg
+#: kv64c64wt``; docs/design.md "Long prompts").
 LEAN_PREP_WAVE = 4
 
 

@@ -497,7 +497,7 @@ __device__ __forceinline__ void gram_row8(const float* m, int t, int j, float (&
 }
 
 // Five CTAs an SM where they fit: with bf16 keys (ACC 0, 1 and 4-6) at K <= 128 a CTA needs at most 96 registers
-// and 57.6 KB of shared memory (Comba: four CTAs an SM within its 228 KB) or 38.7 KB (Gated DeltaNet: five); wider
+// and 57.1 KB of shared memory (Comba: four CTAs an SM within its 228 KB) or 38.7 KB (Gated DeltaNet: five); wider
 // keys stage twice the bytes.
 template <int K, int ACC, bool SERVING>
 __global__ void __launch_bounds__(kPrefillThreads, (ACC <= 1 || ACC >= 4) && K <= 128 ? 5 : 1)
