@@ -129,7 +129,8 @@ def sweep_tiling(layouts, head_sizes, wgmma):
 
 
 #: ``--lengths``: T = 16-65536, with both sides of each of the tiling's prefill thresholds (tiling.PREFILL_MIN_T,
-#: tiling.PREFILL_MIN_T_WGMMA, tiling.TRANSPOSED_MIN_T)
+#: tiling.PREFILL_MIN_T_WGMMA, tiling.TRANSPOSED_MIN_T) -- for T = 17 and 33, whose 16-token steps cost what T = 32
+#: and 48 cost, those two
 LENGTHS = (16, 32, 48, 49, 64, 96, 97, 112, 113, 128, 160, 161, 176, 177, 192, 256, 512, 513, 1024, 8192, 65536)
 
 

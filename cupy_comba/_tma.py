@@ -82,8 +82,10 @@ def stage_geometries(q, k, p, v, ragged, key_itemsize, slab, pad=_PAD, swizzled=
         v_map = _geometry(v, ragged, 2, 64) if v.dtype == bfloat16 else None
     else:
         v_map = _geometry(v, ragged, v.itemsize, slab)
-    maps = (key_map(q), key_map(k), None if p is k else key_map(p), v_map)
-    return maps if all(m for i, m in enumerate(maps) if i != 2 or p is not k) else None
+    p_map = None if p is k else key_map(p)
+    maps = (key_map(q), key_map(k), p_map, v_map)
+    needed = maps if p is not k else (maps[0], maps[1], v_map)
+    return maps if all(needed) else None
 
 
 class StageMaps:
