@@ -1,13 +1,15 @@
 """The prefill plans' kernels launched as programmatic dependents of the kernel before them against launched one
 after the other: the default choice at flash-linear-attention's table's shapes (bf16, K = V = 128, "kv", from a
-state, graph replay) and the wgmma scans at K = 64 over 1-128 heads (Gated DeltaNet, ``K64_POINTS``), each setting
+state, graph replay), the segmented scan on one and two warpgroups a CTA (both ops, ``SEGMENTED_POINTS``) and the
+wgmma scans at K = 64 over 1-128 heads (Gated DeltaNet, ``K64_POINTS``), each setting
 in its own process, alternating ``--rounds`` times: every kernel after a plan's first a dependent
 (``CUPY_COMBA_PDL=1`` and ``_plan.ALL_DEPENDENT``: those whose ``families.Kernel.dependent`` is False too), then
 none (``CUPY_COMBA_PDL=0``).
 
     PYTHONPATH=. python benchmarks/prefill_launches.py --json benchmarks/results/h200-prefill-launches.json
 
-``{"environment", "runs": [{"dependent": bool, "us": {"<op> B<B> T<T> H<H> [K64 ]<variant>": us, ...}}, ...]}``.
+``{"environment", "runs": [{"dependent": bool, "us": {"<op> B<B> T<T> H<H> [K64 ]<variant>": us, ...}}, ...]}``
+(the default choices' keys end in the variant the rules took).
 """
 
 import importlib.util
@@ -34,9 +36,15 @@ K64_POINTS = ((1, 512, 16, "kv16c64wg"), (1, 1024, 16, "kv16c64wg"), (1, 8192, 1
               (1, 1024, 128, "kv128c64wt"), (1, 4096, 128, "kv128c64wt"))
 
 
+#: (B, T, H, variant) of the segmented scan at K = V = 128, on one warpgroup a 64-column CTA and on two a 128-column
+#: one: over 16 heads from T = 4096 and 32 at T = 32768, and eight rows of 2048 (one segment a row, no chain).
+SEGMENTED_POINTS = tuple((B, T, H, f"kv{slab}c64sg") for B, T, H in ((1, 4096, 16), (1, 8192, 16), (1, 32768, 32),
+                                                                     (8, 2048, 16)) for slab in (64, 128))
+
+
 def measure():
     """One process's timings, as ``{name: us}``, under the CUPY_COMBA_PDL it was started with: the shapes of
-    flash-linear-attention's table and B = 1, T = 2048, H = 16, then K64_POINTS."""
+    flash-linear-attention's table and B = 1, T = 2048, H = 16, then SEGMENTED_POINTS and K64_POINTS."""
     import cupy
 
     from cupy_comba import _plan
@@ -52,6 +60,11 @@ def measure():
             _plan.PLANS.clear()
             us = time_graph(sweep._call(comba, args), iters=9).median_us
             variant = list(_plan.PLANS.values())[0].variant
+            res[f"{'comba' if comba else 'gdn'} B{B} T{T} H{H} {variant}"] = round(us, 1)
+    for comba in (False, True):
+        for B, T, H, variant in SEGMENTED_POINTS:
+            args = forward_inputs(B, T, H, sweep.K, sweep.V, xp=cupy, warm_steps=2, seed=T)
+            us = time_graph(sweep._call(comba, args, variant=variant), iters=9).median_us
             res[f"{'comba' if comba else 'gdn'} B{B} T{T} H{H} {variant}"] = round(us, 1)
     for B, T, H, variant in K64_POINTS:
         args = forward_inputs(B, T, H, 64, sweep.V, xp=cupy, warm_steps=2, seed=T)

@@ -33,9 +33,10 @@ PLANS_MAX = 256
 
 #: Whether every kernel after a plan's first launches as a programmatic dependent of the one before on compute
 #: capability 9.0, not only the scans whose ``families.Kernel.dependent`` is set.  The others measured slower so:
-#: the segmented scan's chain and segments 2.0-3.8 % at B = 1, H = 16, T = 2048, within 0.5 % from T = 4096
-#: (h200-prefill-launches.json), and at K = 64 the scans of one-warpgroup CTAs: the wgmma scan over 1-32 heads and
-#: the whole transposed scan over 64 (docs/design.md, "Host path").  benchmarks/prefill_launches.py sets it.
+#: the segmented scan's chain and segments on one warpgroup a CTA at K = 128 up to 1.19 times as long (Gated
+#: DeltaNet, B = 1, T = 32768, H = 32, ``kv64c64sg``: 1158.0-1174.9 us against 974.0-981.5), and at K = 64 the
+#: scans of one-warpgroup CTAs: the wgmma scan over 1-32 heads and the whole transposed scan over 64
+#: (h200-prefill-launches.json; docs/design.md, "Host path").  benchmarks/prefill_launches.py sets it.
 ALL_DEPENDENT = False
 
 #: The prep's CTAs an SM in its full layout (bf16 keys, K <= 128): where a prep has more CTAs than this many an SM,

@@ -273,11 +273,16 @@ def tiling(layout, K, variant):
     return t
 
 
-def _dependent(K, warpgroups):
-    """Whether a whole prefill scan of ``warpgroups`` warpgroups a CTA launches as its prep's programmatic dependent
-    (compute capability 9.0): not at K = 64 on one warpgroup a CTA.  There the wgmma scan took 1.15-1.31 times as
-    long so over 1-32 heads from T = 512, and the transposed scan's 64-column CTAs 1.06-1.16 over 64 heads from
-    T = 320; the transposed scan's pairs gained 1 % (h200-prefill-launches.json; docs/design.md, "Host path")."""
+def _dependent(K, warpgroups, segmented=False):
+    """Whether a prefill scan of ``warpgroups`` warpgroups a CTA launches as its prep's programmatic dependent
+    (compute capability 9.0; the segmented scan's chain as the prep's and its segments as the chain's): not at
+    K = 64 on one warpgroup a CTA, and in segments only on two at K = 128.  At K = 64 on one warpgroup the wgmma
+    scan took 1.14-1.30 times as long so over 1-32 heads from T = 512, and the transposed scan's 64-column CTAs
+    1.09-1.18 over 64 heads from T = 320; the transposed scan's pairs 0.97-1.00 of their time.  In segments at
+    K = 128 one warpgroup a CTA took up to 1.19 times as long so, two 0.97-1.00 (h200-prefill-launches.json;
+    docs/design.md, "Host path")."""
+    if segmented:
+        return K == 128 and warpgroups > 1
     return K != 64 or warpgroups > 1
 
 
@@ -325,7 +330,7 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
                       chain=f"comba::prefill_scan_wt<{K}, {sep}, false, {_flag(serving)}, {WT_CHAIN}, {chain_wgs}>"
                       if segmented else "",
                       chain_shared_bytes=prefill_wt_bytes(K, separate_p, chain=True, wgs=chain_wgs) if segmented else 0,
-                      chain_block=128 * chain_wgs, dependent=not segmented and _dependent(K, wgs),
+                      chain_block=128 * chain_wgs, dependent=_dependent(K, wgs, segmented),
                       prep_lean_bytes=prefill_prep_bytes(K, False, separate_p))
     if t.family == "prefill_scan":
         if precision is None:  # 16-bit activations: bf16 products, the fastest (docs/design.md)

@@ -240,9 +240,9 @@ struct StageMaps {
 static_assert(sizeof(TensorMap) == 128 && sizeof(StageMaps) == 576,
               "StageMaps: cupy_comba/_tma.py writes 576 bytes, four maps and `use` at byte 512");
 #define COMBA_PREFILL_ARGS COMBA_KERNEL_ARGS, const __grid_constant__ StageMaps maps
-// A plan's kernels run in turn on one stream; on compute capability 9.0 the whole scans are launched as programmatic
-// dependents of the prep (cupy_comba/_launcher.py; the segmented scan's chain and segments may be, and measured
-// slower: _plan.SEGMENTS_DEPENDENT).  A kernel lets the next one launch as it begins (launch_next), and the next
+// A plan's kernels run in turn on one stream; on compute capability 9.0 a scan is launched as a programmatic
+// dependent of the kernel before it (the prep, or the segmented scan's chain) where families.Kernel.dependent says
+// so (cupy_comba/_launcher.py).  A kernel lets the next one launch as it begins (launch_next), and the next
 // waits for the kernels before it to end and their writes to be visible (await_earlier) before it reads the
 // workspace -- so its launch, its CTAs' start and its prologue overlap the tail of the kernel before.  Every CTA
 // waits before it exits, whether it reads the workspace or not: a kernel's end then implies the end of those

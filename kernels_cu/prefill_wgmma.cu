@@ -693,7 +693,8 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
         copy_async_commit();
     };
     // The whole scan, its prep's dependent: the first chunk's rows and the state, inputs of the call, while the prep
-    // may still run, the chunk's record once the prep is done.  The segmented scan's launches run in turn.
+    // may still run, the chunk's record once the prep is done.  The segmented scan's launches await the kernel
+    // before them first.
     const bool early = PART == kWtWhole && bulk && c_begin < c_end;
     if (early) stage_next(c_begin, 0, true, false);
     if constexpr (PART != kWtWhole) {

@@ -241,8 +241,8 @@ def test_programmatic_launch_config_is_cuda_h_layout():
 def test_which_prefill_scans_launch_as_dependents():
     """The whole scans launch as programmatic dependents of their prep, but for those of one-warpgroup CTAs at
     K = 64 (the wgmma scan, the transposed scan on 64 columns); the segmented scan's chain and segments launch in
-    turn (docs/design.md, "Host path"); the segments on pairs run their chain on two warpgroups a CTA at K = 128
-    where p is k only."""
+    turn but on two warpgroups a CTA at K = 128 (docs/design.md, "Host path"); the segments on pairs run their chain
+    on two warpgroups a CTA at K = 128 where p is k only."""
     def kernel(variant, K, separate_p=True):
         return families.kernel(variant[:2], variant, K=K, separate_p=separate_p, multi=True, bf16_keys=True,
                                precision="bf16")
@@ -251,7 +251,9 @@ def test_which_prefill_scans_launch_as_dependents():
     assert not kernel("kv16c64wg", 64).dependent and not kernel("vk32c64wg", 64).dependent
     assert all(kernel(v, K).dependent for v in ("kv16c64", "vk128c64wt") for K in (64, 128))
     assert kernel("kv64c64wt", 128).dependent and not kernel("kv64c64wt", 64).dependent
-    assert not any(kernel(v, K).dependent for v in ("kv64c64sg", "vk128c64sg") for K in (64, 128))
+    assert not any(kernel(v, K).dependent for v in ("kv64c64sg", "vk64c64sg") for K in (64, 128))
+    assert kernel("vk128c64sg", 128).dependent and kernel("kv128c64sg", 128, False).dependent
+    assert not kernel("kv128c64sg", 64).dependent
     assert [kernel("kv128c64sg", K, False).chain_block for K in (64, 128)] == [128, 256]
     assert kernel("kv128c64sg", 128).chain_block == kernel("kv64c64sg", 128, False).chain_block == 128
 

@@ -492,12 +492,15 @@ def test_gated_deltanets_lean_prep(variant, precision, monkeypatch):
         assert bool((o == o_lean).all()) and bool((S == S_lean).all())
 
 
-@pytest.mark.parametrize("variant", ["kv16c64", "kv16c64wg", "vk64c64wt", "kv64c64sg", "kv128c64wt", "vk128c64sg"])
-def test_programmatic_dependent_launches(variant, monkeypatch):
-    """Each kernel of a plan after the first launched as a programmatic dependent of the one before (compute
-    capability 9.0, CUDA >= 12.3): the first call's plain launches, then the op's graph, replayed with new buffers,
-    then a caller's capture with a padding row, each bit for bit what the same kernels give launched one after
-    the other, and near the reference."""
+@pytest.mark.parametrize("variant, comba", [("kv16c64", True), ("kv16c64wg", True), ("vk64c64wt", True),
+                                            ("kv64c64sg", True), ("kv128c64wt", True), ("vk128c64sg", True),
+                                            ("kv128c64sg", False)])
+def test_programmatic_dependent_launches(variant, comba, monkeypatch):
+    """Each kernel of a plan after the first launched as a programmatic dependent of the one before where
+    families.Kernel.dependent says so (compute capability 9.0, CUDA >= 12.3; the segmented scan in two-warpgroup
+    CTAs, Comba's chain on one warpgroup a CTA and Gated DeltaNet's on two): the first call's plain launches, then
+    the op's graph, replayed with new buffers, then a caller's capture with a padding row, each bit for bit what the
+    same kernels give launched one after the other, and near the reference."""
     from cupy_comba import _launcher
     if variant[2:] != "16c64" and not _wgmma():
         pytest.skip("the wgmma scans need compute capability 9.0")
@@ -509,12 +512,16 @@ def test_programmatic_dependent_launches(variant, monkeypatch):
     pool = cupy.asarray(numpy.random.default_rng(15).standard_normal(shape).astype(F32) / 8)
     idx = cupy.asarray(numpy.array([2, -1, 0], numpy.int32))
 
+    def forward(**kw):
+        if comba:
+            return comba_forward(q, k, v, p, beta, g, state_layout=layout, variant=variant, **kw)
+        return gated_delta_forward(q, k, v, beta, g, state_layout=layout, variant=variant, **kw)
+
     def calls():
         runs = []
         for i in range(3):  # a plain launch, the graph's capture, a replay with new pointers
             out, state_out = cupy.full(v.shape, cupy.nan, v.dtype), cupy.full((B,) + shape[1:], cupy.nan, F32)
-            runs.append(comba_forward(q, k, v, p, beta, g, initial_state=pool[:B], out=out, state_out=state_out,
-                                      state_layout=layout, variant=variant))
+            runs.append(forward(initial_state=pool[:B], out=out, state_out=state_out))
         stream = cupy.cuda.Stream(non_blocking=True)
         pooled = pool.copy()
         out = cupy.full(v.shape, cupy.nan, v.dtype)
@@ -522,8 +529,7 @@ def test_programmatic_dependent_launches(variant, monkeypatch):
         cupy.cuda.Device().synchronize()
         with stream:
             stream.begin_capture()
-            comba_forward(q, k, v, p, beta, g, initial_state=pooled, state_indices=idx, out=out, state_layout=layout,
-                          variant=variant)
+            forward(initial_state=pooled, state_indices=idx, out=out)
             graph = stream.end_capture()
             graph.launch(stream)
         stream.synchronize()
@@ -532,7 +538,7 @@ def test_programmatic_dependent_launches(variant, monkeypatch):
     runs, launchers = calls()
     programmatic = _launcher._LAUNCH_EX is not None and int(cupy.cuda.Device().compute_capability) >= 90
     for launcher in launchers:
-        dependent = programmatic and not variant.endswith("sg")  # the segmented scan's launch in turn
+        dependent = programmatic and (not variant.endswith("sg") or variant.endswith("128c64sg"))
         assert [c is not None for c in launcher._configs] == [i > 0 and dependent for i in range(len(launcher._steps))]
     monkeypatch.setattr(_launcher, "_LAUNCH_EX", None)
     monkeypatch.setattr(_plan, "PLANS", {})
@@ -540,8 +546,8 @@ def test_programmatic_dependent_launches(variant, monkeypatch):
     assert all(c is None for launcher in launchers for c in launcher._configs)
     for (o, S), (o_plain, S_plain) in zip(runs, plain):
         assert bool((o == o_plain).all()) and bool((S == S_plain).all())
-    S_ref, o_ref = reference.comba_loop(cupy.asnumpy(pool[:B]), *map(cupy.asnumpy, (q, k, v, p, beta, g)),
-                                        state_layout=layout)
+    S_ref, o_ref = reference.comba_loop(cupy.asnumpy(pool[:B]), *map(cupy.asnumpy, (q, k, v, p if comba else k, beta,
+                                                                   g)), state_layout=layout)
     for o, S in runs[:3]:
         assert reference.relative_error(o, o_ref) <= TOL["bf16", "bfloat16"][1]
         assert reference.relative_error(S, S_ref) <= TOL["bf16", "bfloat16"][0]
