@@ -745,7 +745,10 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
 
     if constexpr (PART == kWtSegments) {
         // The state at the segment's start: S^T <- E_j^T + S^T M_j^T over the earlier segments j (E_0^T alone
-        // without an initial state), M_j by cp.async into the second stage, the next map while this one multiplies
+        // without an initial state), M_j by cp.async into the second stage, the next map copied while this one
+        // multiplies.  At K = 128 E_j^T is loaded a composition ahead too, into registers (at K = 64 that made the
+        // segmented scan 3 % slower: docs/design.md, "Segments").
+        constexpr bool E_AHEAD = K == 128;
         const int j0 = prm.has_initial ? 0 : 1;
         auto load_m = [&](int j) {
             const unsigned char* src = reinterpret_cast<const unsigned char*>(seg_map(j) + static_cast<long long>(K) * V);
@@ -753,14 +756,16 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
             for (int i = tid; i < L::M_BYTES / 16; i += NT) copy_async16(dst + 16 * i, src + 16 * i, true);
             copy_async_commit();
         };
-        auto load_e = [&](int j) {  // st = E_j^T, this thread's fragments
-            const float4* e = reinterpret_cast<const float4*>(seg_map(j) + slab * 64 * K) + wt;
+        float e[K / 2];  // E_j^T, this thread's fragments
+        auto load_e = [&](int j) {
+            const float4* from = reinterpret_cast<const float4*>(seg_map(j) + slab * 64 * K) + wt;
 #pragma unroll
             for (int i = 0; i < K / 8; ++i) {
-                const float4 x = e[128 * i];
-                st[4 * i] = x.x, st[4 * i + 1] = x.y, st[4 * i + 2] = x.z, st[4 * i + 3] = x.w;
+                const float4 x = from[128 * i];
+                e[4 * i] = x.x, e[4 * i + 1] = x.y, e[4 * i + 2] = x.z, e[4 * i + 3] = x.w;
             }
         };
+        if (E_AHEAD && seg > 0) load_e(0);
         if (j0 < seg) load_m(j0);
         for (int j = 0; j < seg; ++j) {
             unsigned sa[KS][4];
@@ -775,13 +780,19 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
                 __syncthreads();
                 bf16_state(sa);
             }
-            load_e(j);
-            if (j < j0) continue;
+            if (!E_AHEAD) load_e(j);
+#pragma unroll
+            for (int i = 0; i < K / 2; ++i) st[i] = e[i];
+            if (j < j0) {
+                if (E_AHEAD && j + 1 < seg) load_e(j + 1);
+                continue;
+            }
             wg_fence();
 #pragma unroll
             for (int ks = 0; ks < KS; ++ks)
                 wgmma<K>(st, sa[ks], desc(L::STAGE_BYTES + (j & 1) * L::M_BYTES + 32 * K * ks, 16 * K, 128), true);
             wg_commit();
+            if (E_AHEAD && j + 1 < seg) load_e(j + 1);  // while the tensor cores multiply
             wg_wait();
             __syncthreads();  // every warp's reads of this buffer retired before it is filled again
         }

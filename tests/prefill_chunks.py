@@ -1,9 +1,9 @@
 """Every build of the 64-token prefill kernels over several chunks (two full ones and one of 22 tokens), dense and
-with the serving options (a ragged batch from a pool; the segmented scan, in segments of one chunk, also over a dense
-batch from a pool with a padding row), in "bf16" and "fp32", and the wgmma scans' builds on compute capability
-9.0, those also over a row long enough for their third stage, and the transposed scan's two-warpgroup CTAs over 128
-value columns, Gated DeltaNet's prep in its lean layout: run under compute-sanitizer's racecheck and memcheck by
-test_sanitizer_gpu.py."""
+with the serving options (a ragged batch from a pool; the segmented scan, in segments of one chunk, also over a
+dense batch from a pool with a padding row and from no state), in "bf16" and "fp32", and the wgmma scans' builds on
+compute capability 9.0, those also over a row long enough for their third stage, and the transposed scan's
+two-warpgroup CTAs over 128 value columns, Gated DeltaNet's prep in its lean layout: run under compute-sanitizer's
+racecheck and memcheck by test_sanitizer_gpu.py."""
 
 import cupy
 import numpy
@@ -44,7 +44,7 @@ def _ring():
 
 
 def main():
-    tiling.MIN_SEGMENT_CHUNKS = 1  # segments of one chunk: the chain and the compose run at T = 150
+    tiling.MIN_SEGMENT_CHUNKS = 1  # segments of one chunk: the chain and the compositions run at T = 150
     _plan.LEAN_PREP_WAVE = 0  # Gated DeltaNet's prep in its lean layout, in the room it takes on a long prompt
     launches = 0
     for precision in ("bf16", "fp32"):
@@ -68,9 +68,11 @@ def main():
                         if comba:
                             comba_forward(q, k, v, p, beta, g, initial_state=S, state_layout=layout, variant=variant,
                                           precision=precision)
-                            if segmented:
+                            if segmented:  # from a pool with a padding row, and from no state
                                 comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=padded,
                                               state_layout=layout, variant=variant, precision=precision)
+                                comba_forward(q, k, v, p, beta, g, state_layout=layout, variant=variant,
+                                              precision=precision)
                             comba_forward(*packed, initial_state=pool, state_indices=slots, cu_seqlens=cu,
                                           state_layout=layout, variant=variant, precision=precision)
                         else:
@@ -79,10 +81,12 @@ def main():
                             if segmented:
                                 gated_delta_forward(q, k, v, beta, g, initial_state=pool, state_indices=padded,
                                                     state_layout=layout, variant=variant, precision=precision)
+                                gated_delta_forward(q, k, v, beta, g, state_layout=layout, variant=variant,
+                                                    precision=precision)
                             gated_delta_forward(*packed[:3], *packed[4:], initial_state=pool, state_indices=slots,
                                                 cu_seqlens=cu, state_layout=layout, variant=variant,
                                                 precision=precision)
-                        launches += 3 if segmented else 2
+                        launches += 4 if segmented else 2
     if families.runs_wgmma(cupy.cuda.Device().compute_capability):
         launches += _ring()
     cupy.cuda.Device().synchronize()
