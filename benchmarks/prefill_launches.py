@@ -53,23 +53,21 @@ def measure():
 
     sweep = _sweep_prefill()
     _plan.ALL_DEPENDENT = True
-    res = {}
-    for comba in (False, True):
-        for B, T, H in sweep.FLA_SHAPES[:1] + ((1, 2048, 16),) + sweep.FLA_SHAPES[1:]:
-            args = forward_inputs(B, T, H, sweep.K, sweep.V, xp=cupy, warm_steps=2, seed=T)
-            _plan.PLANS.clear()
-            us = time_graph(sweep._call(comba, args), iters=9).median_us
-            variant = list(_plan.PLANS.values())[0].variant
-            res[f"{'comba' if comba else 'gdn'} B{B} T{T} H{H} {variant}"] = round(us, 1)
-    for comba in (False, True):
-        for B, T, H, variant in SEGMENTED_POINTS:
-            args = forward_inputs(B, T, H, sweep.K, sweep.V, xp=cupy, warm_steps=2, seed=T)
-            us = time_graph(sweep._call(comba, args, variant=variant), iters=9).median_us
-            res[f"{'comba' if comba else 'gdn'} B{B} T{T} H{H} {variant}"] = round(us, 1)
-    for B, T, H, variant in K64_POINTS:
-        args = forward_inputs(B, T, H, 64, sweep.V, xp=cupy, warm_steps=2, seed=T)
-        us = time_graph(sweep._call(False, args, variant=variant), iters=9).median_us
-        res[f"gdn B{B} T{T} H{H} K64 {variant}"] = round(us, 1)
+
+    def timed(comba, B, T, H, K=sweep.K, variant=None):
+        """``"<op> B<B> T<T> H<H> [K64 ]<variant>"`` and the call's time in us (the variant the rules take where
+        None)."""
+        args = forward_inputs(B, T, H, K, sweep.V, xp=cupy, warm_steps=2, seed=T)
+        _plan.PLANS.clear()
+        us = time_graph(sweep._call(comba, args, variant=variant), iters=9).median_us
+        variant = list(_plan.PLANS.values())[0].variant
+        return f"{'comba' if comba else 'gdn'} B{B} T{T} H{H} {'K64 ' if K == 64 else ''}{variant}", round(us, 1)
+
+    res = dict(timed(comba, B, T, H) for comba in (False, True)
+               for B, T, H in sweep.FLA_SHAPES[:1] + ((1, 2048, 16),) + sweep.FLA_SHAPES[1:])
+    res.update(timed(comba, B, T, H, variant=variant) for comba in (False, True)
+               for B, T, H, variant in SEGMENTED_POINTS)
+    res.update(timed(False, B, T, H, 64, variant) for B, T, H, variant in K64_POINTS)
     return res
 
 
