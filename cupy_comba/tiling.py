@@ -94,11 +94,11 @@ def _mma(c):
 #: (h200-prefill-lengths.json).  Their cost rises in steps of 64 tokens and the 16-token kernel's in steps of 16,
 #: so the thresholds fall on that kernel's step boundaries: T = 17, 33, 49, 97 and 113 open a step of it that costs
 #: more than the prefill chunks.  Over 1-32 heads one chunk costs less than the 16-token kernel's three steps (K =
-#: 128, T = 48: one head 9.1 against 11.9 us for kv32tc16, 16 heads 9.8 against 12.3, 32 heads 11.4 against 12.6;
-#: K = 64: 16 heads 8.7 against 11.6 for kv64tc16, 32 heads 9.8 against 11.6; K = 128, T = 32: 16 heads 9.8 against
-#: 9.1, which keep it), at K = 64 over 1-16 heads no more than its two (T = 32: one head 8.0 against 8.4, 16 heads
+#: 128, T = 48: one head 9.1 against 12.1 us for kv32tc16, 16 heads 9.9 against 12.4, 32 heads 11.6 against 12.7;
+#: K = 64: 16 heads 8.7 against 11.6 for kv64tc16, 32 heads 9.8 against 11.6; K = 128, T = 32: 16 heads 9.9 against
+#: 9.3, which keep it), at K = 64 over 1-16 heads no more than its two (T = 32: one head 8.0 against 8.4, 16 heads
 #: 8.7 against 8.7; 32 heads 9.8 against 8.6, which keep it); over 33-64 heads one chunk costs less than four
-#: steps (64 heads, T = 49: K = 128 16.3 against 17.3 us for kv64tc16, K = 64 13.9 against 14.7; T = 48 16.4
+#: steps (64 heads, T = 49: K = 128 16.4 against 17.2 us for kv64tc16, K = 64 13.9 against 14.7; T = 48 16.4
 #: against 14.0 and 13.9 against 11.9); at K = 64 over 65-128 heads prefill_scan's two chunks cost less than the
 #: 16-token kernel's eight steps (128 heads, T = 113: 27.8 against 30.6).  Beyond 128
 #: heads, the most the sweeps measured, the token kernels keep every length (and no workspace
@@ -162,8 +162,8 @@ TRANSPOSED_MIN_HEADS = {128: 64, 64: 64}
 #: ... by K, (at most so many heads, from so many tokens), where over those heads the prefill kernels then begin:
 #: one chunk costs less than the 16-token kernel's three steps at K = 128 over 64-128 heads and at K = 64 over
 #: 65-128 (on two warpgroups a CTA), and over 64 at K = 64 less than four (h200-prefill-lengths.json, K = 128: 64
-#: heads T = 48 13.5 against 14.0 us for kv64tc16 (Comba 14.1 against 14.6), T = 32 13.4 against 10.6; 128 heads T
-#: = 48 16.3 against 20.0, T = 32 16.2 against 14.9; K = 64: 128 heads T = 48 13.4 against 14.1, 64 heads T = 48
+#: heads T = 48 13.5 against 14.0 us for kv64tc16 (Comba 14.1 against 14.7), T = 32 13.3 against 10.7; 128 heads T
+#: = 48 16.4 against 19.9, T = 32 16.3 against 14.9; K = 64: 128 heads T = 48 13.4 against 14.1, 64 heads T = 48
 #: 12.0 against 11.9).
 TRANSPOSED_MIN_T = {128: ((FEW_HEADS, 33),), 64: ((64, 49), (FEW_HEADS, 33))}
 
@@ -187,8 +187,8 @@ def _transposed(c):
 #: GPU with one CTA a (row, head, 64 value columns), cut into segments whose CTAs fill it once -- from so many tokens
 #: over at most so many such CTAs (h200-prefill-segments.json), and over up to 256 from T = 8192, where one segment a
 #: row runs level with the whole transposed scan or ahead of it (h200-prefill-lengths.json, K = 128, 128 heads,
-#: two warpgroups a CTA: T = 65536 4743.4 against 4927.1 us, one a CTA 5819.0 against 5704.4; T = 8192 594.9
-#: against 588.4).  At K = 64 from T = 1024 over up to 32 such CTAs (h200-prefill-tiling.json, Gated DeltaNet, 16
+#: two warpgroups a CTA: T = 65536 4552.2 against 4723.3 us, one a CTA 5607.8 against 5682.7; T = 8192 585.7
+#: against 589.9).  At K = 64 from T = 1024 over up to 32 such CTAs (h200-prefill-tiling.json, Gated DeltaNet, 16
 #: heads: 27.1 against 27.9 us for kv16c64wg, Comba 28.4 against 29.2 for kv16c64) and from T = 4096 over up to
 #: 64, in the pairs below (32 heads: 103.9 against 127.8 for kv32c64wg; 16 heads 63.3 against 71.1 for one
 #: warpgroup a CTA), which take up to 64 from T = 1024 (PAIRED_SEGMENTS_MIN_T).
@@ -242,9 +242,9 @@ PAIRED_MIN_SLABS = H200_SMS + 1
 #: 38.4; without the pairs they begin at T = 4096, SEGMENTED_MIN_T).  tiling.segments then cuts
 #: twice as many segments, and at K = 128 the chain runs two warpgroups a CTA on 128 of the V + K columns of a
 #: segment's map, each chunk's Kc and A staged once for both (h200-prefill-lengths.json: H = 16, T = 65536
-#: 913.7 against 1079.1 us, H = 32 1770.2 against 1947.6).  Over one head both cut the most segments, and the
-#: pairs' chains run slower (T = 8192: 73.6 against 55.9); over 64 heads they lose to one segment of one warpgroup
-#: a CTA (T = 8192: 419.6 against 378.4).
+#: 898.0 against 1045.3 us, H = 32 1742.6 against 1896.9).  Over one head both cut the most segments, and the
+#: pairs' chains run slower (T = 8192: 74.1 against 53.6); over 64 heads they lose to one segment of one warpgroup
+#: a CTA (T = 8192: 460.0 against 363.0).
 PAIRED_SEGMENT_SLABS = (32, 64)
 PAIRED_SEGMENTS_MIN_T = {128: ((64, 8192),), 64: ((32, 4096), (64, 1024))}
 
@@ -286,13 +286,13 @@ RULES = (
          "h200-prefill-lengths.json (kv, T = 16-65536 and either side of each threshold), Gated DeltaNet at "
          "K = 128 unless said, prefill_scan (mma.sync) first.  The prefill kernels cost a step every 64 tokens, the "
          "16-token kernel every 16, so the thresholds fall on the latter's step boundaries: over 1-32 heads from "
-         "T = 33, 16-column slabs over 1-16 heads and 32-column ones over more (T = 48: one head 9.1 against 11.9 us "
-         "for kv32tc16, 16 heads 9.8 against 12.3, 32 heads 11.4 against 12.6; K = 64, 16 heads 8.7 against 11.6 "
-         "for kv64tc16; T = 32: 16 heads 9.8 against 9.1; T = 65536, 16 heads: 1711.7 against 12855.9), at K = 64 "
+         "T = 33, 16-column slabs over 1-16 heads and 32-column ones over more (T = 48: one head 9.1 against 12.1 us "
+         "for kv32tc16, 16 heads 9.9 against 12.4, 32 heads 11.6 against 12.7; K = 64, 16 heads 8.7 against 11.6 "
+         "for kv64tc16; T = 32: 16 heads 9.9 against 9.3; T = 65536, 16 heads: 1702.0 against 12767.2), at K = 64 "
          "over 1-16 heads from T = 17 (T = 32: one head 8.0 against 8.4, 16 heads 8.7 against 8.7); over 33-64 "
-         "heads from T = 49 (64 heads: 16.3 against 17.3 for kv64tc16, T = 48 16.4 against 14.0); over 65-128 heads "
-         "from T = 97 (128 heads: T = 97 35.2 against 40.4, T = 96 33.8 against 35.2; T = 65536 9742.0 against "
-         "20803.7), at K = 64 from T = 113 (T = 113 27.8 against 30.6, T = 112 27.3 against 27.6); at K = 256 "
+         "heads from T = 49 (64 heads: 16.4 against 17.2 for kv64tc16, T = 48 16.4 against 14.0); over 65-128 heads "
+         "from T = 97 (128 heads: T = 97 35.0 against 40.3, T = 96 33.9 against 35.0; T = 65536 9719.1 against "
+         "20758.0), at K = 64 from T = 113 (T = 113 27.8 against 30.6, T = 112 27.3 against 27.6); at K = 256 "
          "over every head count from T = 16 (1 head: 15.8 against 18.8 us for kv32x16, 128 heads: 37.5 against "
          "53.9), 6.6-33x the token loops from T = 256.  Where q, k, "
          "p are bf16 with bf16 products on compute capability 9.0, the same slabs' scan on wgmma "
@@ -302,11 +302,11 @@ RULES = (
          "heads, T = 8192 226.9 against 237.4; shorter passes keep prefill_scan: WGMMA_MIN_T); at K = 64 over 1-32 "
          "heads from T = 1024 only (h200-prefill-lengths.json, 16 heads, T = 64: 8.7 against 9.6 us for kv16c64wg; "
          "T = 8192 186.1 against 174.3); and over 65-128 heads from T = 97 at K = 128 (h200-prefill-lengths.json, "
-         "128 heads, T = 112: 31.0 against 40.5 us for kv64tc16, Comba 35.2 against 42.3; T = 96: 29.1 against "
-         "35.2, Comba 32.9 against 36.9).  The transposed wgmma scan over 64-128 heads at K = 128 from T = 33, where "
+         "128 heads, T = 112: 31.0 against 40.4 us for kv64tc16, Comba 35.6 against 42.0; T = 96: 29.4 against "
+         "35.0, Comba 32.8 against 36.7).  The transposed wgmma scan over 64-128 heads at K = 128 from T = 33, where "
          "the prefill kernels then begin (h200-prefill-lengths.json: 64 heads, T = 48 13.5 against 14.0 us for "
-         "kv64tc16, T = 32 13.4 against 10.6; 128 heads, in two-warpgroup CTAs, T = 48 16.3 against 20.0, T = 32 "
-         "16.2 against 14.9; T = 192 18.0 against 22.1 for kv32c64wg; h200-prefill-transposed.json, 32-128 heads, "
+         "kv64tc16, T = 32 13.3 against 10.7; 128 heads, in two-warpgroup CTAs, T = 48 16.4 against 19.9, T = 32 "
+         "16.3 against 14.9; T = 192 18.1 against 22.1 for kv32c64wg; h200-prefill-transposed.json, 32-128 heads, "
          "T = 256-4096, against the choice without it: 64 heads, T = 256 21.0 against 25.6 us for kv32c64wg, T = "
          "4096 195.5 against 279.0 (Comba 22.2 against 28.6, 214.0 against 316.8; vk 20.4 against 25.8, 196.9 "
          "against 279.6), 128 heads in two-warpgroup CTAs T = 4096 306.1 against 549.3; over 32 heads it loses (T = "
@@ -314,10 +314,10 @@ RULES = (
          "(h200-prefill-lengths.json: 64 heads T = 49 12.1 against 14.7 us for kv64tc16; 128 heads in "
          "two-warpgroup CTAs, T = 48 13.4 against 14.1; 64 heads T = 1024 50.2 against 53.9 for kv32c64wg).  The "
          "transposed scans run two warpgroups a CTA where one a 64-column slab would make more than 132 CTAs "
-         "(PAIRED_MIN_SLABS; h200-prefill-lengths.json, 128 heads: T = 1024 88.9 against 108.9 us, T = 65536 in "
-         "segments 4743.4 against 5819.0; K = 64, T = 1024 75.1 against 77.2), and the segmented scan over 16-32 "
+         "(PAIRED_MIN_SLABS; h200-prefill-lengths.json, 128 heads: T = 1024 88.7 against 109.2 us, T = 65536 in "
+         "segments 4552.2 against 5607.8; K = 64, T = 1024 75.1 against 77.2), and the segmented scan over 16-32 "
          "heads from T = 8192, at K = 64 over 16 from T = 4096 and 32 from T = 1024 (PAIRED_SEGMENT_SLABS: 16 "
-         "heads, T = 65536 913.7 against 1079.1; K = 64, h200-prefill-tiling.json, T = 4096 63.3 against 71.1, 32 "
+         "heads, T = 65536 898.0 against 1045.3; K = 64, h200-prefill-tiling.json, T = 4096 63.3 against 71.1, 32 "
          "heads T = 1024 35.7 against 37.4, Comba 37.1 against 39.4)."),
     Rule("K = 256: the kv token loop",
          lambda c: c.K == 256 and c.layout == "kv",
