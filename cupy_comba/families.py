@@ -142,7 +142,8 @@ class Kernel(NamedTuple):
     dependent: bool = True      #: launched as a programmatic dependent of the prep on compute capability 9.0 (the
                                 #: prefill family's scans; not where that measured slower: _plan.ALL_DEPENDENT)
     prep_lean_bytes: int = 0    #: the prep's dynamic shared memory where p is k (Gated DeltaNet stages no rows of
-                                #: p: five CTAs an SM where Comba's take four); _plan.LEAN_PREP_WAVE says where
+                                #: p: five CTAs an SM where Comba's take four), 0 for Comba; _plan.LEAN_PREP_WAVE
+                                #: says where
 
     def grid(self, B, H, V):
         """The launch's grid ``(x, y, z)`` for B x H heads of V value columns: one CTA a slab of a head."""
@@ -313,7 +314,7 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
                                 f"{_flag(serving)}>", t.slab, t.threads, prefill_wg_bytes(K, t.slab, separate_p),
                       f"comba::prefill_prep<{K}, 5, {_flag(serving)}>", prefill_prep_bytes(K, False), 128,
                       PREFILL_RECORD_BF16, 8, ring_shared_bytes=prefill_wg_bytes(K, t.slab, separate_p, ring=True),
-                      dependent=_dependent(K, 1), prep_lean_bytes=prefill_prep_bytes(K, False, separate_p))
+                      dependent=_dependent(K, 1), prep_lean_bytes=_prep_lean_bytes(K, False, separate_p))
     if t.family == "prefill_scan_wt":  # args: (PART, WGS); PART WT_WHOLE or WT_SEGMENTS (after WT_CHAIN)
         part, wgs = t.args
         segmented = part == WT_SEGMENTS
@@ -331,7 +332,7 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
                       if segmented else "",
                       chain_shared_bytes=prefill_wt_bytes(K, separate_p, chain=True, wgs=chain_wgs) if segmented else 0,
                       chain_block=128 * chain_wgs, dependent=_dependent(K, wgs, segmented),
-                      prep_lean_bytes=prefill_prep_bytes(K, False, separate_p))
+                      prep_lean_bytes=_prep_lean_bytes(K, False, separate_p))
     if t.family == "prefill_scan":
         if precision is None:  # 16-bit activations: bf16 products, the fastest (docs/design.md)
             precision = "bf16"
@@ -341,7 +342,7 @@ def kernel(layout, variant, *, K, separate_p, multi, f32_keys=False, serving=Fal
                                 f"{acc}, {_flag(serving)}>", t.slab, t.threads,
                       prefill_scan_bytes(K, t.slab, separate_p, wide, record),
                       f"comba::prefill_prep<{K}, {acc}, {_flag(serving)}>", prefill_prep_bytes(K, wide), 128,
-                      record, prep_lean_bytes=prefill_prep_bytes(K, wide, separate_p))
+                      record, prep_lean_bytes=_prep_lean_bytes(K, wide, separate_p))
     if t.family == "delta_rule_mma":
         slab, tokens = t.slab, t.tokens
         if f32_keys and tokens == 16:
@@ -416,6 +417,11 @@ def prefill_prep_bytes(K, wide_keys, separate_p=True):
     (``BYTES``), or no p rows where p is k (Gated DeltaNet: ``SHARED_P_BYTES``)."""
     key = PREFILL_CHUNK * (K + 16) * (4 if wide_keys else 2)
     return max(2 * key, 4 * 2 * PREFILL_CHUNK * (PREFILL_CHUNK + 4) + 2048) + (key if separate_p else 0)
+
+
+def _prep_lean_bytes(K, wide_keys, separate_p):
+    """``Kernel.prep_lean_bytes``: the prep's bytes without p's rows where p is k, 0 where p has rows of its own."""
+    return 0 if separate_p else prefill_prep_bytes(K, wide_keys, False)
 
 
 def prefill_fits(K, slab, separate_p, wide_keys, max_shared=MAX_SHARED):

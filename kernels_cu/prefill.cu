@@ -878,7 +878,8 @@ prefill_prep(COMBA_PREFILL_ARGS) {
     // ACC 5 for tokens 2 lj, 2 lj + 1, 2 lj + 8, 2 lj + 9 (the natural order of wgmma's B tiles).  ACC 6: both as the
     // transposed scan's B tiles (wt_tile).
     if constexpr (ACC == 6) {
-        // A = X diag(beta): X's diagonal blocks by rows, those below the diagonal (stored transposed) by columns
+        // A = X diag(beta): x_entry eight entries at a time -- X's diagonal blocks by rows (two float4), those below
+        // the diagonal (stored transposed) by columns
         wt_tile(rec + WtRecord::A, [&](int t, int j, float (&x)[8]) {
             if ((t >> 4) == (j >> 4)) {
                 gram_row8(xs, t, j, x);
