@@ -139,8 +139,9 @@ class Kernel(NamedTuple):
     chain_shared_bytes: int = 0  #: its dynamic shared memory a CTA
     chain_block: int = 128      #: its threads a CTA (128 a warpgroup)
     ring_shared_bytes: int = 0  #: ``shared_bytes`` with room for a third stage (prefill_scan_wg), 0: none
-    dependent: bool = True      #: launched as a programmatic dependent of the prep on compute capability 9.0 (the
-                                #: prefill family's scans; not where that measured slower: _plan.ALL_DEPENDENT)
+    dependent: bool = True      #: launched as a programmatic dependent of the kernel before it on compute
+                                #: capability 9.0 (the prefill family's scans after the prep, the segmented scan's
+                                #: chain and segments; not where that measured slower: _plan.ALL_DEPENDENT)
     prep_lean_bytes: int = 0    #: the prep's dynamic shared memory where p is k (Gated DeltaNet stages no rows of
                                 #: p: five CTAs an SM where Comba's take four), 0 for Comba; _plan.LEAN_PREP_WAVE
                                 #: says where
