@@ -187,6 +187,12 @@ def _load_launch_ex():
 _LAUNCH_EX = None if cupy is None else _load_launch_ex()
 
 
+def dependent_launches():
+    """Whether a Launcher made with ``dependent=True`` launches its kernels as programmatic dependents: the driver
+    has ``cuLaunchKernelEx`` and ``CUPY_COMBA_PDL`` is not ``0``."""
+    return _LAUNCH_EX is not None
+
+
 def graph_launches():
     """Whether launches on a stream that is not capturing go through CUDA graphs."""
     return _DRIVER is not None
@@ -324,7 +330,7 @@ class Launcher:
     def _capture(self, pointers):
         """A graph of the kernels with the slots' arguments, captured on a private stream; its kernel
         nodes in launch order (a capture of launches in turn is a chain, which cuGraphGetNodes may list
-        in any order: each node is matched to its kernel by its function)."""
+        in any order: each node is matched to its kernel by its function and grid)."""
         side = cupy.cuda.Stream(non_blocking=True)
         side.begin_capture(cupy.cuda.runtime.streamCaptureModeThreadLocal)
         try:
@@ -339,14 +345,14 @@ class Launcher:
             raise RuntimeError(f"cuGraphGetNodes failed with CUresult {status} ({count.value} nodes)")
         order = list(nodes)
         if n > 1:
-            by_function = {}
+            by_kernel = {}
             for node in order:
                 p = _KernelNodeParams()
                 status = _DRIVER[2](node, ctypes.byref(p))
                 if status:
                     raise RuntimeError(f"cuGraphKernelNodeGetParams failed with CUresult {status}")
-                by_function[p.func] = node
-            order = [by_function[fn] for fn, *_ in self._steps]
+                by_kernel[p.func, tuple(p.grid)] = node
+            order = [by_kernel[fn, tuple(grid)] for fn, grid, *_ in self._steps]
         graph = _StreamGraph()
         graph.graph, graph.exec, graph.node, graph.pointers = captured, captured.graphExec, tuple(order), pointers
         return graph

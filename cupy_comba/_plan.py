@@ -17,7 +17,7 @@ import numpy
 from . import families, reference, tiling
 from ._backend import cupy
 from ._dtypes import ACTIVATION_CODES, float32
-from ._launcher import Launcher, pack_params
+from ._launcher import Launcher, dependent_launches, pack_params
 from ._tma import StageMaps
 from . import _validate
 from ._validate import ARRAYS, STATE, STATE_OUT
@@ -48,6 +48,13 @@ ALL_DEPENDENT = False
 #: two rounds, ``PYTHONPATH=. python benchmarks/prefill_parts.py --shapes ... --variants kv16c64wg kv128c64sg
 #: kv64c64wt``; docs/design.md "Long prompts").
 LEAN_PREP_WAVE = 4
+
+#: Bytes of the workspace past the records in which the segmented scan's chain tells the segments that it ended
+#: (kernels_cu/prefill.cu, ``kChainDoneWords``).
+CHAIN_DONE_BYTES = 16
+
+#: CTAs a grid's y dimension holds.
+MAX_GRID_Y = 65535
 
 
 class Plan:
@@ -111,7 +118,14 @@ class Plan:
                                                               sig.ragged)
             for g in (chain_grid, grid):
                 _validate.check_grid(g, sig.B, sig.H, self.variant)
-            workspace += seg_maps * sig.H * kernel.segment_words(sig.K, sig.V) * 4
+            workspace += CHAIN_DONE_BYTES + seg_maps * sig.H * kernel.segment_words(sig.K, sig.V) * 4
+        dependent = int(cc) >= 90 and (ALL_DEPENDENT or kernel.dependent)
+        # the segmented scan's prep in two parts around the chain (kernels_cu/prefill.cu, PrepSplit): where the
+        # launches are dependents, a dense batch, and each row has a segment before its last
+        row_chunks = -(-sig.T // families.PREFILL_CHUNK)
+        lead = (-(-row_chunks // seg_chunks) - 1) * seg_chunks if kernel.chain else 0
+        split = kernel.chain and dependent and dependent_launches() and not sig.ragged and lead > 0 and \
+            1 < sig.B * (row_chunks - lead) <= MAX_GRID_Y
         with cupy.cuda.Device(self.device):
             from ._build import get_kernel
 
@@ -126,14 +140,19 @@ class Plan:
                 prep_bytes = kernel.prep_shared_bytes
                 if slots * sig.H > LEAN_PREP_WAVE * sm_count(self.device) and kernel.prep_lean_bytes:
                     prep_bytes = kernel.prep_lean_bytes
-                before.append((compiled(kernel.prep, prep_bytes), (slots * sig.H, 1, 1), kernel.prep_block,
-                               prep_bytes))
+                prep = compiled(kernel.prep, prep_bytes)
+                if split:  # the lead part, a CTA a (chunk, head) of the rows' segments but their last
+                    before.append((prep, (sig.B * lead * sig.H, 1, 1), kernel.prep_block, prep_bytes))
+                else:
+                    before.append((prep, (slots * sig.H, 1, 1), kernel.prep_block, prep_bytes))
                 maps = StageMaps(a["q"], a["k"], a["p"] if a["p"] is not None else a["k"], a["v"], sig.ragged,
                                  2 if sig.bf16_keys else 4, kernel.slab, int(cc) >= 90, kernel.key_pad,
                                  kernel.swizzled_keys)
             if kernel.chain:
                 before.append((compiled(kernel.chain, kernel.chain_shared_bytes), chain_grid, kernel.chain_block,
                                kernel.chain_shared_bytes))
+                if split:  # the tail part, a CTA a (head, chunk of the rows' last segments)
+                    before.append((prep, (sig.H, sig.B * (row_chunks - lead), 1), kernel.prep_block, prep_bytes))
             shared = kernel.shared_bytes
             # the wgmma scan's third stage: where its CTAs take one SM each anyway (more room would leave those
             # past the SMs a second wave) and a row may be long enough to use it
@@ -143,7 +162,7 @@ class Plan:
             self.launcher = Launcher(compiled(kernel.expression, shared), grid, kernel.block,
                                      pack_params(sig, kernel.grid3, seg_chunks), numpy.float32(sig.scale), shared,
                                      before=before, workspace=workspace, maps=maps,
-                                     dependent=int(cc) >= 90 and (ALL_DEPENDENT or kernel.dependent))
+                                     dependent=dependent)
 
 
 def _activation_build(sig):

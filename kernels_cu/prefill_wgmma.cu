@@ -599,7 +599,9 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
     const long long row_chunks = (prm.T + C - 1) / C;  // a dense row's
     const int lc = PART == kWtWhole ? 1 : static_cast<int>(prm.seg_chunks);
     const int slabs = (V + (CHAIN ? K : 0)) / (64 * WGS);
-    launch_next();
+    // the segmented scan's launches let the next one launch once the kernel before ended: the segments, launched
+    // after the chain and the split prep's tail (prefill.cu, PrepSplit), then find the flag the prep zeroed
+    if constexpr (PART == kWtWhole) launch_next();
     int cta = static_cast<int>(blockIdx.x), seg = 0;
     long long map0 = 0;  // where the row's segment 0 keeps its map (a ragged batch's: its number)
     if constexpr (PART != kWtWhole) {
@@ -617,13 +619,26 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
     const int b = row.b, h = row.h, hk = row.hk, col0 = row.col0 + 64 * wg, T = row.T, chunks = row.chunks;
     const long long first = row.first, head = row.head;
     const int segs = PART == kWtWhole ? 1 : max(1, (chunks + lc - 1) / lc);  // the row's
+    // The chain's CTAs count themselves out as they end, their maps written; the last sets the flag that the
+    // segments await where the split prep's tail launches between them (prefill.cu, kChainDoneWords)
+    auto chain_done = [&] { return reinterpret_cast<unsigned*>(inter + chain_done_at(prm, R::SIZE)); };
+    auto chain_ended = [&] {
+        __threadfence();
+        __syncthreads();
+        if (tid == 0 && atomicAdd(chain_done(), 1u) == gridDim.x - 1) {
+            __threadfence();
+            atomicExch(chain_done() + 1, 1u);
+        }
+    };
     if (seg < 0 || seg >= segs - (CHAIN ? 1 : 0)) {  // a number of no segment (or the last, which has no map)
         await_earlier();
+        if (CHAIN) chain_ended();
         return;
     }
     if (!ragged) map0 = static_cast<long long>(b) * (segs - 1);
     if (SERVING && row.slot < 0) {  // a padding row: its o zeroed once, by its first segment's CTAs
         await_earlier();
+        if (CHAIN) chain_ended();
         if (CHAIN || seg > 0) return;
         return row.zero_padding(o, prm, 64 * WGS, tid, NT);
     }
@@ -640,7 +655,8 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
     // [E | M] of this row's segment j and head, past the records of every chunk slot (header, "Segments")
     const long long records = ragged ? prm.T / C + prm.B : prm.B * row_chunks;
     auto seg_map = [&](int j) {
-        return inter + records * H * words + ((map0 + j) * H + h) * (static_cast<long long>(K) * V + K * K / 2);
+        return inter + records * H * words + kChainDoneWords +
+               ((map0 + j) * H + h) * (static_cast<long long>(K) * V + K * K / 2);
     };
     const KeyCopies copies = key_copies(q, k, p, prm, 2);
     const bool v_copies = rows_copyable(v, prm.v_sb, prm.v_st, prm.v_sh, prm.v_sv, prm.v_t, 2);
@@ -699,6 +715,7 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
     if (early) stage_next(c_begin, 0, true, false);
     if constexpr (PART != kWtWhole) {
         await_earlier();  // the records (and the segments' maps) written
+        launch_next();
         if (c_begin < c_end) stage_next(c_begin, 0);
     }
 
@@ -750,6 +767,11 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
         // segmented scan 3 % slower: docs/design.md, "Segments").
         constexpr bool E_AHEAD = K == 128;
         const int j0 = prm.has_initial ? 0 : 1;
+        if (seg > 0) {  // the chain ended (a dependent of the prep's tail, this launch awaited only the tail)
+            if (tid == 0)
+                while (!load_acquire(chain_done() + 1)) __nanosleep(64);
+            __syncthreads();
+        }
         auto load_m = [&](int j) {
             const unsigned char* src = reinterpret_cast<const unsigned char*>(seg_map(j) + static_cast<long long>(K) * V);
             unsigned char* const dst = smem + L::STAGE_BYTES + (j & 1) * L::M_BYTES;
@@ -965,6 +987,7 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
                 m[mb / 8 * 8 * K + (key + 1) * 8 + mb % 8] = float_to_bf16_bits(st[4 * j + 3]);
             }
         }
+        chain_ended();
     } else if (prm.write_final && seg == segs - 1) {
         float* dst = state_out + (SERVING ? pool_head<K>(slots, prm, b, h) : head);
 #pragma unroll

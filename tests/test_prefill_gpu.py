@@ -36,6 +36,13 @@ def _wgmma():
 needs_wgmma = pytest.mark.skipif(not _wgmma(), reason="the wgmma scan needs compute capability 9.0")
 
 
+def _programmatic():
+    """Whether a plan's kernels launch as programmatic dependents here (compute capability 9.0 and a driver that
+    has them)."""
+    from cupy_comba import _launcher
+    return _launcher.dependent_launches() and int(cupy.cuda.Device().compute_capability) >= 90
+
+
 def _forward(comba, q, k, v, p, beta, g, S, **opts):
     out = cupy.full(v.shape, cupy.nan, opts.pop("o_dtype", v.dtype))
     state_out = None if S is None or not opts.get("output_final_state", True) else cupy.full(S.shape, cupy.nan,
@@ -264,7 +271,9 @@ def test_segments_from_a_pool(layout, comba, K, segments, slab, monkeypatch):
             assert S is None
             _as_close_as_the_whole_scan((0.0, reference.relative_error(o, o0_ref)), whole0)
     plans = [pl for pl in _plan.PLANS.values() if pl.variant.endswith("sg")]
-    assert len(plans) == 4 and all(len(pl.launcher._steps) == 3 for pl in plans)  # prep, chain, segments
+    # prep, chain, segments; where the launches are dependents, the prep's tail part after the chain
+    split = _programmatic() and K == 128 and slab == 128
+    assert len(plans) == 4 and all(len(pl.launcher._steps) == (4 if split else 3) for pl in plans)
     chain_threads = 256 if slab == 128 and K == 128 and not comba else 128
     assert all(pl.launcher._steps[1][2] == chain_threads for pl in plans)
 
@@ -536,14 +545,19 @@ def test_programmatic_dependent_launches(variant, comba, monkeypatch):
         return runs + [(out, pooled)], [pl.launcher for pl in _plan.PLANS.values()]
 
     runs, launchers = calls()
-    programmatic = _launcher._LAUNCH_EX is not None and int(cupy.cuda.Device().compute_capability) >= 90
     for launcher in launchers:
-        dependent = programmatic and (not variant.endswith("sg") or variant.endswith("128c64sg"))
+        dependent = _programmatic() and (not variant.endswith("sg") or variant.endswith("128c64sg"))
         assert [c is not None for c in launcher._configs] == [i > 0 and dependent for i in range(len(launcher._steps))]
+        # the segmented scan's prep split around the chain (kernels_cu/prefill.cu, PrepSplit): its tail part a grid of
+        # (H, chunks) after the chain
+        if dependent and variant.endswith("sg"):
+            lead, chain, tail, segments = launcher._steps
+            assert lead[0] == tail[0] and tail[1][0] == H and tail[1][1] > 1
     monkeypatch.setattr(_launcher, "_LAUNCH_EX", None)
     monkeypatch.setattr(_plan, "PLANS", {})
     plain, launchers = calls()
     assert all(c is None for launcher in launchers for c in launcher._configs)
+    assert all(len(launcher._steps) <= 3 for launcher in launchers)  # the prep whole, in turn
     for (o, S), (o_plain, S_plain) in zip(runs, plain):
         assert bool((o == o_plain).all()) and bool((S == S_plain).all())
     S_ref, o_ref = reference.comba_loop(cupy.asnumpy(pool[:B]), *map(cupy.asnumpy, (q, k, v, p if comba else k, beta,
