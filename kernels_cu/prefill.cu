@@ -523,16 +523,17 @@ struct PrepSplit {
     long long slot;  // this CTA's chunk slot
     int h;           // and value head
     __device__ __forceinline__ PrepSplit(const Params& prm) {
-        const int H = static_cast<int>(prm.H);
-        if (prm.seg_chunks > 0 && !prm.cu_t && (gridDim.y > 1 || gridDim.x < prm.B * chunks(prm) * H)) {
-            const long long rc = chunks(prm), lc = prm.seg_chunks, lead = ((rc + lc - 1) / lc - 1) * lc;
+        // 32-bit: a row's chunks and a grid's CTAs fit (cupy_comba/_validate.py checks the grids)
+        const unsigned H = static_cast<unsigned>(prm.H), rc = static_cast<unsigned>(chunks(prm));
+        if (prm.seg_chunks > 0 && !prm.cu_t && (gridDim.y > 1 || gridDim.x < prm.B * rc * H)) {
+            const unsigned lc = static_cast<unsigned>(prm.seg_chunks), lead = ((rc + lc - 1) / lc - 1) * lc;
             if (gridDim.y > 1) {  // the tail part
-                const long long i = blockIdx.y, n = rc - lead;
-                slot = i / n * rc + lead + i % n, h = static_cast<int>(blockIdx.x);
+                const unsigned i = blockIdx.y, n = rc - lead;
+                slot = static_cast<long long>(i / n) * rc + lead + i % n, h = static_cast<int>(blockIdx.x);
                 return;
             }
-            const long long i = blockIdx.x / H;
-            slot = i / lead * rc + i % lead, h = static_cast<int>(blockIdx.x % H);
+            const unsigned i = blockIdx.x / H;
+            slot = static_cast<long long>(i / lead) * rc + i % lead, h = static_cast<int>(blockIdx.x % H);
             return;
         }
         slot = blockIdx.x / H, h = static_cast<int>(blockIdx.x % H);
@@ -972,7 +973,8 @@ prefill_prep(COMBA_PREFILL_ARGS) {
             reinterpret_cast<unsigned*>(work + chain_done_at(prm, R::SIZE))[tid] = 0u;
         prep_chunk(at.slot, at.h);
     } else {
-        prep_chunk(blockIdx.x / H, static_cast<int>(blockIdx.x % H));
+        const long long cta = blockIdx.x;
+        prep_chunk(cta / H, static_cast<int>(cta % H));
     }
 }
 
