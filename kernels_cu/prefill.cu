@@ -39,7 +39,9 @@
 // then G fp, scale G fq, w (64 each) and G_63.  Chunk slots: in a dense batch row b's chunk
 // c is slot b ceil(T / 64) + c; in a ragged batch sequence n's chunk c is slot floor(start_n / 64) +
 // n + c, which no two chunks share and which stays below floor(total / 64) + N (`first_slot`): the
-// grid is sized on the host from the packed length and the number of sequences, with no device sync.
+// grid is sized on the host from the packed length and the number of sequences, with no device sync.  A segmented
+// pass keeps kChainDoneWords words past the records (the chain's end, told to the segments), then the segments'
+// maps (prefill_wgmma.cu).
 //
 // Launch geometry.  prep: one 128-thread CTA a (chunk slot, value head), its keys staged in shared
 // memory (PrepLayout); the Gram tiles on or below the diagonal shared out evenly over the four warps, each

@@ -490,11 +490,11 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
 // packed length and N, a CTA finds its sequence by bisection (segment_row) and exits where its number names no segment,
 // and segment j's map lies at its number.  The chain leaves out the last number (a last segment where it names one) and
 // lists its numbers from the first: its CTAs cost alike, and those that exit then come last (listed first, they made a
-// chain over one packed sequence of 32768 tokens 12 % slower at two CTAs an SM).  The maps follow the records in the
-// workspace, K V + K K / 2 words a (map, value head): E^T slab by slab (64 K floats each, in the accumulators' fragment
-// order: float4 i of thread t at 4 (128 i + t)), then M as the compose's bf16 B operand, element (n, k) = M[n][k] at
-// byte 16 K (k / 8) + 16 n + 2 (k % 8) (K-major, no swizzle).  The chain reads no state and writes no o; it skips
-// padding rows, whose segments never read a map.
+// chain over one packed sequence of 32768 tokens 12 % slower at two CTAs an SM).  The maps follow the records and the
+// chain's end words (prefill.cu, kChainDoneWords) in the workspace, K V + K K / 2 words a (map, value head): E^T
+// slab by slab (64 K floats each, in the accumulators' fragment order: float4 i of thread t at 4 (128 i + t)), then M
+// as the compose's bf16 B operand, element (n, k) = M[n][k] at byte 16 K (k / 8) + 16 n + 2 (k % 8) (K-major, no
+// swizzle).  The chain reads no state and writes no o; it skips padding rows, whose segments never read a map.
 //
 // Launch geometry: one CTA of WGS warpgroups (128 WGS threads) a (row, value head, slab of 64 WGS value columns);
 // warpgroup g holds the slab's columns 64 g .. 64 g + 63, its warp w columns 64 g + 16 w .. + 15 (rows of S^T, U^T
