@@ -53,9 +53,6 @@ LEAN_PREP_WAVE = 4
 #: (kernels_cu/prefill.cu, ``kChainDoneWords``).
 CHAIN_DONE_BYTES = 16
 
-#: CTAs a grid's y dimension holds.
-MAX_GRID_Y = 65535
-
 
 class Plan:
     """One validated call signature on one device (or the CPU), ready to run.
@@ -125,7 +122,7 @@ class Plan:
         row_chunks = -(-sig.T // families.PREFILL_CHUNK)
         lead = (-(-row_chunks // seg_chunks) - 1) * seg_chunks if kernel.chain else 0
         split = kernel.chain and dependent and dependent_launches() and not sig.ragged and lead > 0 and \
-            1 < sig.B * (row_chunks - lead) <= MAX_GRID_Y
+            1 < sig.B * (row_chunks - lead) <= _validate.GRID_YZ_LIMIT
         with cupy.cuda.Device(self.device):
             from ._build import get_kernel
 
