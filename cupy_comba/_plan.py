@@ -51,7 +51,7 @@ LEAN_PREP_WAVE = 4
 
 #: Bytes of the workspace past the records in which the segmented scan's chain tells the segments that it ended
 #: (kernels_cu/prefill.cu, ``kChainDoneWords``).
-CHAIN_DONE_BYTES = 16
+CHAIN_DONE_BYTES = 128
 
 
 class Plan:

@@ -499,10 +499,11 @@ __device__ __forceinline__ void gram_row8(const float* m, int t, int j, float (&
 }
 
 // The segmented scan's chain tells the segments that it ended through kChainDoneWords words past the records of
-// the workspace (16 bytes, so that the maps after them stay aligned): word 0 counts the chain's CTAs that ended,
+// the workspace (128 bytes, a cache line: the maps after them stay line-aligned, as their copies need -- at a
+// 16-byte offset the chain and the segments run 2-10 % slower): word 0 counts the chain's CTAs that ended,
 // word 1 turns 1 when the last one did (prefill_wgmma.cu, chain_ended; the segments that read maps wait for it).
 // The prep zeroes them.
-constexpr int kChainDoneWords = 4;
+constexpr int kChainDoneWords = 32;
 __device__ __forceinline__ unsigned load_acquire(const unsigned* at) {
     unsigned v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(at) : "memory");
