@@ -47,16 +47,21 @@ def _parts(fn):
 
         def call():
             # the whole pass first, on the timing's stream: the launches alone then read a workspace as the pass
-            # leaves it (the segments await the chain's flag in it)
+            # leaves it (the segments await the chain's flag in it).  The launcher keeps a graph of its launches a
+            # stream handle, and a new stream may get a handle back: forgotten, so that each call launches the
+            # steps as set here.
             if not primed:
                 launcher._steps, launcher._configs = steps, configs
+                launcher._graphs.clear()
                 fn()
                 primed.append(True)
             launcher._steps, launcher._configs = alone
+            launcher._graphs.clear()
             fn()
 
         times[name] = time_graph(call, iters=5).median_us
     launcher._steps, launcher._configs = steps, configs
+    launcher._graphs.clear()
     _plan.PLANS.clear()
     return plan.variant, times
 
