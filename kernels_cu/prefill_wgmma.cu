@@ -767,7 +767,9 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
         // segmented scan 3 % slower: docs/design.md, "Segments").
         constexpr bool E_AHEAD = K == 128;
         const int j0 = prm.has_initial ? 0 : 1;
-        if (seg > 0) {  // the chain ended (a dependent of the prep's tail, this launch awaited only the tail)
+        // the chain ended (a dependent of the prep's tail, this launch awaited only the tail); every chain CTA runs
+        // or has ended by the time this launch starts, so the wait ends (docs/design.md, "Host path")
+        if (seg > 0) {
             if (tid == 0)
                 while (!load_acquire(chain_done() + 1)) __nanosleep(64);
             __syncthreads();
