@@ -261,7 +261,7 @@ class Launcher:
         nodes = [_KernelNodeParams(fn, g, (b, 1, 1), s, self._argv, None, None, None)
                  for fn, g, b, s in self._steps]
         self._node_params = tuple(ctypes.addressof(n) for n in nodes)
-        self._configs = tuple(_programmatic(g, b, s) if i and dependent and _LAUNCH_EX is not None else None
+        self._configs = tuple(_programmatic(g, b, s) if i and dependent and dependent_launches() else None
                               for i, (_, g, b, s) in enumerate(self._steps))
         self._keep = (params_buf, scale_buf, argv, nodes, [k for k, *_ in steps])  # read at every launch
         self._lock = threading.Lock()  # one thread at a time writes the pointer slots and launches

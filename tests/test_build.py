@@ -224,6 +224,15 @@ def test_params_struct_is_the_packed_block():
     assert len(PARAMS_FIELDS) == PARAMS.itemsize // 8
 
 
+def test_the_chain_s_end_words_are_the_workspace_s():
+    """The workspace bytes _plan keeps past the prefill records for the segmented scan's chain (CHAIN_DONE_BYTES) are
+    kernels_cu/prefill.cu's kChainDoneWords, a whole number of 128-byte lines: the maps after them stay line-aligned
+    and where the kernels look for them."""
+    from cupy_comba._plan import CHAIN_DONE_BYTES
+    assert CHAIN_DONE_BYTES % 128 == 0
+    _compiles_with("prefill.cu", [f'static_assert(comba::kChainDoneWords * 4 == {CHAIN_DONE_BYTES}, "end words");'])
+
+
 def test_programmatic_launch_config_is_cuda_h_layout():
     """The ctypes ``CUlaunchConfig`` and ``CUlaunchAttribute`` that dependent launches hand cuLaunchKernelEx have
     cuda.h's sizes and offsets (CUDA 12: seven uints, the stream at 32, the attributes at 40, their count at 48; an
