@@ -55,13 +55,14 @@ PARAMS_FIELDS = (
     "gate_linear", "l2norm", "grid3",
     "B", "T", "q_st", "k_st", "p_st", "v_st", "beta_st", "g_st", "o_st", "has_initial", "write_final",
     "N", "slot_t", "slot_s", "cu_t", "per_token", "slot_st", "na_t", "gate_softplus", "beta_sigmoid",
-    "seg_chunks",
+    "seg_chunks", "seg_split",
 )
 PARAMS = numpy.dtype([(name, numpy.int64) for name in PARAMS_FIELDS], align=True)
 
-def pack_params(sig, grid3=False, seg_chunks=0):
+def pack_params(sig, grid3=False, seg_chunks=0, seg_split=False):
     """``struct Params`` of a signature, as a ``numpy.void`` scalar; ``grid3``: the kernel's grid is (b, h, slab)
-    (``families.Kernel.grid3``); ``seg_chunks``: chunks a segment of the segmented prefill scan (0: none)."""
+    (``families.Kernel.grid3``); ``seg_chunks``: chunks a segment of the segmented prefill scan (0: none);
+    ``seg_split``: its prep runs in two launches around the chain (kernels_cu/prefill.cu, ``PrepSplit``)."""
     a, step = sig.arrays, sig.step
 
     def strides(s):  # element strides, with a length-1 T axis inserted for steps
@@ -88,7 +89,8 @@ def pack_params(sig, grid3=False, seg_chunks=0):
                   per_token=sig.per_token,
                   na_t=INDEX_CODES[a["num_accepted_tokens"].dtype] if a["num_accepted_tokens"] is not None else 0,
                   cu_t=INDEX_CODES[a["cu_seqlens"].dtype] if sig.ragged else 0,
-                  gate_softplus=sig.gating, beta_sigmoid=sig.beta_sigmoid, seg_chunks=seg_chunks)
+                  gate_softplus=sig.gating, beta_sigmoid=sig.beta_sigmoid, seg_chunks=seg_chunks,
+                  seg_split=seg_split)
     if sig.per_token == 2:  # every token's state to its slot: no final store
         values["write_final"] = 0
     if sig.ragged:  # one packed row: each CTA moves its pointers to its sequence's first token

@@ -121,7 +121,7 @@ class Plan:
         # launches are dependents, a dense batch, and each row has a segment before its last
         row_chunks = -(-sig.T // families.PREFILL_CHUNK)
         lead = (-(-row_chunks // seg_chunks) - 1) * seg_chunks if kernel.chain else 0
-        split = kernel.chain and dependent and dependent_launches() and not sig.ragged and lead > 0 and \
+        split = bool(kernel.chain) and dependent and dependent_launches() and not sig.ragged and lead > 0 and \
             1 < sig.B * (row_chunks - lead) <= _validate.GRID_YZ_LIMIT
         with cupy.cuda.Device(self.device):
             from ._build import get_kernel
@@ -157,7 +157,7 @@ class Plan:
                     sig.T >= families.WG_RING_CHUNKS * families.PREFILL_CHUNK and kernel.ring_shared_bytes <= limit:
                 shared = kernel.ring_shared_bytes
             self.launcher = Launcher(compiled(kernel.expression, shared), grid, kernel.block,
-                                     pack_params(sig, kernel.grid3, seg_chunks), numpy.float32(sig.scale), shared,
+                                     pack_params(sig, kernel.grid3, seg_chunks, split), numpy.float32(sig.scale), shared,
                                      before=before, workspace=workspace, maps=maps,
                                      dependent=dependent)
 

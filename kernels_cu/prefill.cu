@@ -502,16 +502,18 @@ __device__ __forceinline__ void gram_row8(const float* m, int t, int j, float (&
 // the workspace (128 bytes, a cache line: the maps after them stay line-aligned, as their copies need -- at a
 // 16-byte offset the chain and the segments run 2-10 % slower): word 0 counts the chain's CTAs that ended,
 // word 1 turns 1 when the last one did (prefill_wgmma.cu, chain_ended; the segments that read maps wait for it).
-// The prep zeroes them.
+// The prep zeroes them.  Only a split prep (Params::seg_split) needs them: otherwise the segments launch after the
+// chain, or as its dependent, and await its end like any kernel's.
 constexpr int kChainDoneWords = 32;
 __device__ __forceinline__ unsigned load_acquire(const unsigned* at) {
     unsigned v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(at) : "memory");
     return v;
 }
-__device__ __forceinline__ long long chain_done_at(const Params& prm, long long record_words) {
+// (where the records end: `ragged` is a packed batch's, which a dense build passes as a constant false)
+__device__ __forceinline__ long long chain_done_at(const Params& prm, long long record_words, bool ragged) {
     const long long records =
-        prm.cu_t ? prm.T / kPrefillChunk + prm.B : prm.B * ((prm.T + kPrefillChunk - 1) / kPrefillChunk);
+        ragged ? prm.T / kPrefillChunk + prm.B : prm.B * ((prm.T + kPrefillChunk - 1) / kPrefillChunk);
     return records * prm.H * record_words;
 }
 
@@ -528,7 +530,7 @@ struct PrepSplit {
     __device__ __forceinline__ PrepSplit(const Params& prm) {
         // 32-bit: a row's chunks and a grid's CTAs fit (cupy_comba/_validate.py checks the grids)
         const unsigned H = static_cast<unsigned>(prm.H), rc = static_cast<unsigned>(chunks(prm));
-        if (prm.seg_chunks > 0 && !prm.cu_t && (gridDim.y > 1 || gridDim.x < prm.B * rc * H)) {
+        if (prm.seg_split) {
             const unsigned lc = static_cast<unsigned>(prm.seg_chunks), lead = ((rc + lc - 1) / lc - 1) * lc;
             if (gridDim.y > 1) {  // the tail part
                 const unsigned i = blockIdx.y, n = rc - lead;
@@ -972,8 +974,8 @@ prefill_prep(COMBA_PREFILL_ARGS) {
 
     if constexpr (ACC == 6) {  // the segmented scan's prep, maybe split (PrepSplit)
         const PrepSplit at(prm);
-        if (at.slot == 0 && at.h == 0 && tid < kChainDoneWords && prm.seg_chunks > 0)
-            reinterpret_cast<unsigned*>(work + chain_done_at(prm, R::SIZE))[tid] = 0u;
+        if (prm.seg_split && at.slot == 0 && at.h == 0 && tid < kChainDoneWords)
+            reinterpret_cast<unsigned*>(work + chain_done_at(prm, R::SIZE, SERVING && prm.cu_t))[tid] = 0u;
         prep_chunk(at.slot, at.h);
     } else {
         const long long cta = blockIdx.x;

@@ -621,8 +621,9 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
     const int segs = PART == kWtWhole ? 1 : max(1, (chunks + lc - 1) / lc);  // the row's
     // The chain's CTAs count themselves out as they end, their maps written; the last sets the flag that the
     // segments await where the split prep's tail launches between them (prefill.cu, kChainDoneWords)
-    auto chain_done = [&] { return reinterpret_cast<unsigned*>(inter + chain_done_at(prm, R::SIZE)); };
+    auto chain_done = [&] { return reinterpret_cast<unsigned*>(inter + chain_done_at(prm, R::SIZE, ragged)); };
     auto chain_ended = [&] {
+        if (!prm.seg_split) return;
         __threadfence();
         __syncthreads();
         if (tid == 0 && atomicAdd(chain_done(), 1u) == gridDim.x - 1) {
@@ -653,9 +654,8 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
     // one CTA an SM where two fit, and runs slower (docs/design.md "Segments").
     constexpr bool SERIAL = CHAIN && K == 128 && WGS == 2;
     // [E | M] of this row's segment j and head, past the records of every chunk slot (header, "Segments")
-    const long long records = ragged ? prm.T / C + prm.B : prm.B * row_chunks;
     auto seg_map = [&](int j) {
-        return inter + records * H * words + kChainDoneWords +
+        return inter + chain_done_at(prm, words, ragged) + kChainDoneWords +
                ((map0 + j) * H + h) * (static_cast<long long>(K) * V + K * K / 2);
     };
     const KeyCopies copies = key_copies(q, k, p, prm, 2);
@@ -769,7 +769,7 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
         const int j0 = prm.has_initial ? 0 : 1;
         // the chain ended (a dependent of the prep's tail, this launch awaited only the tail); every chain CTA runs
         // or has ended by the time this launch starts, so the wait ends (docs/design.md, "Host path")
-        if (seg > 0) {
+        if (prm.seg_split && seg > 0) {
             if (tid == 0)
                 while (!load_acquire(chain_done() + 1)) __nanosleep(64);
             __syncthreads();
