@@ -222,12 +222,18 @@ def test_forward_equals_repeated_steps(layout, T):
 @pytest.mark.parametrize("gate,l2norm", [("log", False), ("linear", True)], ids=["log", "linear-l2norm"])
 @pytest.mark.parametrize("T,initial", [(8, True), (21, True), (11, False)], ids=["T8", "T21", "T11-zero-state"])
 def test_tensor_core_path(layout, K, V, comba, gate, l2norm, T, initial):
-    """Few heads and T >= 8: the ops choose the tensor-core kernel; fp32 o, every chunk shape.  The
+    """Few heads and T >= 8: the ops choose the tensor-core kernel, but for the prefill kernels' lengths
+    (at K = 64 from T = 17, tiling.PREFILL_MIN_T), where it is forced; fp32 o, every chunk shape.  The
     other chunk length of the same slabs (8 or 16 tokens a pass) is forced too."""
     B, H, Hk = 3, 4, 2
     chosen = tiling.choose(layout, K, V, comba, multi=True, T=T, heads=B * H)
-    assert chosen.endswith(("tc", "tc16"))
-    _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed=K + T)
+    if K == 64 and T > 16:
+        assert chosen.endswith("c64")
+        chosen = f"{layout}32tc16"
+        _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed=K + T, variant=chosen)
+    else:
+        assert chosen.endswith(("tc", "tc16"))
+        _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed=K + T)
     other = chosen.removesuffix("16") if chosen.endswith("16") else chosen + "16"
     _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed=K + T, variant=other)
 
