@@ -510,7 +510,8 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* at) {
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(at) : "memory");
     return v;
 }
-// (where the records end: `ragged` is a packed batch's, which a dense build passes as a constant false)
+// Where the records end and the end words begin; `ragged`: a packed batch's records (a dense build passes a constant
+// false, which keeps the K = 128 chain within the spills tests/test_build.py allows it)
 __device__ __forceinline__ long long chain_done_at(const Params& prm, long long record_words, bool ragged) {
     const long long records =
         ragged ? prm.T / kPrefillChunk + prm.B : prm.B * ((prm.T + kPrefillChunk - 1) / kPrefillChunk);
