@@ -10,6 +10,7 @@ from cupy_comba import (
 from cupy_comba.inputs import forward_inputs
 
 from gpu_variants import exact as _exact, runnable
+from kernel_paths import CHUNKED_CHOICE, CHUNKED_HEADS, FEW_HEADS, FEW_HEADS_CHOICE, MANY_HEADS, MANY_HEADS_CHOICE
 from seed_port import mt_gated_delta_chunk
 
 cupy = pytest.importorskip("cupy")
@@ -223,16 +224,16 @@ def test_forward_equals_repeated_steps(layout, T):
 @pytest.mark.parametrize("T,initial", [(8, True), (21, True), (11, False)], ids=["T8", "T21", "T11-zero-state"])
 def test_tensor_core_path(layout, K, V, comba, gate, l2norm, T, initial):
     """Few heads and T >= 8: the ops choose the tensor-core kernel, but for the prefill kernels' lengths
-    (at K = 64 from T = 17, tiling.PREFILL_MIN_T), where it is forced; fp32 o, every chunk shape.  The
-    other chunk length of the same slabs (8 or 16 tokens a pass) is forced too."""
+    (kernel_paths.FEW_HEADS_CHOICE), where it is forced; fp32 o, every chunk shape.  The other chunk length of
+    the same slabs (8 or 16 tokens a pass) is forced too."""
     B, H, Hk = 3, 4, 2
-    chosen = tiling.choose(layout, K, V, comba, multi=True, T=T, heads=B * H)
-    if K == 64 and T > 16:
-        assert chosen.endswith("c64")
+    assert B * H == FEW_HEADS
+    chosen = FEW_HEADS_CHOICE[layout, K, V, T]
+    assert tiling.choose(layout, K, V, comba, multi=True, T=T, heads=B * H) == chosen
+    if chosen.endswith("c64"):
         chosen = f"{layout}32tc16"
         _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed=K + T, variant=chosen)
     else:
-        assert chosen.endswith(("tc", "tc16"))
         _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed=K + T)
     other = chosen.removesuffix("16") if chosen.endswith("16") else chosen + "16"
     _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed=K + T, variant=other)
@@ -250,9 +251,8 @@ def test_tensor_core_path_many_heads(layout, K, comba, gate, l2norm, T, initial)
     tensor-core variants the op did not choose are forced (fp32 activations: the 16-token variants run
     8-token chunks, the 128-column one in 64-column slabs)."""
     B, H, Hk, V = 33, 4, 2, 128
-    chunked = layout == "vk" and K == 128 and T in range(2, 8)
-    slab = 128 if K == 64 and T > 8 else 64
-    expected = "vk64c4" if chunked else f"{layout}{slab}tc{'16' if T > 8 else ''}"
+    assert B * H == MANY_HEADS
+    expected = MANY_HEADS_CHOICE[layout, K, T]
     assert tiling.choose(layout, K, V, comba, multi=True, T=T, heads=B * H) == expected
     _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed=K + T + 1)
     for variant in (f"{layout}64tc", f"{layout}64tc16") + ((f"{layout}128tc16",) if K == 64 else ()):
@@ -272,7 +272,8 @@ def test_chunked_kernel_path(layout, K, comba, gate, l2norm, T, initial):
     """Over many heads the ops choose the chunked kernels for T = 2 to 4 (two partial 4-token chunks
     and a full one), and in the vk layout for T = 7 too (a full chunk and a partial one).  GVA, fp32 o."""
     B, H, Hk, V = 35, 4, 2, 128
-    chunked = {"kv": "kv64x8c4", "vk": "vk64c4"}[layout]
+    assert B * H == CHUNKED_HEADS
+    chunked = CHUNKED_CHOICE[layout, K, T]
     assert tiling.choose(layout, K, V, comba, multi=True, T=T, heads=B * H) == chunked
     _check_forward_fp32(B, H, Hk, K, V, T, layout, comba, gate, l2norm, initial, seed=K + T + 2)
 

@@ -9,7 +9,19 @@ import pytest
 
 from cupy_comba import families, tiling
 
+from kernel_paths import CHUNKED_CHOICE, CHUNKED_HEADS, FEW_HEADS, FEW_HEADS_CHOICE, MANY_HEADS, MANY_HEADS_CHOICE
+
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+
+
+@pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
+def test_the_gpu_path_tests_run_the_rules_choices(comba):
+    """test_recurrent_gpu.py's path tests assert these choices on the GPU before they run them (kernel_paths.py)."""
+    for (layout, K, V, T), variant in FEW_HEADS_CHOICE.items():
+        assert tiling.choose(layout, K, V, comba, multi=True, T=T, heads=FEW_HEADS) == variant, (layout, K, V, T)
+    for heads, table in ((MANY_HEADS, MANY_HEADS_CHOICE), (CHUNKED_HEADS, CHUNKED_CHOICE)):
+        for (layout, K, T), variant in table.items():
+            assert tiling.choose(layout, K, 128, comba, multi=True, T=T, heads=heads) == variant, (layout, K, T, heads)
 
 
 def test_every_rule_cites_a_results_file_that_exists():
