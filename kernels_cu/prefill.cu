@@ -186,10 +186,15 @@ __device__ __forceinline__ long long row_start(const void* cu, const Params& prm
     return min(max(a, 0LL), prm.T);
 }
 
+// The chunks of a dense row.
+__device__ __forceinline__ long long row_chunks(const Params& prm) {
+    return (prm.T + kPrefillChunk - 1) / kPrefillChunk;
+}
+
 // The chunk slot of row b's first chunk (header, "Workspace").
 template <bool SERVING>
 __device__ __forceinline__ long long first_slot(const void* cu, const Params& prm, int b) {
-    if (!SERVING || !prm.cu_t) return b * ((prm.T + kPrefillChunk - 1) / kPrefillChunk);
+    if (!SERVING || !prm.cu_t) return b * row_chunks(prm);
     return row_start<SERVING>(cu, prm, b) / kPrefillChunk + b;
 }
 
@@ -210,7 +215,7 @@ __device__ __forceinline__ int last_row(int B, Key key, long long x) {
 template <bool SERVING>
 __device__ __forceinline__ int slot_row(const void* cu, const Params& prm, long long slot, long long& chunk) {
     const int b = !SERVING || !prm.cu_t
-                      ? static_cast<int>(slot / ((prm.T + kPrefillChunk - 1) / kPrefillChunk))
+                      ? static_cast<int>(slot / row_chunks(prm))
                       : last_row(static_cast<int>(prm.B), [&](int r) { return first_slot<SERVING>(cu, prm, r); }, slot);
     chunk = slot - first_slot<SERVING>(cu, prm, b);
     return b;
@@ -513,8 +518,7 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* at) {
 // Where the records end and the end words begin; `ragged`: a packed batch's records (a dense build passes a constant
 // false, which keeps the K = 128 chain within the spills tests/test_build.py allows it)
 __device__ __forceinline__ long long chain_done_at(const Params& prm, long long record_words, bool ragged) {
-    const long long records =
-        ragged ? prm.T / kPrefillChunk + prm.B : prm.B * ((prm.T + kPrefillChunk - 1) / kPrefillChunk);
+    const long long records = ragged ? prm.T / kPrefillChunk + prm.B : prm.B * row_chunks(prm);
     return records * prm.H * record_words;
 }
 
@@ -530,7 +534,7 @@ struct PrepSplit {
     int h;           // and value head
     __device__ __forceinline__ PrepSplit(const Params& prm) {
         // 32-bit: a row's chunks and a grid's CTAs fit (cupy_comba/_validate.py checks the grids)
-        const unsigned H = static_cast<unsigned>(prm.H), rc = static_cast<unsigned>(chunks(prm));
+        const unsigned H = static_cast<unsigned>(prm.H), rc = static_cast<unsigned>(row_chunks(prm));
         if (prm.seg_split) {
             const unsigned lc = static_cast<unsigned>(prm.seg_chunks), lead = ((rc + lc - 1) / lc - 1) * lc;
             if (gridDim.y > 1) {  // the tail part
@@ -543,9 +547,6 @@ struct PrepSplit {
             return;
         }
         slot = blockIdx.x / H, h = static_cast<int>(blockIdx.x % H);
-    }
-    __device__ __forceinline__ static long long chunks(const Params& prm) {
-        return (prm.T + kPrefillChunk - 1) / kPrefillChunk;
     }
 };
 

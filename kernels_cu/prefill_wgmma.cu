@@ -596,7 +596,7 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
     // of a dense batch, (i H + h) slabs + slab for the i-th segment number of a ragged one (from the end, but in the
     // chain; header, "Segments")
     const bool ragged = SERVING && prm.cu_t;
-    const long long row_chunks = (prm.T + C - 1) / C;  // a dense row's
+    const long long dense_chunks = row_chunks(prm);  // a dense row's
     const int lc = PART == kWtWhole ? 1 : static_cast<int>(prm.seg_chunks);
     const int slabs = (V + (CHAIN ? K : 0)) / (64 * WGS);
     // the segmented scan's launches let the next one launch once the kernel before ended: the segments, launched
@@ -612,7 +612,7 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
             cta += segment_row(cu_seqlens, prm, lc, number, seg) * per;
             map0 = number - seg;
         } else {
-            seg = static_cast<int>(max(1LL, (row_chunks + lc - 1) / lc)) - 1 - (CHAIN ? 1 : 0) - i;
+            seg = static_cast<int>(max(1LL, (dense_chunks + lc - 1) / lc)) - 1 - (CHAIN ? 1 : 0) - i;
         }
     }
     const ScanRow row = scan_row<K, 64 * WGS, SERVING>(cu_seqlens, slots, prm, q, k, v, p, beta, g, o, cta, slabs);
