@@ -3,6 +3,7 @@ flash-linear-attention's chunked kernels in the same process (bf16, K = V = 128,
 
     PYTHONPATH=. python benchmarks/sweep_prefill.py --tiling benchmarks/results/h200-prefill-tiling.json
     PYTHONPATH=. python benchmarks/sweep_prefill.py --lengths benchmarks/results/h200-prefill-lengths.json
+    PYTHONPATH=. python benchmarks/sweep_prefill.py --between benchmarks/results/h200-prefill-between.json
     PYTHONPATH=.:/tmp/site python benchmarks/sweep_prefill.py --fla benchmarks/results/h200-prefill.json
     PYTHONPATH=.:/tmp/site python benchmarks/sweep_prefill.py --wgmma benchmarks/results/h200-prefill-wgmma.json
     PYTHONPATH=. python benchmarks/sweep_prefill.py --transposed benchmarks/results/h200-prefill-transposed.json
@@ -22,6 +23,8 @@ renderer marks the choice of the tree it runs in.  The file is written after eve
 points a file holds and times the rest (a sweep run in several sittings, ``--head-sizes`` at a time).  Both sweeps time
 the wgmma scan's slabs too on compute capability 9.0, where the library takes it for bf16 inputs, and
 say so in the file (``"wgmma": true``).
+``--between``: Gated DeltaNet and Comba in "kv", Gated DeltaNet in "vk", K = 128, B = 1 over 16-32 heads and T =
+1536-4096 (between the other sweeps' head counts and lengths): the same variants as ``--lengths``.
 ``--fla`` (needs torch and fla-core): the shapes of the issue's table, both ops, our choice against
 ``chunk_gated_delta_rule`` / ``chunk_comba``, as rows ``{op, B, T, H, K, V, dtype, ours_us, fla_us}``;
 and the relative errors of o and of the final state of both against the float64 reference at B = 1,
@@ -110,17 +113,17 @@ def _timed(layout, K, comba, heads, T, variants, chosen, split=None):
     return dict(op=op, layout=layout, B=B, T=T, H=H, K=K, V=V, us=times)
 
 
-def _point(layout, K, comba, heads, T, wgmma):
+def _point(layout, K, comba, heads, T, wgmma, split=None):
     """One row: the times of the tiling's choice, both 64-token slabs (of both scans with ``wgmma``, and there the
     transposed scan, whole and in segments, at K = 64 and 128) and the kernel the rules after the prefill rule
-    choose."""
+    choose; ``split`` as _timed's."""
     scans = ("c64", "c64wg") if wgmma and K in families.FAMILY_K else ("c64",)
     transposed = tuple(f"{layout}{slab}c64{part}" for slab in (64, 128) for part in ("wt", "sg")) \
         if wgmma and K in (64, 128) else ()
     return _timed(layout, K, comba, heads, T, (_without_prefill(layout, K, V, comba, T, heads),
                                                *(f"{layout}{slab}{scan}" for scan in scans for slab in (16, 32)),
                                                *transposed),
-                  tiling.choose(layout, K, V, comba, True, T, heads, wgmma=wgmma))
+                  tiling.choose(layout, K, V, comba, True, T, heads, wgmma=wgmma), split)
 
 
 def sweep_tiling(layouts, head_sizes, wgmma):
@@ -130,8 +133,10 @@ def sweep_tiling(layouts, head_sizes, wgmma):
 
 #: ``--lengths``: T = 16-65536, with both sides of each of the tiling's prefill thresholds (tiling.PREFILL_MIN_T,
 #: tiling.PREFILL_MIN_T_WGMMA, tiling.TRANSPOSED_MIN_T) -- for T = 17 and 33, whose 16-token steps cost what T = 32
-#: and 48 cost, those two
-LENGTHS = (16, 32, 48, 49, 64, 96, 97, 112, 113, 128, 160, 161, 176, 177, 192, 256, 512, 513, 1024, 8192, 65536)
+#: and 48 cost, those two -- and the lengths where the segmented scan begins (tiling.SEGMENTED_MIN_T,
+#: tiling.PAIRED_SEGMENTS_MIN_T)
+LENGTHS = (16, 32, 48, 49, 64, 96, 97, 112, 113, 128, 160, 161, 176, 177, 192, 256, 512, 513, 1024, 2048, 4096, 8192,
+           65536)
 
 
 def sweep_lengths(head_sizes, wgmma, rows=(), save=None):
@@ -146,6 +151,18 @@ def sweep_lengths(head_sizes, wgmma, rows=(), save=None):
         if save:
             save(rows)
     return rows
+
+
+#: ``--between``: B = 1 over 16-32 heads (32-64 slabs of 64 columns) at K = 128 and T = 1536-4096, between the other
+#: sweeps' head counts and lengths, where the 32-column wgmma scan leaves SMs idle and the segmented scan begins, one
+#: warpgroup a CTA or two
+BETWEEN_GRID = tuple((layout, comba, heads, T) for layout, comba in (("kv", False), ("kv", True), ("vk", False))
+                     for heads in (16, 20, 24, 28, 32) for T in (1536, 2048, 2560, 3072, 4096))
+
+
+def sweep_between(wgmma):
+    """Every 64-token variant (as ``--lengths`` times them) over BETWEEN_GRID."""
+    return [_point(layout, 128, comba, heads, T, wgmma, split=(1, heads)) for layout, comba, heads, T in BETWEEN_GRID]
 
 
 #: ``--wgmma``: the grid of the wgmma scan against prefill_scan, both slabs (vk over 128 heads to T = 1024)
@@ -306,6 +323,8 @@ def main():
                                                          "slowly decaying gates, beside the whole scans'")
     ap.add_argument("--lengths", metavar="JSON", help="the tiling's choice against the best, T = 16 - 65536 (kv, "
                                                       "--head-sizes); written after every point")
+    ap.add_argument("--between", metavar="JSON", help="the tiling's choice against the best over 16-32 heads, T = "
+                                                      "1536-4096 (BETWEEN_GRID)")
     ap.add_argument("--resume", action="store_true", help="with --lengths: keep the points its file holds and time "
                                                           "the rest")
     ap.add_argument("--wgmma", metavar="JSON", help="the wgmma scan against prefill_scan (WGMMA_GRID), and against "
@@ -329,6 +348,10 @@ def main():
                 json.dump(dict(report, rows=rows), f, indent=1)
 
         sweep_lengths([int(k) for k in a.head_sizes.split(",")], _hopper(), report["rows"], save)
+    if a.between:
+        rows = sweep_between(_hopper())
+        with open(a.between, "w") as f:
+            json.dump({"environment": environment(), "wgmma": _hopper(), "rows": rows}, f, indent=1)
     if a.tiling:
         rows = sweep_tiling(a.layouts.split(","), [int(k) for k in a.head_sizes.split(",")], _hopper())
         with open(a.tiling, "w") as f:

@@ -141,7 +141,7 @@ def _prefill_slab(c):
 #: one head 29.1 against 30.8 us, 16 heads 36.1 against 35.2; T = 8192 175.6 against 193.1 and 226.9 against
 #: 237.4; T = 256 13.7 against 13.6 and 16.4 against 16.0), and at K = 64 every slab over at most NARROW_HEADS
 #: heads, where prefill_scan's chunks cost less before (h200-prefill-lengths.json, K = 64: 16 heads, T = 64 8.7
-#: against 9.6 us for kv16c64wg, Comba over 32 heads 10.3 against 11.6; T = 8192 186.1 against 174.3).
+#: against 9.6 us for kv16c64wg, Comba over 32 heads 10.3 against 11.6; T = 8192 185.9 against 174.1).
 WGMMA_MIN_T = 1024
 
 
@@ -187,12 +187,15 @@ def _transposed(c):
 #: GPU with one CTA a (row, head, 64 value columns), cut into segments whose CTAs fill it once -- from so many tokens
 #: over at most so many such CTAs (h200-prefill-segments.json), and over up to 256 from T = 8192, where one segment a
 #: row runs level with the whole transposed scan or ahead of it (h200-prefill-lengths.json, K = 128, 128 heads,
-#: two warpgroups a CTA: T = 65536 4552.2 against 4723.3 us, one a CTA 5607.8 against 5682.7; T = 8192 585.7
-#: against 589.9).  At K = 64 from T = 1024 over up to 32 such CTAs (h200-prefill-tiling.json, Gated DeltaNet, 16
-#: heads: 27.1 against 27.9 us for kv16c64wg, Comba 28.4 against 29.2 for kv16c64) and from T = 4096 over up to
-#: 64, in the pairs below (32 heads: 103.9 against 127.8 for kv32c64wg; 16 heads 63.3 against 71.1 for one
-#: warpgroup a CTA), which take up to 64 from T = 1024 (PAIRED_SEGMENTS_MIN_T).
-SEGMENTED_MIN_T = {128: ((16, 1024), (32, 2048), (256, 8192)),
+#: two warpgroups a CTA: T = 65536 4624.6 against 4755.2 us, one a CTA 5585.4 against 5818.9; T = 8192 593.5
+#: against 593.6).  At K = 64 from T = 1024 over up to 32 such CTAs (h200-prefill-tiling.json, Gated DeltaNet, 16
+#: heads: 27.0 against 27.9 us for kv16c64wg, Comba 28.2 against 29.1 for kv16c64) and from T = 4096 over up to
+#: 64, in the pairs below (32 heads: 103.6 against 126.8 for kv32c64wg; 16 heads 62.8 against 70.1 for one
+#: warpgroup a CTA), which take up to 64 from T = 1024 (PAIRED_SEGMENTS_MIN_T).  At K = 128 over up to 40 from T =
+#: 1536, where over 17-20 heads the 32-column wgmma scan's 68-80 CTAs leave a third of the SMs idle or more
+#: (h200-prefill-between.json, T = 1536: 16 heads 42.6 against 43.4 us for kv16c64wg, 20 heads 50.1 against 51.8 for
+#: kv32c64wg; 20 heads, T = 2048: 61.1 against 67.4).
+SEGMENTED_MIN_T = {128: ((16, 1024), (40, 1536), (256, 8192)),
                    64: ((32, 1024), (64, 4096), (256, 8192))}
 #: At most so many segments (the last one composes the maps of all before it, one after another), each of at
 #: least MIN_SEGMENT_CHUNKS chunks of 64 tokens.
@@ -230,23 +233,26 @@ def segments(heads, V, T, sms, slab=64):
 #: ``sg``), sharing each chunk's staged keys and record, where one warpgroup a 64-column slab would make more CTAs
 #: than the H200's 132 SMs (B * H * V / 64 of them, from this many): one CTA an SM either way, and two chains on
 #: each in place of a second wave (h200-prefill-lengths.json, 128 heads; docs/design.md; at K = 64, where a chunk
-#: costs less, mostly by 1-4 %: T = 1024 75.1 against 77.2 us, Comba 79.1 against 81.9; 0.93-1.01 of their
+#: costs less, mostly by 1-4 %: T = 1024 75.6 against 77.3 us, Comba 81.3 against 83.2; 0.93-1.01 of their
 #: time over T = 49-65536).  Over fewer
 #: CTAs the pairs leave SMs idle, and each chain runs 1.28 times slower beside another (B = 1, T = 8192, H = 16:
 #: 301.4 against 235.5 us for the scan alone).
 PAIRED_MIN_SLABS = H200_SMS + 1
 #: The segmented scan takes the pairs over fewer heads too: over 32-64 slabs of 64 columns (B * H = 16-32 at
-#: V = 128) from T = 8192 at K = 128, and at K = 64 over 32 from T = 4096 and over 33-64 from T = 1024 (where the
-#: segments begin for them: h200-prefill-tiling.json, 32 heads, T = 1024 35.7 against 35.0 us for kv32c64wg, Comba
-#: 37.1 against 38.8, in vk 36.9 against 38.9; h200-prefill-lengths.json 35.1 against 34.7, Comba 37.3 against
-#: 38.4; without the pairs they begin at T = 4096, SEGMENTED_MIN_T).  tiling.segments then cuts
+#: V = 128) -- at K = 128 over 32 from T = 8192 and over 33-64 from T = 2560 (h200-prefill-between.json: 32 heads,
+#: T = 2560 95.4 against 93.9 us for kv32c64wg, T = 3072 105.1 against 111.2, T = 4096 133.5 against 143.8; 24
+#: heads, T = 3072 90.0 against 104.2; h200-prefill-lengths.json, 16 heads, T = 4096 89.3 against 90.4 for one
+#: warpgroup a CTA, Comba 108.3 against 97.7) -- and at K = 64 over 32 from T = 4096 and over 33-64 from T = 1024
+#: (where the segments begin for them: h200-prefill-tiling.json, 32 heads, T = 1024 35.5 against 34.4 us for
+#: kv32c64wg, Comba 36.8 against 38.0, in vk 37.3 against 38.0; h200-prefill-lengths.json 35.8 against 34.4, Comba
+#: 37.2 against 38.2; without the pairs they begin at T = 4096, SEGMENTED_MIN_T).  tiling.segments then cuts
 #: twice as many segments, and at K = 128 the chain runs two warpgroups a CTA on 128 of the V + K columns of a
 #: segment's map, each chunk's Kc and A staged once for both (h200-prefill-lengths.json: H = 16, T = 65536
-#: 898.0 against 1045.3 us, H = 32 1742.6 against 1896.9).  Over one head both cut the most segments, and the
-#: pairs' chains run slower (T = 8192: 74.1 against 53.6); over 64 heads they lose to one segment of one warpgroup
-#: a CTA (T = 8192: 460.0 against 363.0).
+#: 882.2 against 1063.8 us, H = 32 1656.5 against 1894.3).  Over one head both cut the most segments, and the
+#: pairs' chains run slower (T = 8192: 76.8 against 52.9); over 64 heads they lose to one segment of one warpgroup
+#: a CTA (T = 8192: 407.3 against 362.6).
 PAIRED_SEGMENT_SLABS = (32, 64)
-PAIRED_SEGMENTS_MIN_T = {128: ((64, 8192),), 64: ((32, 4096), (64, 1024))}
+PAIRED_SEGMENTS_MIN_T = {128: ((32, 8192), (64, 2560)), 64: ((32, 4096), (64, 1024))}
 
 
 def _paired_segments(c):
@@ -288,11 +294,11 @@ RULES = (
          "16-token kernel every 16, so the thresholds fall on the latter's step boundaries: over 1-32 heads from "
          "T = 33, 16-column slabs over 1-16 heads and 32-column ones over more (T = 48: one head 9.1 against 12.1 us "
          "for kv32tc16, 16 heads 9.9 against 12.4, 32 heads 11.6 against 12.7; K = 64, 16 heads 8.7 against 11.6 "
-         "for kv64tc16; T = 32: 16 heads 9.9 against 9.3; T = 65536, 16 heads: 1702.0 against 12767.2), at K = 64 "
+         "for kv64tc16; T = 32: 16 heads 9.9 against 9.3; T = 65536, 16 heads: 1712.1 against 12858.5), at K = 64 "
          "over 1-16 heads from T = 17 (T = 32: one head 8.0 against 8.4, 16 heads 8.7 against 8.7); over 33-64 "
          "heads from T = 49 (64 heads: 16.4 against 17.2 for kv64tc16, T = 48 16.4 against 14.0); over 65-128 heads "
-         "from T = 97 (128 heads: T = 97 35.0 against 40.3, T = 96 33.9 against 35.0; T = 65536 9719.1 against "
-         "20758.0), at K = 64 from T = 113 (T = 113 27.8 against 30.6, T = 112 27.3 against 27.6); at K = 256 "
+         "from T = 97 (128 heads: T = 97 35.0 against 40.3, T = 96 33.9 against 35.0; T = 65536 9726.3 against "
+         "20714.3), at K = 64 from T = 113 (T = 113 27.8 against 30.6, T = 112 27.3 against 27.6); at K = 256 "
          "over every head count from T = 16 (1 head: 15.8 against 18.8 us for kv32x16, 128 heads: 37.5 against "
          "53.9), 6.6-33x the token loops from T = 256.  Where q, k, "
          "p are bf16 with bf16 products on compute capability 9.0, the same slabs' scan on wgmma "
@@ -301,7 +307,7 @@ RULES = (
          "16-column slabs (16 heads, T = 8192: 206.2 against 224.5), Comba's 16-column ones from T = 1024 (16 "
          "heads, T = 8192 226.9 against 237.4; shorter passes keep prefill_scan: WGMMA_MIN_T); at K = 64 over 1-32 "
          "heads from T = 1024 only (h200-prefill-lengths.json, 16 heads, T = 64: 8.7 against 9.6 us for kv16c64wg; "
-         "T = 8192 186.1 against 174.3); and over 65-128 heads from T = 97 at K = 128 (h200-prefill-lengths.json, "
+         "T = 8192 185.9 against 174.1); and over 65-128 heads from T = 97 at K = 128 (h200-prefill-lengths.json, "
          "128 heads, T = 112: 31.0 against 40.4 us for kv64tc16, Comba 35.6 against 42.0; T = 96: 29.4 against "
          "35.0, Comba 32.8 against 36.7).  The transposed wgmma scan over 64-128 heads at K = 128 from T = 33, where "
          "the prefill kernels then begin (h200-prefill-lengths.json: 64 heads, T = 48 13.5 against 14.0 us for "
@@ -312,13 +318,14 @@ RULES = (
          "against 279.6), 128 heads in two-warpgroup CTAs T = 4096 306.1 against 549.3; over 32 heads it loses (T = "
          "4096: 166.2 against 143.5)), and at K = 64 over 64 heads from T = 49 and over 65-128 from T = 33 "
          "(h200-prefill-lengths.json: 64 heads T = 49 12.1 against 14.7 us for kv64tc16; 128 heads in "
-         "two-warpgroup CTAs, T = 48 13.4 against 14.1; 64 heads T = 1024 50.2 against 53.9 for kv32c64wg).  The "
+         "two-warpgroup CTAs, T = 48 13.4 against 14.1; 64 heads T = 1024 50.1 against 53.7 for kv32c64wg).  The "
          "transposed scans run two warpgroups a CTA where one a 64-column slab would make more than 132 CTAs "
-         "(PAIRED_MIN_SLABS; h200-prefill-lengths.json, 128 heads: T = 1024 88.7 against 109.2 us, T = 65536 in "
-         "segments 4552.2 against 5607.8; K = 64, T = 1024 75.1 against 77.2), and the segmented scan over 16-32 "
-         "heads from T = 8192, at K = 64 over 16 from T = 4096 and 32 from T = 1024 (PAIRED_SEGMENT_SLABS: 16 "
-         "heads, T = 65536 898.0 against 1045.3; K = 64, h200-prefill-tiling.json, T = 4096 63.3 against 71.1, 32 "
-         "heads T = 1024 35.7 against 37.4, Comba 37.1 against 39.4)."),
+         "(PAIRED_MIN_SLABS; h200-prefill-lengths.json, 128 heads: T = 1024 89.2 against 111.0 us, T = 65536 in "
+         "segments 4624.6 against 5585.4; K = 64, T = 1024 75.6 against 77.3), and the segmented scan over 16 "
+         "heads from T = 8192 and over 17-32 from T = 2560, at K = 64 over 16 from T = 4096 and 32 from T = 1024 "
+         "(PAIRED_SEGMENT_SLABS: 16 heads, T = 65536 882.2 against 1063.8; h200-prefill-between.json, 32 heads, "
+         "T = 4096 133.5 against 143.8 for kv32c64wg; K = 64, h200-prefill-tiling.json, T = 4096 62.8 against "
+         "70.1, 32 heads T = 1024 35.5 against 36.1, Comba 36.8 against 39.5)."),
     Rule("K = 256: the kv token loop",
          lambda c: c.K == 256 and c.layout == "kv",
          lambda c: "kv64x16" if c.wide and (c.heads is None or c.heads > 1024) else "kv32x16",
