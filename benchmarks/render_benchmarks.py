@@ -7,7 +7,8 @@ reports, between ``<!-- forward:begin -->`` and ``<!-- forward:end -->`` from
 ``benchmarks/sweep_forward.py --json`` files, between ``<!-- tilings:begin -->``
 and ``<!-- tilings:end -->`` from ``benchmarks/sweep_decode.py --json`` and
 ``benchmarks/sweep_forward_tilings.py --json`` files, and between ``<!-- prefill:begin -->`` and
-``<!-- prefill:end -->`` from ``benchmarks/sweep_prefill.py`` files (``--fla`` and ``--tiling``).
+``<!-- prefill:end -->`` from ``benchmarks/sweep_prefill.py`` files (``--fla``, ``--tiling``, ``--lengths`` and
+``--between``), and between ``<!-- segments:begin -->`` and ``<!-- segments:end -->`` from its ``--segments`` file.
 """
 
 import json
@@ -16,11 +17,14 @@ import sys
 BLOCKS = {"bench": ("<!-- bench:begin -->", "<!-- bench:end -->"),
           "forward": ("<!-- forward:begin -->", "<!-- forward:end -->"),
           "tilings": ("<!-- tilings:begin -->", "<!-- tilings:end -->"),
-          "prefill": ("<!-- prefill:begin -->", "<!-- prefill:end -->")}
+          "prefill": ("<!-- prefill:begin -->", "<!-- prefill:end -->"),
+          "segments": ("<!-- segments:begin -->", "<!-- segments:end -->")}
 
 
 def block_of(report):
     rows = report.get("rows") or [{}]
+    if "auto_segments" in rows[0]:
+        return "segments"
     if "fla_us" in rows[0] or isinstance(rows[0].get("us"), dict):
         return "prefill"
     if "rows" in report and report["rows"] and "variant" in report["rows"][0]:
@@ -29,6 +33,8 @@ def block_of(report):
 
 
 def table(report):
+    if block_of(report) == "segments":
+        return prefill_segments_table(report)
     if block_of(report) == "prefill":
         return prefill_fla_table(report) if "fla_us" in report["rows"][0] else prefill_tiling_table(report)
     if block_of(report) == "tilings":
@@ -50,6 +56,26 @@ def decode_tilings_table(report):
         cells = ", ".join(f"{r['variant']} {r['fraction']:.3f}{' *' if r['chosen'] else ''}"
                           + (f" ({r['us']:.1f} us)" if small else "") for r in rows)
         lines.append(f"| {op} | {', '.join(map(str, shape))} | {cells} |")
+    return "\n".join(lines)
+
+
+def prefill_segments_table(report):
+    """A ``benchmarks/sweep_prefill.py --segments`` file, its rows at K = 128 in "kv": the choice of the tree's rules
+    without the transposed scans, the whole transposed scan, the segmented one on one warpgroup a CTA (cut as
+    tiling.segments cuts it: the count in brackets), and the rules' choice."""
+    from cupy_comba import tiling
+
+    lines = ["| op | B*H | T | rules without the transposed scans | `kv64c64wt` | `kv64c64sg` (segments) | the rules' "
+             "choice | choice / without |", "|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        if r["K"] != 128 or r["layout"] != "kv":
+            continue
+        heads, comba, us = r["B"] * r["H"], r["op"] == "comba", r["us"]
+        without = tiling.choose("kv", 128, r["V"], comba, True, r["T"], heads, wgmma=True, transposed=False)
+        chosen = tiling.choose("kv", 128, r["V"], comba, True, r["T"], heads, wgmma=True)
+        lines.append(f"| {r['op']} | {heads} | {r['T']} | {without} {us[without]:.1f} | {us['kv64c64wt']:.1f} | "
+                     f"{us['kv64c64sg']:.1f} ({r['auto_segments']}) | {chosen} {us[chosen]:.1f} | "
+                     f"{us[chosen] / us[without]:.2f} |")
     return "\n".join(lines)
 
 

@@ -316,6 +316,20 @@ def test_the_segmented_choice_is_within_5_percent_of_the_best_timed():
     assert len(rows) == 74
 
 
+def test_the_segments_table_is_the_rules_rendering():
+    """docs/benchmarks.md's table of the segmented scan is what benchmarks/render_benchmarks.py makes of
+    h200-prefill-segments.json under the current rules, so a change of the rules shows there or fails here."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("render_benchmarks", RESULTS.parent / "render_benchmarks.py")
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    with open(RESULTS / "h200-prefill-segments.json") as f:
+        report = json.load(f)
+    assert render.block_of(report) == "segments"
+    table = render.table(report)
+    assert table.count("\n") > 50 and table in (RESULTS.parent.parent / "docs" / "benchmarks.md").read_text()
+
+
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("comba", [True, False])
 def test_the_segmented_scan_where_it_wins(layout, comba):
