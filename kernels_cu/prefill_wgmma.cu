@@ -857,7 +857,12 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
             if (borrowed) fence_async_shared();
         }
         __syncthreads();  // chunk c staged, every warp's reads of the other stage retired
-        if (c + 1 < c_end) stage_next(c + 1, s ^ 1);
+        // The next chunk's copies: here, or in the chain on one warpgroup once its first product is on the tensor
+        // cores (thread 0's copies hold its warp, and the warpgroup's wgmma waits on every warp; in the scan, which
+        // issues two products before its first wait, and in the chain on two warpgroups, the later copies measured
+        // slower or level: docs/design.md, "Segments")
+        constexpr bool LATE_COPIES = CHAIN && WGS == 1;
+        if (!LATE_COPIES && c + 1 < c_end) stage_next(c + 1, s ^ 1);
         const float* f = reinterpret_cast<const float*>(sg + L::REC_AT + 4 * R::GP);  // G fp, scale G fq, w, G_63
         // a K-major B operand of the staged key rows at `at` (Q, or P) for k-step ks
         auto key_b = [&](int at, int ks) {
@@ -877,6 +882,7 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
             for (int ks = 0; ks < KS; ++ks) wgmma<64>(rq, sa[ks], key_b(L::Q_AT, ks), ks > 0);
             wg_commit();
         }
+        if (LATE_COPIES && c + 1 < c_end) stage_next(c + 1, s ^ 1);
         // v as bf16 pairs: token block j's rows ca (2 j) and cb (2 j + 1); zeros in M's columns (SERIAL above)
         unsigned vq[16];
 #pragma unroll
