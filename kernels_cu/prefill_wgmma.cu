@@ -751,6 +751,15 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
         return d_base + (static_cast<unsigned long long>(at >> 4) | static_cast<unsigned long long>(lbo >> 4) << 16 |
                          static_cast<unsigned long long>(sbo >> 4) << 32);
     };
+    // The chunk loop's descriptors from their two 32-bit words: the low word the stage's start address >> 4 (`lo`,
+    // formed once a chunk) plus the operand's offset and its leading byte offset at bit 16 -- constants, one add a
+    // wgmma (the address field of 14 bits holds every shared address, so no carry leaves it) --, the high word a
+    // constant: the stride byte offset and the 128-byte swizzle (bit 62 of the descriptor)
+    const unsigned d_lo = static_cast<unsigned>(d_base);
+    auto stage_desc = [](unsigned lo, int at, unsigned lbo, unsigned sbo, bool swizzle) {
+        return static_cast<unsigned long long>(lo + (static_cast<unsigned>(at) >> 4) + ((lbo >> 4) << 16)) |
+               static_cast<unsigned long long>((sbo >> 4) | (swizzle ? 1u << 30 : 0u)) << 32;
+    };
     auto bf16_state = [&](unsigned (&sa)[KS][4]) {  // S^T as bf16 A fragments
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks) {
@@ -811,10 +820,10 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
                 if (E_AHEAD && j + 1 < seg) load_e(j + 1);
                 continue;
             }
+            const unsigned m_lo = d_lo + (static_cast<unsigned>(L::STAGE_BYTES + (j & 1) * L::M_BYTES) >> 4);
             wg_fence();
 #pragma unroll
-            for (int ks = 0; ks < KS; ++ks)
-                wgmma<K>(st, sa[ks], desc(L::STAGE_BYTES + (j & 1) * L::M_BYTES + 32 * K * ks, 16 * K, 128), true);
+            for (int ks = 0; ks < KS; ++ks) wgmma<K>(st, sa[ks], stage_desc(m_lo, 32 * K * ks, 16 * K, 128, false), true);
             wg_commit();
             if (E_AHEAD && j + 1 < seg) load_e(j + 1);  // while the tensor cores multiply
             wg_wait();
@@ -864,9 +873,10 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
         constexpr bool LATE_COPIES = CHAIN && WGS == 1;
         if (!LATE_COPIES && c + 1 < c_end) stage_next(c + 1, s ^ 1);
         const float* f = reinterpret_cast<const float*>(sg + L::REC_AT + 4 * R::GP);  // G fp, scale G fq, w, G_63
+        const unsigned sg_lo = d_lo + (static_cast<unsigned>(sg_at) >> 4);
         // a K-major B operand of the staged key rows at `at` (Q, or P) for k-step ks
         auto key_b = [&](int at, int ks) {
-            return desc(sg_at + at + (ks >> 2) * L::BOX + 32 * (ks & 3), 16, 1024) | kSwizzle128;
+            return stage_desc(sg_lo, at + (ks >> 2) * L::BOX + 32 * (ks & 3), 16, 1024, true);
         };
 
         // Rp^T = S^T P^T, Rq^T = S^T Q^T
@@ -912,7 +922,7 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
         wg_fence();
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks)
-            wgmma<64>(rp, ya[ks], desc(sg_at + L::REC_AT + 4 * R::A + 2048 * ks, 1024, 128), ks > 0);
+            wgmma<64>(rp, ya[ks], stage_desc(sg_lo, L::REC_AT + 4 * R::A + 2048 * ks, 1024, 128, false), ks > 0);
         wg_commit();
         wg_wait();
 
@@ -931,7 +941,7 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
         wg_fence();
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks)
-            wgmma_t<K>(st, uw[ks], desc(sg_at + L::KC_AT + 2048 * ks, L::BOX, 1024) | kSwizzle128, true);
+            wgmma_t<K>(st, uw[ks], stage_desc(sg_lo, L::KC_AT + 2048 * ks, L::BOX, 1024, true), true);
         wg_commit();
         if constexpr (CHAIN) {
             wg_wait();
@@ -945,7 +955,7 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
         wg_fence();
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks)
-            wgmma<64>(rq, ua[ks], desc(sg_at + L::REC_AT + 4 * R::MQ + 2048 * ks, 1024, 128), true);
+            wgmma<64>(rq, ua[ks], stage_desc(sg_lo, L::REC_AT + 4 * R::MQ + 2048 * ks, 1024, 128, false), true);
         wg_commit();
         wg_wait();
 
