@@ -96,7 +96,7 @@ SERVING_STACK = {"comba::delta_rule_vk_chunked<128, 64, false, true>": 8,
                  "comba::delta_rule_mma<128, 64, true, true, 1, true>": 28,
                  "comba::delta_rule_mma<128, 64, false, true, 1, true>": 64,
                  # the K = 128 chain on two warpgroups, held to 128 registers for two CTAs an SM
-                 "comba::prefill_scan_wt<128, false, false, false, 1, 2>": 36,
+                 "comba::prefill_scan_wt<128, false, false, false, 1, 2>": 16,
                  "comba::prefill_scan_wt<128, false, false, true, 1, 2>": 44}
 
 
