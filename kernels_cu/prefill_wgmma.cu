@@ -528,9 +528,6 @@ struct WtLayout {
 };
 
 #if COMBA_WGMMA
-// A descriptor of the 128-byte swizzle (the tensor maps' boxes): bits 62-63 = 1.
-constexpr unsigned long long kSwizzle128 = 1ull << 62;
-
 // Rows t0 .. t0 + 63 of K columns of one array (keys, or a slab of v) into K / 64 boxes of 64 rows of 128 bytes as
 // bf16, swizzled as the tensor map's (16-byte piece j of row r at r 128 + 16 (j ^ (r % 8))), zeros from row n on:
 // cp.async pieces where the rows allow (bf16 copies), else plain loads, rounded to bf16.
@@ -746,16 +743,12 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
         await_earlier();  // the records written
         if (c_begin < c_end) stage_next(c_begin, 0, !early, true);
     }
-    const unsigned long long d_base = wg_desc(smem, 0, 0);
-    auto desc = [&](int at, unsigned lbo, unsigned sbo) {  // a descriptor at byte `at` of the aligned smem
-        return d_base + (static_cast<unsigned long long>(at >> 4) | static_cast<unsigned long long>(lbo >> 4) << 16 |
-                         static_cast<unsigned long long>(sbo >> 4) << 32);
-    };
     // The chunk loop's descriptors from their two 32-bit words: the low word the stage's start address >> 4 (`lo`,
     // formed once a chunk) plus the operand's offset and its leading byte offset at bit 16 -- constants, one add a
     // wgmma (the address field of 14 bits holds every shared address, so no carry leaves it) --, the high word a
-    // constant: the stride byte offset and the 128-byte swizzle (bit 62 of the descriptor)
-    const unsigned d_lo = static_cast<unsigned>(d_base);
+    // constant: the stride byte offset and, for the tensor maps' boxes, the 128-byte swizzle (bit 62 of the
+    // descriptor)
+    const unsigned d_lo = static_cast<unsigned>(wg_desc(smem, 0, 0));
     auto stage_desc = [](unsigned lo, int at, unsigned lbo, unsigned sbo, bool swizzle) {
         return static_cast<unsigned long long>(lo + (static_cast<unsigned>(at) >> 4) + ((lbo >> 4) << 16)) |
                static_cast<unsigned long long>((sbo >> 4) | (swizzle ? 1u << 30 : 0u)) << 32;
