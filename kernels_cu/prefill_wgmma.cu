@@ -69,9 +69,20 @@ struct WgLayout {
 };
 
 #if COMBA_WGMMA
+// A wgmma shared-memory descriptor from its two 32-bit words: the low word a region's start address >> 4
+// (wg_desc_lo, formed once) plus the operand's byte offset `at` >> 4 and its leading byte offset at bit 16 -- in a
+// loop constants, one add where the wgmma issues (the 14-bit address field holds every shared address, so no carry
+// leaves it) --; the high word the stride byte offset and, with `swizzle`, the 128-byte swizzle of the tensor maps'
+// boxes (bit 62 of the descriptor).
+__device__ __forceinline__ unsigned wg_desc_lo(const void* at) { return (shared_address(at) & 0x3ffff) >> 4; }
+__device__ __forceinline__ unsigned long long wg_desc_at(unsigned lo, int at, unsigned lbo, unsigned sbo,
+                                                         bool swizzle = false) {
+    return static_cast<unsigned long long>(lo + (static_cast<unsigned>(at) >> 4) + ((lbo >> 4) << 16)) |
+           static_cast<unsigned long long>((sbo >> 4) | (swizzle ? 1u << 30 : 0u)) << 32;
+}
+// The descriptor of an operand at `at`, formed whole (the 16/32-column scan's fixed regions).
 __device__ __forceinline__ unsigned long long wg_desc(const void* at, unsigned lbo, unsigned sbo) {
-    const unsigned a = shared_address(at);
-    return static_cast<unsigned long long>((a & 0x3ffff) >> 4) | static_cast<unsigned long long>(lbo >> 4) << 16 |
+    return static_cast<unsigned long long>(wg_desc_lo(at)) | static_cast<unsigned long long>(lbo >> 4) << 16 |
            static_cast<unsigned long long>(sbo >> 4) << 32;
 }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -743,16 +754,7 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
         await_earlier();  // the records written
         if (c_begin < c_end) stage_next(c_begin, 0, !early, true);
     }
-    // The chunk loop's descriptors from their two 32-bit words: the low word the stage's start address >> 4 (`lo`,
-    // formed once a chunk) plus the operand's offset and its leading byte offset at bit 16 -- constants, one add a
-    // wgmma (the address field of 14 bits holds every shared address, so no carry leaves it) --, the high word a
-    // constant: the stride byte offset and, for the tensor maps' boxes, the 128-byte swizzle (bit 62 of the
-    // descriptor)
-    const unsigned d_lo = static_cast<unsigned>(wg_desc(smem, 0, 0));
-    auto stage_desc = [](unsigned lo, int at, unsigned lbo, unsigned sbo, bool swizzle) {
-        return static_cast<unsigned long long>(lo + (static_cast<unsigned>(at) >> 4) + ((lbo >> 4) << 16)) |
-               static_cast<unsigned long long>((sbo >> 4) | (swizzle ? 1u << 30 : 0u)) << 32;
-    };
+    const unsigned d_lo = wg_desc_lo(smem);  // the chunk loop's descriptors: wg_desc_at from a stage's low word
     auto bf16_state = [&](unsigned (&sa)[KS][4]) {  // S^T as bf16 A fragments
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks) {
@@ -816,7 +818,7 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
             const unsigned m_lo = d_lo + (static_cast<unsigned>(L::STAGE_BYTES + (j & 1) * L::M_BYTES) >> 4);
             wg_fence();
 #pragma unroll
-            for (int ks = 0; ks < KS; ++ks) wgmma<K>(st, sa[ks], stage_desc(m_lo, 32 * K * ks, 16 * K, 128, false), true);
+            for (int ks = 0; ks < KS; ++ks) wgmma<K>(st, sa[ks], wg_desc_at(m_lo, 32 * K * ks, 16 * K, 128, false), true);
             wg_commit();
             if (E_AHEAD && j + 1 < seg) load_e(j + 1);  // while the tensor cores multiply
             wg_wait();
@@ -869,7 +871,7 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
         const unsigned sg_lo = d_lo + (static_cast<unsigned>(sg_at) >> 4);
         // a K-major B operand of the staged key rows at `at` (Q, or P) for k-step ks
         auto key_b = [&](int at, int ks) {
-            return stage_desc(sg_lo, at + (ks >> 2) * L::BOX + 32 * (ks & 3), 16, 1024, true);
+            return wg_desc_at(sg_lo, at + (ks >> 2) * L::BOX + 32 * (ks & 3), 16, 1024, true);
         };
 
         // Rp^T = S^T P^T, Rq^T = S^T Q^T
@@ -915,7 +917,7 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
         wg_fence();
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks)
-            wgmma<64>(rp, ya[ks], stage_desc(sg_lo, L::REC_AT + 4 * R::A + 2048 * ks, 1024, 128, false), ks > 0);
+            wgmma<64>(rp, ya[ks], wg_desc_at(sg_lo, L::REC_AT + 4 * R::A + 2048 * ks, 1024, 128, false), ks > 0);
         wg_commit();
         wg_wait();
 
@@ -934,7 +936,7 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
         wg_fence();
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks)
-            wgmma_t<K>(st, uw[ks], stage_desc(sg_lo, L::KC_AT + 2048 * ks, L::BOX, 1024, true), true);
+            wgmma_t<K>(st, uw[ks], wg_desc_at(sg_lo, L::KC_AT + 2048 * ks, L::BOX, 1024, true), true);
         wg_commit();
         if constexpr (CHAIN) {
             wg_wait();
@@ -948,7 +950,7 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
         wg_fence();
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks)
-            wgmma<64>(rq, ua[ks], stage_desc(sg_lo, L::REC_AT + 4 * R::MQ + 2048 * ks, 1024, 128, false), true);
+            wgmma<64>(rq, ua[ks], wg_desc_at(sg_lo, L::REC_AT + 4 * R::MQ + 2048 * ks, 1024, 128, false), true);
         wg_commit();
         wg_wait();
 
