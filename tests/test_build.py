@@ -122,7 +122,7 @@ def test_nvrtc_compiles_every_specialisation_for_sm90(source):
             loads -= (3 if K == 128 else 1) * K // 8
         assert stores >= loads, f"{expression}: {loads} vector loads, {stores} vector stores"
         # The tensor-core kernel's kv build loads its state as 4-byte values (32 a lane) straight into
-        # the accumulator quads (docs/design.md, "Tensor-core kernel").
+        # the accumulator quads (docs/design.md, "Chunks of 8 on the tensor cores").
         if source == "delta_rule_mma.cu" and _template_args(expression)[3] == "false":  # <K, SLAB, P, VK, SUBS>
             scalar = len(re.findall(r"ld\.global\.f32", ptx))
             assert scalar == 32 and loads == 0, f"{expression}: {scalar} scalar, {loads} vector state loads"
