@@ -31,7 +31,7 @@ SHAPES = ((1, 1024, 16), (1, 4096, 16), (1, 8192, 16), (1, 32768, 32), (8, 2048,
 
 def _parts(fn):
     """``(variant, {"": whole pass, ":prep": ..., [":chain": ...,] ":scan": ...})`` of the plan ``fn`` runs, in us.
-    A prep split around the chain (kernels_cu/prefill.cu, ``PrepSplit``) is timed as its two parts in turn."""
+    A prep split around the chain (kernels_cu/prefill_prep.cuh, ``PrepSplit``) is timed as its two parts in turn."""
     fn()
     cupy.cuda.Device().synchronize()
     plan = list(_plan.PLANS.values())[-1]

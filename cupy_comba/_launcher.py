@@ -62,7 +62,7 @@ PARAMS = numpy.dtype([(name, numpy.int64) for name in PARAMS_FIELDS], align=True
 def pack_params(sig, grid3=False, seg_chunks=0, seg_split=False):
     """``struct Params`` of a signature, as a ``numpy.void`` scalar; ``grid3``: the kernel's grid is (b, h, slab)
     (``families.Kernel.grid3``); ``seg_chunks``: chunks a segment of the segmented prefill scan (0: none);
-    ``seg_split``: its prep runs in two launches around the chain (kernels_cu/prefill.cu, ``PrepSplit``)."""
+    ``seg_split``: its prep runs in two launches around the chain (kernels_cu/prefill_prep.cuh, ``PrepSplit``)."""
     a, step = sig.arrays, sig.step
 
     def strides(s):  # element strides, with a length-1 T axis inserted for steps
@@ -164,7 +164,7 @@ class _LaunchConfig(ctypes.Structure):
 
 
 #: ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``: the kernel may launch before the one before it on the
-#: stream ends, and waits for it with ``griddepcontrol.wait`` (kernels_cu/prefill.cu, ``await_earlier``).
+#: stream ends, and waits for it with ``griddepcontrol.wait`` (kernels_cu/prefill.cuh, ``await_earlier``).
 _PROGRAMMATIC = 6
 
 
@@ -234,7 +234,7 @@ class Launcher:
         The prefill kernels' last argument, pointed at each launch's q, k, p and v.
     dependent : bool
         Launch each kernel after the first as a programmatic dependent of the one before (``cuLaunchKernelEx``;
-        the prefill kernels, which wait for it themselves: kernels_cu/prefill.cu, ``await_earlier``), where the
+        the prefill kernels, which wait for it themselves: kernels_cu/prefill.cuh, ``await_earlier``), where the
         driver has them and ``CUPY_COMBA_PDL`` is not ``0``; the kernels' GPU must be of compute capability 9.0
         or later.
     """

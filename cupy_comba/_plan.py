@@ -50,7 +50,7 @@ ALL_DEPENDENT = False
 LEAN_PREP_WAVE = 4
 
 #: Bytes of the workspace past the records in which the segmented scan's chain tells the segments that it ended
-#: (kernels_cu/prefill.cu, ``kChainDoneWords``).
+#: (kernels_cu/prefill.cuh, ``kChainDoneWords``).
 CHAIN_DONE_BYTES = 128
 
 
@@ -117,7 +117,7 @@ class Plan:
                 _validate.check_grid(g, sig.B, sig.H, self.variant)
             workspace += CHAIN_DONE_BYTES + seg_maps * sig.H * kernel.segment_words(sig.K, sig.V) * 4
         dependent = int(cc) >= 90 and (ALL_DEPENDENT or kernel.dependent)
-        # the segmented scan's prep in two parts around the chain (kernels_cu/prefill.cu, PrepSplit): where the
+        # the segmented scan's prep in two parts around the chain (kernels_cu/prefill_prep.cuh, PrepSplit): where the
         # launches are dependents, a dense batch, and each row has a segment before its last
         row_chunks = -(-sig.T // families.PREFILL_CHUNK)
         lead = (-(-row_chunks // seg_chunks) - 1) * seg_chunks if kernel.chain else 0

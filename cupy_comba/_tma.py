@@ -25,7 +25,7 @@ import functools
 from ._dtypes import bfloat16
 from ._launcher import libcuda
 
-#: sizeof(StageMaps) in kernels_cu/prefill.cu: four 128-byte maps and a 64-bit flag, aligned to 64 bytes.
+#: sizeof(StageMaps) in kernels_cu/prefill.cuh: four 128-byte maps and a 64-bit flag, aligned to 64 bytes.
 STAGE_MAPS_BYTES = 576
 _MAP_BYTES = 128
 _USE_AT = 4 * _MAP_BYTES

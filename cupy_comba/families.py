@@ -65,10 +65,10 @@ FAMILY_K = (64, 128)
 PREFILL_SLABS = (32, 16)
 #: The prefill kernels' numerics, by ``precision``: TF32 products ("tf32"), split operands ("fp32",
 #: 3xTF32), each with bf16 q, k, p or wider ones, or every product on bf16 operands ("bf16", bf16 keys; else
-#: "tf32") (the template argument ACC of kernels_cu/prefill.cu).
+#: "tf32") (the template argument ACC of kernels_cu/prefill.cuh).
 PRECISIONS = ("tf32", "fp32", "bf16")
 #: Tokens a chunk, and 32-bit words of a chunk's record in the prefill workspace (Record<ACC>::SIZE in
-#: prefill.cu): A's and Mq's fragments as TF32 tiles of 16 x 8, or as bf16 tiles of 16 x 16 ("bf16").
+#: kernels_cu/prefill.cuh): A's and Mq's fragments as TF32 tiles of 16 x 8, or as bf16 tiles of 16 x 16 ("bf16").
 PREFILL_CHUNK, PREFILL_RECORD, PREFILL_RECORD_BF16 = 64, 2 * 20 * 32 * 4 + 256, 2 * 10 * 32 * 4 + 256
 
 
@@ -179,7 +179,7 @@ class Kernel(NamedTuple):
 
 
 def prefill_slots(B, T, ragged):
-    """Chunk slots of a prefill workspace (kernels_cu/prefill.cu, "Workspace"): ``B * ceil(T / 64)``
+    """Chunk slots of a prefill workspace (kernels_cu/prefill.cuh, "Workspace"): ``B * ceil(T / 64)``
     for a dense batch, ``floor(T / 64) + B`` for B sequences packed into T tokens."""
     return T // PREFILL_CHUNK + B if ragged else B * -(-T // PREFILL_CHUNK)
 
@@ -413,7 +413,7 @@ def _prefill_layout(K, slab, separate_p, wide_keys, record):
 
 
 def prefill_prep_bytes(K, wide_keys, separate_p=True):
-    """Bytes of ``PrepLayout<K, K32>`` (kernels_cu/prefill.cu): a chunk's q, k, p rows; over q's and k's, once
+    """Bytes of ``PrepLayout<K, K32>`` (kernels_cu/prefill_prep.cuh): a chunk's q, k, p rows; over q's and k's, once
     read, L (then X = (I + L)^-1) and Mq, rows of 68 floats, and the solve's scratch (2 KB); p's rows last
     (``BYTES``), or no p rows where p is k (Gated DeltaNet: ``SHARED_P_BYTES``)."""
     key = PREFILL_CHUNK * (K + 16) * (4 if wide_keys else 2)
@@ -459,7 +459,7 @@ def prefill_wg_bytes(K, slab, separate_p, ring=False):
     return 0 if n > MAX_SHARED else n
 
 
-#: 32-bit words of ``WtRecord`` (kernels_cu/prefill.cu), prefill_scan_wt's record: A (64 x 64 bf16), G fp, scale
+#: 32-bit words of ``WtRecord`` (kernels_cu/prefill.cuh), prefill_scan_wt's record: A (64 x 64 bf16), G fp, scale
 #: G fq, w (64 each) and G_63 (256 words), then Mq (64 x 64 bf16).
 WT_RECORD = 2048 + 256 + 2048
 

@@ -39,7 +39,7 @@ struct Params {
                                         // T stride slot_st; num_accepted_tokens of dtype na_t, 0 none)
     long long gate_softplus, beta_sigmoid;  // in-kernel gating (gate_of, beta_of)
     long long seg_chunks;               // the segmented prefill scan (prefill_wgmma.cu): chunks a segment
-    long long seg_split;                // and its prep in two launches around the chain (prefill.cu, PrepSplit)
+    long long seg_split;                // and its prep in two launches around the chain (prefill_prep.cuh, PrepSplit)
 };
 
 // The arguments of every delta-rule kernel, in launch order (cupy_comba/_launcher.py packs them): the

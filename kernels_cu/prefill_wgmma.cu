@@ -1,8 +1,8 @@
-// prefill_wgmma.cu -- the scans of prefill.cu on Hopper's warpgroup MMA (wgmma, sm_90a), bf16 products:
-// prefill_scan_wg, the scan as prefill.cu writes it (ACC 5: prefill_prep's bf16 record with its fragments in the
+// prefill_wgmma.cu -- the long-prompt scan on Hopper's warpgroup MMA (wgmma, sm_90a), bf16 products:
+// prefill_scan_wg, the scan as prefill.cu's prefill_scan writes it (ACC 5: prefill_prep's bf16 record with its fragments in the
 // natural k order), and prefill_scan_wt, the scan transposed (ACC 6; its own header further down).
 //
-// Math: prefill.cu's header, chunk after chunk of 64 tokens from the state S (K x VT, fp32 in the
+// Math: prefill.cuh's header, chunk after chunk of 64 tokens from the state S (K x VT, fp32 in the
 // accumulators):  Rp = P S,  Rq = Q S,  Y = V - diag(G fp) Rp,  U = A Y,  O = diag(scale G fq) Rq + Mq U,
 // S = G_63 S + Kc^T (diag(w) U) -- every product one wgmma.mma_async m64nVTk16 chain, bf16 operands, fp32
 // accumulators: the numerics of the "bf16" precision of prefill_scan (ACC 4), in another summation order.
@@ -22,7 +22,7 @@
 // stage's mbarrier where the host made tensor maps (their key boxes K + 8 wide), else by cp.async pieces
 // and plain loads; two stages.  Three CTA barriers a chunk: chunk staged and S published; Y written;
 // U and w U written.
-#include "prefill.cu"
+#include "prefill_prep.cuh"
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define COMBA_WGMMA 1
@@ -467,7 +467,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
 // ---------------------------------------------------------------------------------------------------
 // prefill_scan_wt: the scan transposed, so that the chain from chunk to chunk never leaves the registers.
 //
-// Math (prefill.cu's header, transposed): the CTA holds S^T (its 64 value columns by K keys, fp32) as the accumulators
+// Math (prefill.cuh's header, transposed): the CTA holds S^T (its 64 value columns by K keys, fp32) as the accumulators
 // of one wgmma m64nK, and per chunk
 //   Rp^T = S^T P^T,  Rq^T = S^T Q^T                   A = S^T (bf16 fragments of the accumulators)
 //   Y^T  = Vc^T - Rp^T diag(G fp)
@@ -502,7 +502,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_scan_wg(COMBA_PREFILL_A
 // and segment j's map lies at its number.  The chain leaves out the last number (a last segment where it names one) and
 // lists its numbers from the first: its CTAs cost alike, and those that exit then come last (listed first, they made a
 // chain over one packed sequence of 32768 tokens 12 % slower at two CTAs an SM).  The maps follow the records and the
-// chain's end words (prefill.cu, kChainDoneWords) in the workspace, K V + K K / 2 words a (map, value head): E^T
+// chain's end words (prefill.cuh, kChainDoneWords) in the workspace, K V + K K / 2 words a (map, value head): E^T
 // slab by slab (64 K floats each, in the accumulators' fragment order: float4 i of thread t at 4 (128 i + t)), then M
 // as the compose's bf16 B operand, element (n, k) = M[n][k] at byte 16 K (k / 8) + 16 n + 2 (k % 8) (K-major, no
 // swizzle).  The chain reads no state and writes no o; it skips padding rows, whose segments never read a map.
@@ -608,7 +608,7 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
     const int lc = PART == kWtWhole ? 1 : static_cast<int>(prm.seg_chunks);
     const int slabs = (V + (CHAIN ? K : 0)) / (64 * WGS);
     // the segmented scan's launches let the next one launch once the kernel before ended: the segments, launched
-    // after the chain and the split prep's tail (prefill.cu, PrepSplit), then find the flag the prep zeroed
+    // after the chain and the split prep's tail (prefill_prep.cuh, PrepSplit), then find the flag the prep zeroed
     if constexpr (PART == kWtWhole) launch_next();
     int cta = static_cast<int>(blockIdx.x), seg = 0;
     long long map0 = 0;  // where the row's segment 0 keeps its map (a ragged batch's: its number)
@@ -628,7 +628,7 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
     const long long first = row.first, head = row.head;
     const int segs = PART == kWtWhole ? 1 : max(1, (chunks + lc - 1) / lc);  // the row's
     // The chain's CTAs count themselves out as they end, their maps written; the last sets the flag that the
-    // segments await where the split prep's tail launches between them (prefill.cu, kChainDoneWords)
+    // segments await where the split prep's tail launches between them (prefill.cuh, kChainDoneWords)
     auto chain_done = [&] { return reinterpret_cast<unsigned*>(inter + chain_done_at(prm, R::SIZE, ragged)); };
     auto chain_ended = [&] {
         if (!prm.seg_split) return;
@@ -673,7 +673,7 @@ __global__ void __launch_bounds__(kWgThreads * WGS, PART == kWtChain && WGS == 2
     init_stage_barriers(bars, true, tid);
     // Chunk c's rows, record and v slab into stage s: bulk copies from thread 0 on the stage's mbarrier (the rows by
     // tensor map where the host made them, else cp.async pieces or loads from every thread)
-    // (its rows and its record in two calls where `rows` and `record` say so: bulk_stage_rows in prefill.cu)
+    // (its rows and its record in two calls where `rows` and `record` say so: bulk_stage_rows in prefill.cuh)
     auto stage_next = [&](int c, int s, bool rows = true, bool record = true) {
         unsigned char* const at = smem + s * L::STAGE_BYTES;
         const float* rec = work + ((first + c) * H + h) * words;

@@ -226,7 +226,7 @@ def test_params_struct_is_the_packed_block():
 
 def test_the_chain_s_end_words_are_the_workspace_s():
     """The workspace bytes _plan keeps past the prefill records for the segmented scan's chain (CHAIN_DONE_BYTES) are
-    kernels_cu/prefill.cu's kChainDoneWords, a whole number of 128-byte lines: the maps after them stay line-aligned
+    kernels_cu/prefill.cuh's kChainDoneWords, a whole number of 128-byte lines: the maps after them stay line-aligned
     and where the kernels look for them."""
     from cupy_comba._plan import CHAIN_DONE_BYTES
     assert CHAIN_DONE_BYTES % 128 == 0
@@ -285,9 +285,9 @@ def test_serving_plans_run_the_chain_s_serving_build():
 
 def test_prefill_shared_bytes_are_the_layouts():
     """families.prefill_scan_bytes and prefill_prep_bytes (the dynamic shared memory the launch passes) equal
-    ScanLayout::BYTES and PrepLayout::BYTES of kernels_cu/prefill.cu for every build, the workspace's record
-    sizes Record::SIZE (a stage holds its own precision's record), and prefill_fits names exactly the builds
-    whose stage fits."""
+    ScanLayout::BYTES (kernels_cu/prefill.cu) and PrepLayout::BYTES (prefill_prep.cuh) for every build, the
+    workspace's record sizes Record::SIZE (a stage holds its own precision's record), and prefill_fits names exactly
+    the builds whose stage fits."""
     checks, wg_checks = [], []
     for expression in SPECIALISATIONS["prefill_wgmma.cu"]:
         args = _template_args(expression)
@@ -346,7 +346,7 @@ def test_prefill_shared_bytes_are_the_layouts():
 
 
 def test_chunk_slots_of_a_ragged_batch_are_distinct():
-    """The slot formula of kernels_cu/prefill.cu ("Workspace"): no two chunks of a ragged batch share a
+    """The slot formula of kernels_cu/prefill.cuh ("Workspace"): no two chunks of a ragged batch share a
     record, and every one lies below families.prefill_slots."""
     rng = numpy.random.default_rng(0)
     for _ in range(500):
