@@ -329,8 +329,8 @@ RULES = (
     Rule("K = 256: the kv token loop",
          lambda c: c.K == 256 and c.layout == "kv",
          lambda c: "kv64x16" if c.wide and (c.heads is None or c.heads > 1024) else "kv32x16",
-         "h200-decode-k256.json: at K = 256 decode steps and passes of fewer than 256 tokens take the token "
-         "loops.  Over 7168 heads 64-column slabs "
+         "h200-decode-k256.json: at K = 256 decode steps and passes of fewer than 16 tokens take the token "
+         "loops (from 16 the prefill kernels: PREFILL_MIN_T).  Over 7168 heads 64-column slabs "
          "with 16 row groups (16 float4 of state a thread) run the decode step at 0.972 (Comba) / 0.979 of the "
          "copy against 0.968 / 0.965 for 32-column ones; over 1024 / 128 heads 32-column ones lead (71.0 / 8.9 "
          "against 73.6 / 9.0 us, Comba)."),
