@@ -1,6 +1,8 @@
-"""Render ``cupy-comba bench --json`` files into the tables of docs/benchmarks.md.
+"""Render ``cupy-comba bench --json`` files into the tables of docs/benchmarks.md, and ``benchmarks/serving.py``'s
+into those of docs/serving.md.
 
     python benchmarks/render_benchmarks.py docs/benchmarks.md benchmarks/results/h200-regime.json [more.json ...]
+    python benchmarks/render_benchmarks.py docs/serving.md benchmarks/results/h200-serving.json
 
 Rewrites the text between ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` from the CLI's
 reports, between ``<!-- forward:begin -->`` and ``<!-- forward:end -->`` from
@@ -8,7 +10,10 @@ reports, between ``<!-- forward:begin -->`` and ``<!-- forward:end -->`` from
 and ``<!-- tilings:end -->`` from ``benchmarks/sweep_decode.py --json`` and
 ``benchmarks/sweep_forward_tilings.py --json`` files, and between ``<!-- prefill:begin -->`` and
 ``<!-- prefill:end -->`` from ``benchmarks/sweep_prefill.py`` files (``--fla``, ``--tiling``, ``--lengths`` and
-``--between``), and between ``<!-- segments:begin -->`` and ``<!-- segments:end -->`` from its ``--segments`` file.
+``--between``), and between ``<!-- segments:begin -->`` and ``<!-- segments:end -->`` from its ``--segments`` file;
+in docs/serving.md the decode, forward and verify tables between ``<!-- serving-decode:begin -->``,
+``<!-- serving-forward:begin -->``, ``<!-- serving-verify:begin -->`` and their ends from a ``benchmarks/serving.py``
+file.
 """
 
 import json
@@ -18,11 +23,17 @@ BLOCKS = {"bench": ("<!-- bench:begin -->", "<!-- bench:end -->"),
           "forward": ("<!-- forward:begin -->", "<!-- forward:end -->"),
           "tilings": ("<!-- tilings:begin -->", "<!-- tilings:end -->"),
           "prefill": ("<!-- prefill:begin -->", "<!-- prefill:end -->"),
-          "segments": ("<!-- segments:begin -->", "<!-- segments:end -->")}
+          "segments": ("<!-- segments:begin -->", "<!-- segments:end -->"),
+          "serving-decode": ("<!-- serving-decode:begin -->", "<!-- serving-decode:end -->"),
+          "serving-forward": ("<!-- serving-forward:begin -->", "<!-- serving-forward:end -->"),
+          "serving-verify": ("<!-- serving-verify:begin -->", "<!-- serving-verify:end -->")}
 
 
 def block_of(report):
+    """The block a report fills: the serving file's three tables are each a block of their own (``serving_tables``)."""
     rows = report.get("rows") or [{}]
+    if "kind" in rows[0]:
+        return "serving"
     if "auto_segments" in rows[0]:
         return "segments"
     if "fla_us" in rows[0] or isinstance(rows[0].get("us"), dict):
@@ -197,17 +208,68 @@ def decode_table(report):
     return "\n".join(lines)
 
 
+def serving_tables(report):
+    """A ``benchmarks/serving.py --json`` file: ``{"serving-decode": table, "serving-forward": ...,
+    "serving-verify": ...}``, each row a shape and layout in the file's order, times as the docs' columns put them
+    (medians of the graph replays; "of copy" as the file has it)."""
+    by = {}
+    for r in report["rows"]:
+        by.setdefault((r["layout"], tuple(r["shape"])), {})[r["kind"]] = r
+
+    def shape(key):
+        return ", ".join(map(str, key[1]))
+
+    def us(rows, kind):
+        return rows[kind]["median_us"]
+
+    decode = ["| layout | B, H, K, V | dense us | of copy | pool us | of copy | slots in order / dense time | pooled "
+              "copy, of copy | pool / pooled copy time | half padding / dense | gating / pool |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    forward = ["| layout | B, T, H, K, V | dense us | pool / dense | gating / pool | ragged / dense | ragged / pool | "
+               "kernel |", "|---|---|---|---|---|---|---|---|"]
+    verify = ["| layout | B, T, H, K, V | intermediate_states us | of copy | slot per token us | of copy | fan-out "
+              "copy us | of copy | bulk fan-out us | of copy | writes alone us | of copy |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key, rows in by.items():
+        if "decode dense" in rows:
+            dense, pool, copy = rows["decode dense"], rows["decode pool"], rows["copy through the pool"]
+            decode.append(
+                f"| {key[0]} | {shape(key)} | {dense['median_us']:.1f} | {dense['of_copy']:.3f} | "
+                f"{pool['median_us']:.1f} | {pool['of_copy']:.3f} | "
+                f"{us(rows, 'decode pool, slots in order') / dense['median_us']:.3f} | {copy['of_copy']:.3f} | "
+                f"{pool['median_us'] / copy['median_us']:.3f} | "
+                f"{us(rows, 'decode pool, half padding') / dense['median_us']:.3f} | "
+                f"{us(rows, 'decode pool + gating') / pool['median_us']:.3f} |")
+        if "forward dense" in rows:
+            dense, pool, ragged = (us(rows, k) for k in ("forward dense", "forward pool", "forward ragged"))
+            forward.append(
+                f"| {key[0]} | {shape(key)} | {dense:.1f} | {pool / dense:.3f} | "
+                f"{us(rows, 'forward pool + gating') / pool:.3f} | {ragged / dense:.3f} | {ragged / pool:.3f} | "
+                f"`{rows['forward dense']['variant']}` |")
+        if "verify intermediate_states" in rows:
+            kinds = ("verify intermediate_states", "verify slot per token", "copy, one read T writes",
+                     "copy, one read T bulk writes", "writes alone")
+            verify.append(f"| {key[0]} | {shape(key)} | " + " | ".join(
+                f"{rows[k]['median_us']:.1f} | {rows[k]['of_copy']:.3f}" if k in rows else "- | -" for k in kinds)
+                          + " |")
+    return {"serving-decode": "\n".join(decode), "serving-forward": "\n".join(forward),
+            "serving-verify": "\n".join(verify)}
+
+
 def main():
     doc, *paths = sys.argv[1:]
     text = open(doc).read()
     reports = [(path, json.load(open(path))) for path in paths]
     for name, (begin, end) in BLOCKS.items():
-        mine = [(path, r) for path, r in reports if block_of(r) == name]
+        if name.startswith("serving-"):
+            mine = [(path, serving_tables(r)[name]) for path, r in reports if block_of(r) == "serving"]
+        else:
+            mine = [(path, table(r)) for path, r in reports if block_of(r) == name]
         if not mine:
             continue
         head, rest = text.split(begin, 1)
         _, tail = rest.split(end, 1)
-        body = "\n\n".join(table(r) + f"\n\n(from `{path}`)" for path, r in mine)
+        body = "\n\n".join(t + f"\n\n(from `{path}`)" for path, t in mine)
         text = f"{head}{begin}\n{body}\n{end}{tail}"
     with open(doc, "w") as f:
         f.write(text)

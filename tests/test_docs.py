@@ -38,3 +38,23 @@ def test_integrations_page_cpu_blocks():
 
     assert snippets.run("integrations.md") >= 1
 
+
+
+def test_serving_tables_are_the_results_rendering():
+    """docs/serving.md's decode, forward and verify tables are what benchmarks/render_benchmarks.py makes of
+    benchmarks/results/h200-serving.json, so a re-run of benchmarks/serving.py reaches the page by one command."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("render_benchmarks", root / "benchmarks" / "render_benchmarks.py")
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    report = json.loads((root / "benchmarks" / "results" / "h200-serving.json").read_text())
+    assert render.block_of(report) == "serving"
+    page = (root / "docs" / "serving.md").read_text()
+    for name, table in render.serving_tables(report).items():
+        begin, end = render.BLOCKS[name]
+        assert table.count("\n") >= 5
+        assert f"{begin}\n{table}\n\n(from `benchmarks/results/h200-serving.json`)\n{end}" in page, name
