@@ -58,3 +58,33 @@ def test_serving_tables_are_the_results_rendering():
         begin, end = render.BLOCKS[name]
         assert table.count("\n") >= 5
         assert f"{begin}\n{table}\n\n(from `benchmarks/results/h200-serving.json`)\n{end}" in page, name
+
+
+def test_section_references_name_sections_that_exist():
+    """Every `<page>.md, "<Section>"` that a source, test or page cites names a heading of docs/<page>.md (the
+    heading may go on past the name: "Segments" for "Segments: the parallel split")."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        listed = subprocess.run(["git", "ls-files", "*.py", "*.cu", "*.cuh", "*.md"], cwd=root, capture_output=True,
+                                text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout
+        listed = [str(p.relative_to(root)) for ext in ("py", "cu", "cuh", "md") for p in root.rglob(f"*.{ext}")
+                  if ".venv" not in p.parts]
+    headings = {}
+    cited = []
+    for name in listed:
+        text = (root / name).read_text()
+        cited += [(name, page, " ".join(section.split()))  # a name may break across lines
+                  for page, section in re.findall(r'\b([a-z0-9_-]+)\.md,? \(?"([A-Z][^"]*)"', text)]
+    assert len(cited) > 20
+    for name, page, section in cited:
+        if page not in headings:
+            path = root / "docs" / f"{page}.md"
+            assert path.exists(), f"{name} cites {page}.md"
+            headings[page] = [line.lstrip("#").strip() for line in path.read_text().splitlines()
+                              if line.startswith("#")]
+        assert any(h.startswith(section) for h in headings[page]), f"{name} cites {page}.md, {section!r}"
