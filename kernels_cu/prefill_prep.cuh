@@ -14,8 +14,8 @@
 namespace comba {
 
 // ---------------------------------------------------------------------------------------------------
-// prefill_prep: the coefficients of one chunk of one value head (prefill.cuh's header, "Math").  The chunk's rows of q, k
-// and p are staged first (bf16 by cp.async, or as floats); the Gram products then run from shared
+// prefill_prep: the coefficients of one chunk of one value head (prefill.cuh's header, "Math").  The chunk's rows
+// of q, k and p are staged first (bf16 by cp.async, or as floats); the Gram products then run from shared
 // memory, the 20 tiles on or below the diagonal of each shared out evenly, five a warp over all the
 // keys (GramTiles), each written once.
 //

@@ -1,6 +1,6 @@
 // prefill_wgmma.cu -- the long-prompt scan on Hopper's warpgroup MMA (wgmma, sm_90a), bf16 products:
-// prefill_scan_wg, the scan as prefill.cu's prefill_scan writes it (ACC 5: prefill_prep's bf16 record with its fragments in the
-// natural k order), and prefill_scan_wt, the scan transposed (ACC 6; its own header further down).
+// prefill_scan_wg, the scan as prefill.cu's prefill_scan writes it (ACC 5: prefill_prep's bf16 record with its
+// fragments in the natural k order), and prefill_scan_wt, the scan transposed (ACC 6; its own header further down).
 //
 // Math: prefill.cuh's header, chunk after chunk of 64 tokens from the state S (K x VT, fp32 in the
 // accumulators):  Rp = P S,  Rq = Q S,  Y = V - diag(G fp) Rp,  U = A Y,  O = diag(scale G fq) Rq + Mq U,

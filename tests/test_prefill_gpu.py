@@ -548,8 +548,8 @@ def test_programmatic_dependent_launches(variant, comba, monkeypatch):
     for launcher in launchers:
         dependent = _programmatic() and (not variant.endswith("sg") or variant.endswith("128c64sg"))
         assert [c is not None for c in launcher._configs] == [i > 0 and dependent for i in range(len(launcher._steps))]
-        # the segmented scan's prep split around the chain (kernels_cu/prefill_prep.cuh, PrepSplit): its tail part a grid of
-        # (H, chunks) after the chain
+        # the segmented scan's prep split around the chain (kernels_cu/prefill_prep.cuh, PrepSplit): its tail part a
+        # grid of (H, chunks) after the chain
         if dependent and variant.endswith("sg"):
             lead, chain, tail, segments = launcher._steps
             assert lead[0] == tail[0] and tail[1][0] == H and tail[1][1] > 1
