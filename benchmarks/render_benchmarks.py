@@ -43,6 +43,13 @@ def block_of(report):
     return "forward" if "rows" in report else "bench"
 
 
+def tables(report):
+    """``{block: table}`` of what a report fills: the serving file its three blocks, any other report its one."""
+    if block_of(report) == "serving":
+        return serving_tables(report)
+    return {block_of(report): table(report)}
+
+
 def table(report):
     if block_of(report) == "segments":
         return prefill_segments_table(report)
@@ -260,11 +267,9 @@ def main():
     doc, *paths = sys.argv[1:]
     text = open(doc).read()
     reports = [(path, json.load(open(path))) for path in paths]
+    rendered = [(path, tables(r)) for path, r in reports]
     for name, (begin, end) in BLOCKS.items():
-        if name.startswith("serving-"):
-            mine = [(path, serving_tables(r)[name]) for path, r in reports if block_of(r) == "serving"]
-        else:
-            mine = [(path, table(r)) for path, r in reports if block_of(r) == name]
+        mine = [(path, filled[name]) for path, filled in rendered if name in filled]
         if not mine:
             continue
         head, rest = text.split(begin, 1)

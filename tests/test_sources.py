@@ -7,25 +7,14 @@ reads as a global must be bound at its module's top level (assigned, defined or 
 """
 
 import builtins
-import pathlib
-import subprocess
 import symtable
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from repo import ROOT, tracked
+
 MODULE_NAMES = {"__file__", "__name__", "__doc__", "__spec__", "__loader__", "__package__", "__path__",
                 "__builtins__"}
-
-
-def _sources():
-    try:
-        listed = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True)
-    except OSError:  # no git
-        listed = None
-    if listed is None or listed.returncode:  # not a git checkout: every .py file but those of a virtual environment
-        return sorted(str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if ".venv" not in p.parts)
-    return sorted(listed.stdout.split())
 
 
 def unbound_globals(source, name="<source>"):
@@ -55,6 +44,6 @@ def test_the_check_finds_a_stray_name():
     assert unbound_globals(source) == [("f", 4, "x"), ("g", 8, "LIMTI")]
 
 
-@pytest.mark.parametrize("path", _sources())
+@pytest.mark.parametrize("path", tracked("*.py"))
 def test_every_global_a_source_reads_is_bound(path):
     assert unbound_globals((ROOT / path).read_text(), path) == []

@@ -10,6 +10,7 @@ import pytest
 from cupy_comba import families, tiling
 
 from kernel_paths import CHUNKED_CHOICE, CHUNKED_HEADS, FEW_HEADS, FEW_HEADS_CHOICE, MANY_HEADS, MANY_HEADS_CHOICE
+from repo import renderer
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
@@ -319,10 +320,7 @@ def test_the_segmented_choice_is_within_5_percent_of_the_best_timed():
 def test_the_segments_table_is_the_rules_rendering():
     """docs/benchmarks.md's table of the segmented scan is what benchmarks/render_benchmarks.py makes of
     h200-prefill-segments.json under the current rules, so a change of the rules shows there or fails here."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("render_benchmarks", RESULTS.parent / "render_benchmarks.py")
-    render = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(render)
+    render = renderer()
     with open(RESULTS / "h200-prefill-segments.json") as f:
         report = json.load(f)
     assert render.block_of(report) == "segments"
