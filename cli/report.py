@@ -104,10 +104,11 @@ def info_lines():
     specs = families.specialisations()
     where = f"compiled: for {arch} in this cache" if arch else "no GPU, so none is compiled for one"
     yield f"kernel specialisations ({where}; `cupy-comba precompile` builds them all):"
+    width = max(map(len, specs))
     for source, expressions in specs.items():
         built = sum(_build.is_built(source, e, arch) for e in expressions) if arch else None
         count = f"{len(expressions):3d}" + ("" if built is None else f", {built:3d} compiled")
-        yield f"  {source:<18} {count}"
+        yield f"  {source:<{width}} {count}"
     loaded = _build.loaded()
     if loaded:  # one a line: a process that ran many shapes holds hundreds
         yield f"loaded in this process ({len(loaded)}):"

@@ -27,9 +27,9 @@ from ._backend import cupy
 
 NVRTC_OPTIONS = ("--std=c++17",)
 
-#: Sources built for the arch-specific target on compute capability 9.0 (sm_90a): the prefill scan on wgmma
-#: (elsewhere it is built empty, and the plans refuse it).
-ARCH_SPECIFIC = ("prefill_wgmma.cu",)
+#: Sources built for the arch-specific target on compute capability 9.0 (sm_90a): the prefill scans on wgmma
+#: (elsewhere they are built empty, and the plans refuse them).
+ARCH_SPECIFIC = ("prefill_wgmma.cu", "prefill_transposed.cu")
 
 
 def target(source, arch):

@@ -6,7 +6,7 @@ on) and the arrays allow it, instead of 16-byte cp.async pieces from every threa
 describes one array as ``[B, T, heads, n]`` (the last axis innermost) and a box of 64 token rows of one
 head: for q, k and p ``K + 16`` elements wide (``K + 8`` for ``prefill_scan_wg``) -- the elements past the
 key axis lie outside the array and arrive as zeros, so that the rows land at the stage's padded pitch --
-and for v one slab of value columns.  ``prefill_scan_wt`` (kernels_cu/prefill_wgmma.cu) takes boxes of 64 elements
+and for v one slab of value columns.  ``prefill_scan_wt`` (kernels_cu/prefill_transposed.cu) takes boxes of 64 elements
 (128 bytes) by 64 token rows with the copy's 128-byte swizzle, the layout wgmma reads: of q, k and p 64 keys, of v
 (bf16 only) 64 value columns.
 

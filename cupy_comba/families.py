@@ -32,7 +32,7 @@ variant                   kernel (``comba::``)        a CTA holds
                           (``prefill_wgmma.cu``)
 ``{layout}64c64wt``       ``prefill_prep`` (ACC 6),   64 value columns as the rows of S^T, the state
                           then ``prefill_scan_wt``    and the chunk's corrections kept in registers
-                          (``prefill_wgmma.cu``)      from chunk to chunk (bf16, compute cap. 9.0)
+                          (``prefill_transposed.cu``)      from chunk to chunk (bf16, compute cap. 9.0)
 ``{layout}64c64sg``       ``prefill_prep`` (ACC 6),   the same over one segment of a row's chunks,
                           then ``prefill_scan_wt``    from the state that the segments before it
                           twice: chain, segments      leave (a dense batch over a few heads)
@@ -79,8 +79,8 @@ WGMMA_CAPABILITY = "90"
 #: The families built for that target only: the wgmma scans.
 WGMMA_FAMILIES = ("prefill_scan_wg", "prefill_scan_wt")
 
-#: prefill_scan_wt's PART (``WtPart``, kernels_cu/prefill_wgmma.cu): the whole scan, the segmented scan's chain, its
-#: segments.
+#: prefill_scan_wt's PART (``WtPart``, kernels_cu/prefill_transposed.cu): the whole scan, the segmented scan's
+#: chain, its segments.
 WT_WHOLE, WT_CHAIN, WT_SEGMENTS = 0, 1, 2
 
 #: Warpgroups a CTA of the transposed scan (``{layout}{64 WGS}c64wt`` / ``sg``): one on a slab of 64 value columns,
@@ -154,7 +154,7 @@ class Kernel(NamedTuple):
     def segment_grids(self, B, T, H, K, V, segments, per, ragged):
         """The segmented scan's two grids and the number of segment maps its workspace holds, over B rows of T
         tokens (B sequences packed into T where ``ragged``) cut into ``segments`` of ``per`` chunks
-        (kernels_cu/prefill_wgmma.cu, "Segments"): the chain's grid (a CTA a map, head and 64 of the V + K columns
+        (kernels_cu/prefill_transposed.cu, "Segments"): the chain's grid (a CTA a map, head and 64 of the V + K columns
         of the map a warpgroup of its ``chain_block`` threads) and the segments' (a CTA a segment, head and slab).
         A dense row has a map a segment but the last; a ragged batch numbers its sequences' segments in packed
         order, below ``(T // 64 + B) // per + B``, the segments' grid runs a CTA a number (those of no segment exit)
@@ -244,8 +244,8 @@ def _all_tilings():
     for K in FAMILY_K:
         out += [Tiling(f"{layout}{slab}c64wg", layout, K, "prefill_scan_wg", "prefill_wgmma.cu", (slab,), slab, 128,
                        PREFILL_CHUNK, True) for layout in ("kv", "vk") for slab in PREFILL_SLABS]
-        out += [Tiling(f"{layout}{64 * wgs}c64{name}", layout, K, "prefill_scan_wt", "prefill_wgmma.cu", (part, wgs),
-                       64 * wgs, 128 * wgs, PREFILL_CHUNK, True)
+        out += [Tiling(f"{layout}{64 * wgs}c64{name}", layout, K, "prefill_scan_wt", "prefill_transposed.cu",
+                       (part, wgs), 64 * wgs, 128 * wgs, PREFILL_CHUNK, True)
                 for wgs in WT_WARPGROUPS for layout in ("kv", "vk")
                 for name, part in (("wt", WT_WHOLE), ("sg", WT_SEGMENTS))]
     return tuple(out)
@@ -465,7 +465,7 @@ WT_RECORD = 2048 + 256 + 2048
 
 
 def prefill_wt_bytes(K, separate_p, chain=False, wgs=1):
-    """Bytes of ``WtLayout<K, CHAIN, SEPARATE_P, WGS>`` (kernels_cu/prefill_wgmma.cu): room to align to 1 KB, two
+    """Bytes of ``WtLayout<K, CHAIN, SEPARATE_P, WGS>`` (kernels_cu/prefill_transposed.cu): room to align to 1 KB, two
     stages of a chunk's Q, Kc and (``separate_p``) P rows (64 rows of K bf16 each), record and v slab (a box of
     64 x 64 bf16 each of ``wgs`` warpgroups), their warps' o transposes and two mbarriers; ``chain``: the segments'
     chain, whose stages hold no Q and the record without Mq."""

@@ -38,7 +38,7 @@ struct Params {
     long long per_token, slot_st, na_t; // verify: 1 intermediate_states, 2 a slot per token (slots[b, t],
                                         // T stride slot_st; num_accepted_tokens of dtype na_t, 0 none)
     long long gate_softplus, beta_sigmoid;  // in-kernel gating (gate_of, beta_of)
-    long long seg_chunks;               // the segmented prefill scan (prefill_wgmma.cu): chunks a segment
+    long long seg_chunks;               // the segmented prefill scan (prefill_transposed.cu): chunks a segment
     long long seg_split;                // and its prep in two launches around the chain (prefill_prep.cuh, PrepSplit)
 };
 

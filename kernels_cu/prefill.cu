@@ -1,7 +1,7 @@
 // prefill.cu -- prefill_scan, the long-prompt scan on mma.sync: one slab of value columns of one head carried from
 // chunk to chunk of 64 tokens, from the records prefill_prep forms (prefill_prep.cuh; the math, the precisions and
 // the workspace: prefill.cuh's header).  Every GPU from sm_80, every precision and key width; on Hopper the wgmma
-// scans (prefill_wgmma.cu) take bf16 keys where the tiling says so.
+// scans (prefill_wgmma.cu, prefill_transposed.cu) take bf16 keys where the tiling says so.
 //
 // Launch geometry.  One 256-thread CTA a (row, value head, slab of VT = 16 or 32 value columns); warp w holds token
 // tile w % 4 of Y, U and O and half (w / 4) of the slab's column tiles, and of the state (K x VT fp32) key tiles

@@ -1,11 +1,11 @@
 // prefill.cuh -- what the long-prompt kernels share.  The gated delta rule over long forward passes in chunks of 64
 // tokens on the tensor cores, in two launches: `prefill_prep` (prefill_prep.cuh), parallel over every chunk of every
 // head, forms each chunk's coefficients; a scan, parallel over heads and slabs of value columns, carries the state
-// from chunk to chunk and writes o -- `prefill_scan` on mma.sync (prefill.cu), `prefill_scan_wg` and
-// `prefill_scan_wt` on Hopper's warpgroup MMA (prefill_wgmma.cu).  Either state layout, Comba and Gated DeltaNet
-// (p = k).  This file: the math, the precisions and the workspace of them all, and the device code they share --
-// records, operands, rows and chunk slots, staging by cp.async and by bulk copies, programmatic launches, the
-// segmented scan's end words, a scan CTA's place and its o stores.
+// from chunk to chunk and writes o -- `prefill_scan` on mma.sync (prefill.cu), `prefill_scan_wg` (prefill_wgmma.cu)
+// and `prefill_scan_wt` (prefill_transposed.cu) on Hopper's warpgroup MMA.  Either state layout, Comba and Gated
+// DeltaNet (p = k).  This file: the math, the precisions and the workspace of them all, and the device code they
+// share -- records, operands, rows and chunk slots, staging by cp.async and by bulk copies, programmatic launches,
+// the segmented scan's end words, a scan CTA's place and its o stores.
 //
 // Math.  A chunk of C = 64 tokens from the state S0 (K x V); G_t = e_0 ... e_t, r(j, t) = e_{j+1}
 // ... e_t (r(t, t) = 1); fq, fk, fp the L2-norm factors (1 without use_qk_l2norm; 0 for the tokens
@@ -33,8 +33,8 @@
 // keys as they are staged, the state published as bf16 for the read, Y, U and w U rounded to bf16 by the warp
 // that forms them, A and Mq stored as bf16 fragments by the prep -- half the mma.sync and half the record of
 // the TF32 forms, at bf16's rounding.  The scan stages bf16 keys as they are and fp16 / fp32 ones as floats
-// (ACC 2 and 3).  ACC 5 and 6 are the "bf16" records of the two wgmma scans (prefill_wgmma.cu): ACC 5 the same
-// products with its fragments in wgmma's natural order, ACC 6 A and Mq as the transposed scan's B tiles (WtRecord).
+// (ACC 2 and 3).  ACC 5 and 6 are the "bf16" records of the two wgmma scans: ACC 5 prefill_scan_wg's, the same
+// products with its fragments in wgmma's natural order, ACC 6 prefill_scan_wt's, A and Mq as its B tiles (WtRecord).
 //
 // Workspace (the `inter` pointer slot, which these kernels never hold as intermediate_states): one
 // record of Record<ACC>::SIZE words a (chunk slot, value head): A and Mq as mma.sync A fragments of the
@@ -45,7 +45,7 @@
 // n + c, which no two chunks share and which stays below floor(total / 64) + N (`first_slot`): the
 // grid is sized on the host from the packed length and the number of sequences, with no device sync.  A segmented
 // pass keeps kChainDoneWords words past the records (the chain's end, told to the segments), then the segments'
-// maps (prefill_wgmma.cu).
+// maps (prefill_transposed.cu).
 #pragma once
 #include "common.cuh"
 #include "params.cuh"
@@ -69,7 +69,7 @@ struct Record {
     static constexpr int A = 0, MQ = FRAG, GP = 2 * FRAG, GQ = GP + 64, W = GQ + 64, G = W + 64, SIZE = GP + 256;
 };
 
-// The record of prefill_scan_wt (ACC 6, prefill_wgmma.cu), in 32-bit words: A (64 x 64), then G fp, scale G fq, w
+// The record of prefill_scan_wt (ACC 6, prefill_transposed.cu), in 32-bit words: A (64 x 64), then G fp, scale G fq, w
 // (64 each) and G_63, then Mq (64 x 64); A and Mq as that scan's bf16 B tiles -- element (t, j) at 16-byte row t of
 // block j / 8 (1 KB a block of 8 columns), zeros above the diagonal: wgmma's K-major layout with no swizzle.  The
 // segments' chain copies the words before Mq alone.
@@ -419,7 +419,7 @@ __device__ __forceinline__ void ldsm4_trans(unsigned (&r)[4], const void* at) {
 // The segmented scan's chain tells the segments that it ended through kChainDoneWords words past the records of
 // the workspace (128 bytes, a cache line: the maps after them stay line-aligned, as their copies need -- at a
 // 16-byte offset the chain and the segments run 2-10 % slower): word 0 counts the chain's CTAs that ended,
-// word 1 turns 1 when the last one did (prefill_wgmma.cu, chain_ended; the segments that read maps wait for it).
+// word 1 turns 1 when the last one did (prefill_transposed.cu, chain_ended; the segments that read maps wait for it).
 // The prep zeroes them.  Only a split prep (Params::seg_split) needs them: otherwise the segments launch after the
 // chain, or as its dependent, and await its end like any kernel's.
 constexpr int kChainDoneWords = 32;

@@ -1,7 +1,7 @@
 // prefill_prep.cuh -- prefill_prep, the coefficients of every chunk of every value head at once: the decays, the
 // Gram products, A = (I + L)^-1 diag(beta), Mq and the per-token factors of prefill.cuh's math, into one record a
 // (chunk slot, value head) of the workspace for each scan's ACC.  Built into the modules of the scans (prefill.cu,
-// prefill_wgmma.cu).
+// prefill_wgmma.cu, prefill_transposed.cu).
 //
 // Launch geometry.  One 128-thread CTA a (chunk slot, value head), its keys staged in shared memory (PrepLayout);
 // the Gram tiles on or below the diagonal shared out evenly over the four warps, each warp applying its tiles'

@@ -44,8 +44,7 @@ def test_the_registry_lists_every_build_once():
     # chain x p or not (one warpgroup a CTA at K = 64 and with p, one or two at K = 128 without), one build for both
     # layouts; each with and without the serving options
     assert counts == {"token_loop.cu": 464, "chunked.cu": 24, "delta_rule_mma.cu": 72, "prefill.cu": 246,
-                      "prefill_wgmma.cu": 114,
-                      "copy.cu": 1}
+                      "prefill_wgmma.cu": 36, "prefill_transposed.cu": 78, "copy.cu": 1}
     for source, expressions in SPECIALISATIONS.items():
         assert len(set(expressions)) == len(expressions), source
     reached = {e for t in families.TILINGS for sep in (True, False) for multi in (False, True)
@@ -59,16 +58,19 @@ def test_the_registry_lists_every_build_once():
     assert reached == {e for s, exprs in SPECIALISATIONS.items() if s != "copy.cu" for e in exprs}
 
 
-def test_only_the_wgmma_scan_is_built_for_sm90a():
-    """prefill_wgmma.cu (wgmma, sm_90a instructions) gets the arch-specific target on compute capability 9.0
-    and nowhere else; every other source keeps the plain options, so its cache entries stand."""
-    assert _build.nvrtc_options("prefill_wgmma.cu", "sm_90") == _build.NVRTC_OPTIONS + ("-arch=sm_90a",)
-    for arch in ("sm_80", "sm_89", "sm_100"):
-        assert _build.nvrtc_options("prefill_wgmma.cu", arch) == _build.NVRTC_OPTIONS
+def test_only_the_wgmma_scans_are_built_for_sm90a():
+    """prefill_wgmma.cu and prefill_transposed.cu (wgmma, sm_90a instructions) get the arch-specific target on compute
+    capability 9.0 and nowhere else; every other source keeps the plain options, so its cache entries stand."""
+    wgmma = {"prefill_wgmma.cu", "prefill_transposed.cu"}
+    assert set(_build.ARCH_SPECIFIC) == wgmma
+    for source in wgmma:
+        assert _build.nvrtc_options(source, "sm_90") == _build.NVRTC_OPTIONS + ("-arch=sm_90a",)
+        for arch in ("sm_80", "sm_89", "sm_100"):
+            assert _build.nvrtc_options(source, arch) == _build.NVRTC_OPTIONS
     for source in SPECIALISATIONS:
-        if source != "prefill_wgmma.cu":
+        if source not in wgmma:
             assert _build.nvrtc_options(source, "sm_90") == _build.NVRTC_OPTIONS
-    assert {t.source for t in families.TILINGS if t.family == "prefill_scan_wg"} == {"prefill_wgmma.cu"}
+    assert {t.source for t in families.TILINGS if t.family in families.WGMMA_FAMILIES} == wgmma
     # its staged key rows are K + 8 wide (WgLayout::KP), prefill_scan's K + 16 (the tensor maps' boxes follow)
     scan = {v: families.kernel("kv", v, K=128, separate_p=True, multi=True, precision="bf16", bf16_keys=True)
             for v in ("kv16c64", "kv16c64wg")}
@@ -132,7 +134,7 @@ def test_nvrtc_compiles_every_specialisation_for_sm90(source):
         serialized = [n for n in notes if "serialized" in n]
         serial_chain = expression.startswith("comba::prefill_scan_wt<128,") and _template_args(expression)[4:] == \
             [str(families.WT_CHAIN), "2"]
-        if source == "prefill_wgmma.cu":
+        if source in _build.ARCH_SPECIFIC:
             assert bool(serialized) == serial_chain, f"{expression}: {serialized or 'no serialized wgmma'}"
         # that chain's 256-thread CTAs fit two an SM, in either build (docs/design.md, "Segments")
         if serial_chain:
@@ -288,36 +290,41 @@ def test_prefill_shared_bytes_are_the_layouts():
     ScanLayout::BYTES (kernels_cu/prefill.cu) and PrepLayout::BYTES (prefill_prep.cuh) for every build, the
     workspace's record sizes Record::SIZE (a stage holds its own precision's record), and prefill_fits names exactly
     the builds whose stage fits."""
-    checks, wg_checks = [], []
-    for expression in SPECIALISATIONS["prefill_wgmma.cu"]:
-        args = _template_args(expression)
-        if expression.startswith("comba::prefill_prep"):
-            K, acc, _ = args
-            assert acc in ("5", "6") and families.prefill_record(5) == families.PREFILL_RECORD_BF16
-            wg_checks.append(f'static_assert(comba::PrepLayout<{K}, false>::BYTES == '
-                             f'{families.prefill_prep_bytes(int(K), False)} && comba::PrepLayout<{K}, false>::'
-                             f'SHARED_P_BYTES == {families.prefill_prep_bytes(int(K), False, False)}, "{expression}");')
-            if acc == "6":
-                wg_checks.append(f'static_assert(comba::WtRecord::SIZE == {families.WT_RECORD}, "{expression}");')
-        elif expression.startswith("comba::prefill_scan_wt"):
-            K, sep, _, _, part, wgs = args
-            chain = part == "1"
-            layout = f'comba::WtLayout<{K}, {"true" if chain else "false"}, {sep}, {wgs}>'
-            wg_checks.append(f'static_assert({layout}::BYTES == '
-                             f'{families.prefill_wt_bytes(int(K), sep == "true", chain, int(wgs))}, "{expression}");')
-        else:
-            K, slab, sep, _, _ = args
-            n = families.prefill_wg_bytes(int(K), int(slab), sep == "true")
-            ring = families.prefill_wg_bytes(int(K), int(slab), sep == "true", ring=True)
-            layout = f"comba::WgLayout<{K}, {slab}, {sep}, {families.PREFILL_RECORD_BF16}>"
-            wg_checks.append(f'static_assert({layout}::BYTES == {n} && {layout}::RING == {"true" if ring else "false"}'
-                             f' && (!{layout}::RING || {layout}::RING_BYTES == {ring}), "{expression}");')
+    checks, wgmma_checks = [], {"prefill_wgmma.cu": [], "prefill_transposed.cu": []}
+    for source, source_checks in wgmma_checks.items():
+        for expression in SPECIALISATIONS[source]:
+            args = _template_args(expression)
+            if expression.startswith("comba::prefill_prep"):
+                K, acc, _ = args
+                assert acc == {"prefill_wgmma.cu": "5", "prefill_transposed.cu": "6"}[source]
+                source_checks.append(f'static_assert(comba::PrepLayout<{K}, false>::BYTES == '
+                                     f'{families.prefill_prep_bytes(int(K), False)} && comba::PrepLayout<{K}, false>::'
+                                     f'SHARED_P_BYTES == {families.prefill_prep_bytes(int(K), False, False)}, '
+                                     f'"{expression}");')
+            elif expression.startswith("comba::prefill_scan_wt"):
+                K, sep, _, _, part, wgs = args
+                chain = part == "1"
+                layout = f'comba::WtLayout<{K}, {"true" if chain else "false"}, {sep}, {wgs}>'
+                n = families.prefill_wt_bytes(int(K), sep == "true", chain, int(wgs))
+                source_checks.append(f'static_assert({layout}::BYTES == {n}, "{expression}");')
+            else:
+                K, slab, sep, _, _ = args
+                n = families.prefill_wg_bytes(int(K), int(slab), sep == "true")
+                ring = families.prefill_wg_bytes(int(K), int(slab), sep == "true", ring=True)
+                layout = f"comba::WgLayout<{K}, {slab}, {sep}, {families.PREFILL_RECORD_BF16}>"
+                source_checks.append(f'static_assert({layout}::BYTES == {n} && {layout}::RING == '
+                                     f'{"true" if ring else "false"} && (!{layout}::RING || {layout}::RING_BYTES == '
+                                     f'{ring}), "{expression}");')
+    wg_checks, wt_checks = wgmma_checks.values()
+    assert families.prefill_record(5) == families.PREFILL_RECORD_BF16
     wg_checks.append(f'static_assert(comba::Record<5>::SIZE == {families.PREFILL_RECORD_BF16}, "ACC 5");')
     wg_checks.append(f'static_assert(comba::kWgRingChunks == {families.WG_RING_CHUNKS}, "the ring");')
-    wg_checks.append(f'static_assert(comba::kWtWhole == {families.WT_WHOLE} && comba::kWtChain == {families.WT_CHAIN} '
+    wt_checks.append(f'static_assert(comba::WtRecord::SIZE == {families.WT_RECORD}, "ACC 6");')
+    wt_checks.append(f'static_assert(comba::kWtWhole == {families.WT_WHOLE} && comba::kWtChain == {families.WT_CHAIN} '
                      f'&& comba::kWtSegments == {families.WT_SEGMENTS}, "WtPart");')
-    assert len(wg_checks) == 121
-    _compiles_with("prefill_wgmma.cu", wg_checks)
+    assert (len(wg_checks), len(wt_checks)) == (38, 80)
+    for source, source_checks in wgmma_checks.items():
+        _compiles_with(source, source_checks)
     for expression in SPECIALISATIONS["prefill.cu"]:
         args = _template_args(expression)
         if expression.startswith("comba::prefill_prep"):

@@ -147,7 +147,7 @@ def _segments_model(K, V, C, chunks, seed, decay):
 
 @pytest.mark.parametrize("decay", [1.0, 0.01], ids=["fast", "slow"])
 def test_segments_compose_to_the_whole_scan(decay):
-    """kernels_cu/prefill_wgmma.cu, "Segments": each segment's map [E | M], the chunks' recurrence over V + K
+    """kernels_cu/prefill_transposed.cu, "Segments": each segment's map [E | M], the chunks' recurrence over V + K
     columns from [0 | I] with Vc = 0 in M's columns, composed as S <- E_j + M_j S, gives the state of the whole
     chunk recurrence (float64: to rounding), and with the kernels' bf16 operands -- M_j and the state rounded for
     the composition too -- an error against the token recurrence within a few percent of the whole scan's, also
@@ -179,9 +179,9 @@ def test_segments_compose_to_the_whole_scan(decay):
 
 
 def _ragged_numbers(cu, total, per):
-    """kernels_cu/prefill_wgmma.cu's bookkeeping of a ragged batch's segments, as its kernels form it from cu_seqlens
-    (bounds clamped to 0 .. total, an upper one to its lower one): each sequence's first record, chunks and segments,
-    and segment_row -- the sequence and segment of a number, by bisection."""
+    """kernels_cu/prefill_transposed.cu's bookkeeping of a ragged batch's segments, as its kernels form it from
+    cu_seqlens (bounds clamped to 0 .. total, an upper one to its lower one): each sequence's first record, chunks
+    and segments, and segment_row -- the sequence and segment of a number, by bisection."""
     N = len(cu) - 1
     start = [min(max(int(a), 0), total) for a in cu[:-1]]
     end = [min(max(int(z), s), total) for z, s in zip(cu[1:], start)]

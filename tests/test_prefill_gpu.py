@@ -197,7 +197,7 @@ def test_ragged_pool_gating(layout, comba, precision, scan):
 # Where the gates decay slowly (a 1/e memory of ~500 tokens) the bf16 operands' rounding of the state carries over
 # many chunks: Comba's whole scans land at 5-6e-3 of the reference at T = 4096, over the fast-gate bounds of TOL.
 # The segmented scan is held to these bounds and to within SEGMENT_COST of the whole transposed scan's own error on
-# the same inputs (its maps M are bf16: kernels_cu/prefill_wgmma.cu, "Segments").
+# the same inputs (its maps M are bf16: kernels_cu/prefill_transposed.cu, "Segments").
 SLOW = (8e-3, 8e-3)
 SEGMENT_COST = 1.35
 
