@@ -44,7 +44,21 @@ def _warm_state(xp, rng, B, H, K, V, Hk, warm_steps):
     return S
 
 
-def decode_inputs(B, H, K, V, *, Hk=None, dtype=bfloat16, g_dtype=float32, xp=None, seed=0, warm_steps=16):
+def _laid_out(xp, S, g, state_layout, gate, g_dtype):
+    """The warmed state as a C-contiguous float32 array in ``state_layout``, and ``g`` as ``gate`` says."""
+    if state_layout not in ("kv", "vk"):
+        raise ValueError(f"state_layout must be 'kv' or 'vk', got {state_layout!r}")
+    if gate not in ("log", "linear"):
+        raise ValueError(f"gate must be 'log' or 'linear', got {gate!r}")
+    if state_layout == "vk":
+        S = xp.swapaxes(S, -1, -2)
+    if gate == "linear":
+        g = xp.exp(g)
+    return xp.ascontiguousarray(S.astype(float32)), g.astype(g_dtype)
+
+
+def decode_inputs(B, H, K, V, *, Hk=None, dtype=bfloat16, g_dtype=float32, xp=None, seed=0, warm_steps=16,
+                  state_layout="kv", gate="log", normalize_keys=True):
     """``(state, q, k, v, p, beta, g)`` for one decode step, state warmed by reference steps.
 
     Parameters
@@ -56,12 +70,18 @@ def decode_inputs(B, H, K, V, *, Hk=None, dtype=bfloat16, g_dtype=float32, xp=No
     dtype : dtype
         Activation dtype of q, k, v, p, beta.
     g_dtype : dtype
-        dtype of the log-decay g.
+        dtype of the gate g.
     xp : module, optional
         ``numpy`` (default) or ``cupy``: where the arrays are built.
     seed : int
     warm_steps : int
         Reference steps applied to the zero state before the returned token.
+    state_layout : {"kv", "vk"}
+        The state as ``(B, H, K, V)`` or ``(B, H, V, K)``.
+    gate : {"log", "linear"}
+        g as the log-decay, or as the decay ``exp(g)``.
+    normalize_keys : bool
+        False leaves k and p unnormalised (for ``use_qk_l2norm`` runs).
 
     Examples
     --------
@@ -69,22 +89,23 @@ def decode_inputs(B, H, K, V, *, Hk=None, dtype=bfloat16, g_dtype=float32, xp=No
     >>> state, q, k, v, p, beta, g = decode_inputs(2, 4, 64, 32, warm_steps=2)
     >>> state.dtype, q.dtype.name, state.shape, g.shape
     (dtype('float32'), 'bfloat16', (2, 4, 64, 32), (2, 4))
+    >>> decode_inputs(2, 4, 64, 32, warm_steps=2, state_layout="vk")[0].shape
+    (2, 4, 32, 64)
     """
     if xp is None:
         import numpy as xp
     rng = _rng(xp, seed)
     S = _warm_state(xp, rng, B, H, K, V, Hk, warm_steps)
-    q, k, v, p, beta, g = decode_token(xp, rng, B, H, K, V, Hk)
-    return (S.astype(float32), *(a.astype(dtype) for a in (q, k, v, p, beta)), g.astype(g_dtype))
+    q, k, v, p, beta, g = _tokens(xp, rng, (B,), H, K, V, Hk, normalize_keys)
+    S, g = _laid_out(xp, S, g, state_layout, gate, g_dtype)
+    return (S, *(a.astype(dtype) for a in (q, k, v, p, beta)), g)
 
 
 def forward_inputs(B, T, H, K, V, *, Hk=None, dtype=bfloat16, g_dtype=float32, xp=None, seed=0, warm_steps=16,
                    state_layout="kv", gate="log", normalize_keys=True):
     """``(q, k, v, p, beta, g, initial_state)`` for ``T`` tokens, ``[B, T, H, *]`` activations.
 
-    The state is warmed as in :func:`decode_inputs` and laid out by ``state_layout``;
-    ``gate="linear"`` returns ``exp(g)`` instead of the log-decay; ``normalize_keys=False``
-    leaves k and p unnormalised (for ``use_qk_l2norm`` runs).
+    The parameters are those of :func:`decode_inputs`.
 
     Examples
     --------
@@ -97,10 +118,6 @@ def forward_inputs(B, T, H, K, V, *, Hk=None, dtype=bfloat16, g_dtype=float32, x
         import numpy as xp
     rng = _rng(xp, seed)
     S = _warm_state(xp, rng, B, H, K, V, Hk, warm_steps)
-    if state_layout == "vk":
-        S = xp.swapaxes(S, -1, -2)
     q, k, v, p, beta, g = _tokens(xp, rng, (B, T), H, K, V, Hk, normalize_keys)
-    if gate == "linear":
-        g = xp.exp(g)
-    return (*(a.astype(dtype) for a in (q, k, v, p, beta)), g.astype(g_dtype),
-            xp.ascontiguousarray(S.astype(float32)))
+    S, g = _laid_out(xp, S, g, state_layout, gate, g_dtype)
+    return (*(a.astype(dtype) for a in (q, k, v, p, beta)), g, S)

@@ -78,9 +78,7 @@ def _decode_prepare(comba, layout):
 
     def prepare(shape, dtype, xp, seed=0, variant=None):
         B, H, K, V = shape
-        state, q, k, v, p, beta, g = decode_inputs(B, H, K, V, dtype=dtype, xp=xp, seed=seed)
-        if layout == "vk":
-            state = xp.ascontiguousarray(xp.swapaxes(state, -1, -2))
+        state, q, k, v, p, beta, g = decode_inputs(B, H, K, V, dtype=dtype, xp=xp, seed=seed, state_layout=layout)
         state_out = xp.full(state.shape, numpy.nan, dtype=float32)
         out = xp.full((B, H, V), numpy.nan, dtype=dtype)
         opts = dict(out=out, state_out=state_out, state_layout=layout, variant=variant)
