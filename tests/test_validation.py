@@ -253,3 +253,114 @@ def test_a_grid_larger_than_the_kernels_index_is_refused():
     state = cupy.lib.stride_tricks.as_strided(base, shape=(B, H, K, V), strides=(H * K * V * 4, K * V * 4, V * 4, 4))
     with pytest.raises(ValueError, match=r"B \* H = 2147483648 heads need .* CTAs; the kernels index at most"):
         gated_delta_decode_step(state, act(B, 1, K), act(B, 1, K), act(B, H, V), act(B, H), act(B, H))
+
+
+# -- random malformed calls ----------------------------------------------------------------------------
+
+#: What a refused call may raise: nothing else (no IndexError, no NumPy casting error, no crash).
+CLEAN = (ValueError, TypeError, NotImplementedError)
+
+
+def _mutations(a, r):
+    """One way to spoil array ``a`` (or to replace it), drawn by ``r``."""
+    choices = [
+        lambda: a.astype(r.choice([numpy.int32, numpy.float64, numpy.complex64, numpy.bool_, numpy.int8])),
+        lambda: a[..., : max(a.shape[-1] - int(r.choice([1, 8])), 0)] if a.ndim else a,
+        lambda: a[..., None],
+        lambda: a[0] if a.ndim and a.shape[0] else a,
+        lambda: numpy.swapaxes(a, 0, -1),
+        lambda: a[::-1] if a.ndim else a,
+        lambda: a[:, ::2] if a.ndim > 1 else a,
+        lambda: a.tolist(),
+        lambda: None,
+        lambda: numpy.float32(1.0),
+    ]
+    return choices[int(r.integers(len(choices)))]()
+
+
+def _hostile_indices(r, shape, n):
+    """Slot indices of ``shape`` over a pool of ``n``: in range, padding, past the pool, extreme, odd dtypes."""
+    values = r.integers(-2, n + 2, size=shape).astype(numpy.int64)
+    if values.size and r.random() < 0.5:
+        values.flat[int(r.integers(values.size))] = r.choice([2 ** 31 - 1, -2 ** 31, 2 ** 40, -(2 ** 62)])
+    dtype = r.choice([numpy.int32, numpy.int64, numpy.int64, numpy.int16, numpy.uint32, numpy.float32])
+    return values.astype(dtype) if dtype != numpy.int32 else values.clip(-2 ** 31, 2 ** 31 - 1).astype(dtype)
+
+
+def _random_call(r):
+    """A small call, Comba or Gated DeltaNet, decode step or forward pass, with one of its arrays spoilt or one
+    serving option given hostile values: ``(fn, args, kwargs, names of the arrays it may write)``."""
+    comba, step = bool(r.random() < 0.5), bool(r.random() < 0.4)
+    layout = str(r.choice(["kv", "vk"]))
+    B, T, H, K, V = 2, 3, 2, 64, 32
+    kw = dict(state_layout=layout)
+    if step:
+        state, q, k, v, p, beta, g = decode_inputs(B, H, K, V, warm_steps=1, seed=int(r.integers(1 << 30)),
+                                                   state_layout=layout)
+        args = [state, q, k, v, p, beta, g]
+        writable = {"state_out"}
+        if r.random() < 0.3:
+            N = int(r.choice([1, 3]))
+            args[0] = numpy.ascontiguousarray(numpy.broadcast_to(state[:1], (N,) + state.shape[1:]))
+            kw["state_indices"] = _hostile_indices(r, (B,) if r.random() < 0.8 else (B, 2), N)
+            writable.add(0)  # the pool is updated in place
+    else:
+        q, k, v, p, beta, g, state = forward_inputs(B, T, H, K, V, warm_steps=1, seed=int(r.integers(1 << 30)),
+                                                    state_layout=layout)
+        args = [q, k, v, p, beta, g]
+        kw["initial_state"] = state
+        writable = {"state_out", "intermediate_states"}
+        u = r.random()
+        if u < 0.2:
+            cu = numpy.sort(r.integers(-2, B * T + 3, size=B + 1))
+            if r.random() < 0.3:
+                r.shuffle(cu)
+            args = [a.reshape((1, B * T) + a.shape[2:]) for a in args]
+            kw["cu_seqlens"] = cu.astype(r.choice([numpy.int32, numpy.int64, numpy.uint64, numpy.float32]))
+        elif u < 0.4:
+            kw["state_indices"] = _hostile_indices(r, (B,) if r.random() < 0.6 else (B, T), 4)
+            kw["initial_state"] = numpy.concatenate([state, state])
+            if r.random() < 0.5:
+                kw["num_accepted_tokens"] = _hostile_indices(r, (B,), T + 1)
+            writable.add("initial_state")
+        elif u < 0.5:
+            kw["intermediate_states"] = numpy.empty((B, T) + state.shape[1:] if r.random() < 0.5 else (B, T),
+                                                    numpy.float32)
+    spoilt = int(r.integers(len(args) + 2))
+    if spoilt < len(args):
+        args[spoilt] = _mutations(args[spoilt], r)
+    elif spoilt == len(args):
+        name = str(r.choice(["A_log", "dt_bias"]))
+        kw.update(A_log=numpy.zeros(H, numpy.float32), dt_bias=numpy.ones(H, numpy.float32))
+        kw[name] = _mutations(kw[name], r)
+    if not comba:
+        del args[4 if step else 3]
+    fn = {(True, True): comba_decode_step, (True, False): comba_forward,
+          (False, True): gated_delta_decode_step, (False, False): gated_delta_forward}[comba, step]
+    return fn, args, kw, writable
+
+
+def test_random_malformed_calls_fail_cleanly_or_run_and_touch_only_their_outputs():
+    """1000 small calls, each with one array spoilt (a wrong dtype, rank, length, stride, type or none) or a serving
+    option given hostile values (slots past the pool or at int64's ends, unsorted or out-of-range cu_seqlens, odd
+    index dtypes): each either raises ValueError / TypeError / NotImplementedError with a message, or runs, leaving
+    every array it was not handed for writing bit for bit as it was, and returning finite results."""
+    r = numpy.random.default_rng(2026)
+    outcomes = {"refused": 0, "ran": 0}
+    for case in range(1000):
+        fn, args, kw, writable = _random_call(r)
+        named = {i: a for i, a in enumerate(args)} | kw
+        before = {n: a.copy() for n, a in named.items() if isinstance(a, numpy.ndarray) and n not in writable}
+        try:
+            result = fn(*args, **kw)
+        except CLEAN as e:
+            assert len(str(e)) >= 20, f"case {case}: {type(e).__name__}({str(e)!r}) says too little"
+            outcomes["refused"] += 1
+            continue
+        outcomes["ran"] += 1
+        for n, a in before.items():
+            numpy.testing.assert_array_equal(named[n], a, err_msg=f"case {case}: {fn.__name__} wrote {n}")
+        for x in result:
+            if x is not None and x.dtype.kind == "f":
+                assert numpy.isfinite(x.astype(numpy.float32)).all(), f"case {case}: {fn.__name__} non-finite"
+    assert min(outcomes.values()) >= 100, outcomes  # both outcomes are exercised
