@@ -5,40 +5,40 @@ tiling of one family; :mod:`cupy_comba.tiling` picks one per shape, and the ops 
 ``variant=`` to force one (benchmarks and tests).  Each family's source file opens with its math,
 layouts and launch geometry.
 
-========================  ==========================  ============================================
-variant                   kernel (``comba::``)        a CTA holds
-========================  ==========================  ============================================
-``kv{COLS}x{RG}``         ``delta_rule_kv``           COLS value columns of a "kv" state, RG row
-                          (``token_loop.cu``)         groups; one token at a time
-``kv{COLS}w``             ``delta_rule_kv_warp``      COLS value columns of a "kv" state in one warp;
-                          (``token_loop.cu``)         the decode step only
-``vk{R}x{NW}``            ``delta_rule_vk``           R x NW x max(1, 128 / K) rows of V of a "vk"
-                          (``token_loop.cu``)         state, NW warps; one token at a time (``vk4x2``:
-                                                      the decode step only; ``vk8x8``: T-token passes
-                                                      only)
-``kv{COLS}x{RG}c4``       ``delta_rule_kv_chunked``   as ``kv{COLS}x{RG}``, 4 tokens a pass over the
-                          (``chunked.cu``)            state (T-token passes only)
-``vk{ROWS}c4``            ``delta_rule_vk_chunked``   ROWS rows of V, 4 tokens a pass (K = 128,
-                          (``chunked.cu``)            T-token passes only)
-``{layout}{SLAB}tc``      ``delta_rule_mma``          SLAB value columns, 8 tokens a pass on the
-                          (``delta_rule_mma.cu``)     tensor cores (T-token passes only)
-``{layout}{SLAB}tc16``    ``delta_rule_mma``          the same, 16 tokens (two chunks of 8) a pass;
-                                                      at K = 64 also SLAB = 128
-``{layout}{SLAB}c64``     ``prefill_prep``, then      SLAB value columns, chunk after chunk of 64
-                          ``prefill_scan``            tokens on the tensor cores, from coefficients
-                          (``prefill.cu``)            ``prefill_prep`` forms for every chunk at once
-``{layout}{SLAB}c64wg``   ``prefill_prep``, then      the same on Hopper's warpgroup MMA (bf16
-                          ``prefill_scan_wg``         q, k, p and products; compute capability 9.0)
+========================  =============================  ============================================
+variant                   kernel (``comba::``)           a CTA holds
+========================  =============================  ============================================
+``kv{COLS}x{RG}``         ``delta_rule_kv``              COLS value columns of a "kv" state, RG row
+                          (``token_loop.cu``)            groups; one token at a time
+``kv{COLS}w``             ``delta_rule_kv_warp``         COLS value columns of a "kv" state in one warp;
+                          (``token_loop.cu``)            the decode step only
+``vk{R}x{NW}``            ``delta_rule_vk``              R x NW x max(1, 128 / K) rows of V of a "vk"
+                          (``token_loop.cu``)            state, NW warps; one token at a time (``vk4x2``:
+                                                         the decode step only; ``vk8x8``: T-token passes
+                                                         only)
+``kv{COLS}x{RG}c4``       ``delta_rule_kv_chunked``      as ``kv{COLS}x{RG}``, 4 tokens a pass over the
+                          (``chunked.cu``)               state (T-token passes only)
+``vk{ROWS}c4``            ``delta_rule_vk_chunked``      ROWS rows of V, 4 tokens a pass (K = 128,
+                          (``chunked.cu``)               T-token passes only)
+``{layout}{SLAB}tc``      ``delta_rule_mma``             SLAB value columns, 8 tokens a pass on the
+                          (``delta_rule_mma.cu``)        tensor cores (T-token passes only)
+``{layout}{SLAB}tc16``    ``delta_rule_mma``             the same, 16 tokens (two chunks of 8) a pass;
+                                                         at K = 64 also SLAB = 128
+``{layout}{SLAB}c64``     ``prefill_prep``, then         SLAB value columns, chunk after chunk of 64
+                          ``prefill_scan``               tokens on the tensor cores, from coefficients
+                          (``prefill.cu``)               ``prefill_prep`` forms for every chunk at once
+``{layout}{SLAB}c64wg``   ``prefill_prep``, then         the same on Hopper's warpgroup MMA (bf16
+                          ``prefill_scan_wg``            q, k, p and products; compute capability 9.0)
                           (``prefill_wgmma.cu``)
-``{layout}64c64wt``       ``prefill_prep`` (ACC 6),   64 value columns as the rows of S^T, the state
-                          then ``prefill_scan_wt``    and the chunk's corrections kept in registers
-                          (``prefill_transposed.cu``)      from chunk to chunk (bf16, compute cap. 9.0)
-``{layout}64c64sg``       ``prefill_prep`` (ACC 6),   the same over one segment of a row's chunks,
-                          then ``prefill_scan_wt``    from the state that the segments before it
-                          twice: chain, segments      leave (a dense batch over a few heads)
-``{layout}128c64wt``,     the same two                128 value columns on two warpgroups, which
-``{layout}128c64sg``                                  share each chunk's staged keys and record
-========================  ==========================  ============================================
+``{layout}64c64wt``       ``prefill_prep`` (ACC 6),      64 value columns as the rows of S^T, the state
+                          then ``prefill_scan_wt``       and the chunk's corrections kept in registers
+                          (``prefill_transposed.cu``)    from chunk to chunk (bf16, compute cap. 9.0)
+``{layout}64c64sg``       ``prefill_prep`` (ACC 6),      the same over one segment of a row's chunks,
+                          then ``prefill_scan_wt``       from the state that the segments before it
+                          twice: chain, segments         leave (a dense batch over a few heads)
+``{layout}128c64wt``,     the same two                   128 value columns on two warpgroups, which
+``{layout}128c64sg``                                     share each chunk's staged keys and record
+========================  =============================  ============================================
 
 The token-loop kernels have two builds: the decode step (one token from a given state to a
 written state, no token loop) and the T-token build (``multi``).  The decode step is also built for
