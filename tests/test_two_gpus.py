@@ -160,8 +160,7 @@ def test_first_calls_on_both_devices_compile_once_each(monkeypatch):
 
     monkeypatch.setattr(cupy, "RawModule", counting)
     _plan.PLANS.clear()
-    host = decode_inputs(4, 2, 64, 64, seed=7)
-    host = (numpy.ascontiguousarray(host[0].swapaxes(-1, -2)),) + tuple(host[1:])
+    host = decode_inputs(4, 2, 64, 64, seed=7, state_layout="vk")
     inputs = {d: _on(d, host) for d in (0, 1)}
     barrier = threading.Barrier(2)
 
