@@ -3,16 +3,15 @@
 import itertools
 import json
 import re
-from pathlib import Path
 
 import pytest
 
 from cupy_comba import families, tiling
 
 from kernel_paths import CHUNKED_CHOICE, CHUNKED_HEADS, FEW_HEADS, FEW_HEADS_CHOICE, MANY_HEADS, MANY_HEADS_CHOICE
-from repo import renderer
+from repo import ROOT, renderer
 
-RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+RESULTS = ROOT / "benchmarks" / "results"
 
 
 @pytest.mark.parametrize("comba", [True, False], ids=["comba", "gdn"])
@@ -325,7 +324,7 @@ def test_the_segments_table_is_the_rules_rendering():
         report = json.load(f)
     assert render.block_of(report) == "segments"
     table = render.table(report)
-    assert table.count("\n") > 50 and table in (RESULTS.parent.parent / "docs" / "benchmarks.md").read_text()
+    assert table.count("\n") > 50 and table in (ROOT / "docs" / "benchmarks.md").read_text()
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
