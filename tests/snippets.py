@@ -2,9 +2,10 @@
 blocks on the GPU (in order, in one namespace)."""
 
 import re
-from pathlib import Path
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+from repo import ROOT
+
+DOCS = ROOT / "docs"
 
 
 def blocks(page, tag=""):

@@ -30,9 +30,7 @@ def test_docstring_examples(module):
 
 @pytest.mark.parametrize("page", ["api.md", "serving.md"])
 def test_page_examples(page):
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "docs" / page
+    path = ROOT / "docs" / page
     result = doctest.testfile(str(path), module_relative=False, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
 
