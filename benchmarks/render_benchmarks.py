@@ -45,19 +45,18 @@ def block_of(report):
 
 def tables(report):
     """``{block: table}`` of what a report fills: the serving file its three blocks, any other report its one."""
-    if block_of(report) == "serving":
+    block = block_of(report)
+    if block == "serving":
         return serving_tables(report)
-    return {block_of(report): table(report)}
-
-
-def table(report):
-    if block_of(report) == "segments":
-        return prefill_segments_table(report)
-    if block_of(report) == "prefill":
-        return prefill_fla_table(report) if "fla_us" in report["rows"][0] else prefill_tiling_table(report)
-    if block_of(report) == "tilings":
-        return decode_tilings_table(report) if "op" in report["rows"][0] else forward_tilings_table(report)
-    return forward_table(report) if "rows" in report else decode_table(report)
+    if block == "segments":
+        one = prefill_segments_table(report)
+    elif block == "prefill":
+        one = prefill_fla_table(report) if "fla_us" in report["rows"][0] else prefill_tiling_table(report)
+    elif block == "tilings":
+        one = decode_tilings_table(report) if "op" in report["rows"][0] else forward_tilings_table(report)
+    else:
+        one = forward_table(report) if "rows" in report else decode_table(report)
+    return {block: one}
 
 
 def decode_tilings_table(report):

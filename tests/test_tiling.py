@@ -323,7 +323,7 @@ def test_the_segments_table_is_the_rules_rendering():
     with open(RESULTS / "h200-prefill-segments.json") as f:
         report = json.load(f)
     assert render.block_of(report) == "segments"
-    table = render.table(report)
+    table = render.tables(report)["segments"]
     assert table.count("\n") > 50 and table in (ROOT / "docs" / "benchmarks.md").read_text()
 
 
