@@ -157,9 +157,8 @@ class Plan:
                     sig.T >= families.WG_RING_CHUNKS * families.PREFILL_CHUNK and kernel.ring_shared_bytes <= limit:
                 shared = kernel.ring_shared_bytes
             self.launcher = Launcher(compiled(kernel.expression, shared), grid, kernel.block,
-                                     pack_params(sig, kernel.grid3, seg_chunks, split), numpy.float32(sig.scale), shared,
-                                     before=before, workspace=workspace, maps=maps,
-                                     dependent=dependent)
+                                     pack_params(sig, kernel.grid3, seg_chunks, split), numpy.float32(sig.scale),
+                                     shared, before=before, workspace=workspace, maps=maps, dependent=dependent)
 
 
 def _activation_build(sig):

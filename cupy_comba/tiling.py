@@ -67,7 +67,8 @@ class Case(NamedTuple):
     def sixteen(self):
         """16 tokens a tensor-core pass cost less than 8: a pass of 16 costs about 5/3 of a pass of 8
         over many heads (h200-forward-mma16.json, kv, K = V = 128, 8192 heads: 366 against 215 us a
-        pass from T = 16 to 64), so T = 9-16, 25-32 and from 41 on take 16 (at 33-40 both cost 15 units and passes of 8 keep it)."""
+        pass from T = 16 to 64), so T = 9-16, 25-32 and from 41 on take 16 (at 33-40 both cost 15 units
+        and passes of 8 keep it)."""
         return -(-self.T // 16) * 5 < -(-self.T // 8) * 3
 
     @property
