@@ -366,3 +366,30 @@ def test_the_transposed_scan_where_it_wins(layout, comba):
     assert choose(heads=63) == choose(K=64, heads=63) == choose(V=96) == f"{layout}32c64wg"
     assert choose(wgmma=False) == f"{layout}32c64" and choose(transposed=False) == f"{layout}32c64wg"
     assert not choose(heads=129).endswith("c64wt")  # beyond the prefill sweeps the token kernels keep every length
+
+
+def _first_prefill_t(layout, K, heads, comba, most=256):
+    """The shortest pass the rules give the 64-token prefill kernels on the H200 (bf16 products on wgmma), or None."""
+    for T in range(1, most + 1):
+        if "c64" in tiling.choose(layout, K, 128, comba, True, T, heads, wgmma=True):
+            return T
+    return None
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("comba", [True, False])
+def test_the_design_page_threshold_table_is_the_rules(layout, comba):
+    """design.md's table of the first T the prefill kernels take, by heads and K, is what tiling.choose does at
+    every head count of each row (its first number where a cell names several scans)."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    table = text[text.index("| heads | K = 64 | K = 128 |"):]
+    rows = re.findall(r"^\| (\d+)(?:-(\d+))? \| (\d+)[^|]*\| (\d+)[^|]*\|$", table.split("\n\n")[0], re.MULTILINE)
+    assert len(rows) == 5, rows
+    for lo, hi, t64, t128 in rows:
+        for heads in range(int(lo), int(hi or lo) + 1):
+            for K, T in ((64, t64), (128, t128)):
+                assert _first_prefill_t(layout, K, heads, comba) == int(T), (heads, K)
+    more = table.split("\n\n")[0].splitlines()[-1]
+    assert more.startswith("| more (the most the sweeps measured is 128) |")
+    for K in (64, 128):
+        assert "c64" not in tiling.choose(layout, K, 128, comba, True, 65536, 129, wgmma=True)
