@@ -28,6 +28,7 @@ capability 9.0 (:mod:`cupy_comba._plan`).  ``CUPY_COMBA_PDL=0`` launches them th
 older than CUDA 12.3.
 """
 
+import collections
 import contextlib
 import ctypes
 import functools
@@ -227,9 +228,8 @@ class Launcher:
         ``(kernel, grid, block, shared_bytes)`` of each kernel launched first, in order (the prefill
         family's ``prefill_prep``, and the segmented scan's chain); one whose grid is empty is left out.
     workspace : int
-        Bytes of scratch memory the kernels take in the ``intermediate_states`` pointer slot: one
-        buffer per stream, kept by the Launcher (and for good once a stream that is capturing has
-        used it, since the captured graph holds its address).
+        Bytes of scratch memory the kernels take in the ``intermediate_states`` pointer slot, from the
+        stream's workspace (:func:`workspace`), which every Launcher launching on that stream shares.
     maps : cupy_comba._tma.StageMaps, optional
         The prefill kernels' last argument, pointed at each launch's q, k, p and v.
     dependent : bool
@@ -240,7 +240,7 @@ class Launcher:
     """
 
     __slots__ = ("kernel", "grid", "block", "params", "scale", "shared_bytes", "_steps", "_slots", "_written", "_keep",
-                 "_argv", "_lock", "_graphs", "_node_params", "workspace", "_buffers", "_maps", "_configs")
+                 "_argv", "_lock", "_graphs", "_node_params", "workspace", "_maps", "_configs")
 
     def __init__(self, kernel, grid, block, params, scale, shared_bytes=0, *, before=(), workspace=0, maps=None,
                  dependent=False):
@@ -268,30 +268,29 @@ class Launcher:
         self._keep = (params_buf, scale_buf, argv, nodes, [k for k, *_ in steps])  # read at every launch
         self._lock = threading.Lock()  # one thread at a time writes the pointer slots and launches
         self._graphs = {}  # stream handle -> _StreamGraph, or None after the stream's first launch
-        self._buffers = {}  # stream handle -> workspace
 
     def __call__(self, pointers, device):
         """Launch on the current stream of ``device`` (the kernel's) with the :data:`N_POINTERS`
         device pointers, a tuple, in order."""
         if cupy.cuda.runtime.getDevice() == device:
-            self._launch(pointers, cupy.cuda.get_current_stream().ptr)
+            self._launch(pointers, cupy.cuda.get_current_stream().ptr, device)
         else:
             with cupy.cuda.Device(device):
-                self._launch(pointers, cupy.cuda.get_current_stream().ptr)
+                self._launch(pointers, cupy.cuda.get_current_stream().ptr, device)
 
-    def _workspace(self, stream, capturing):
-        buf = self._buffers.get(stream)
-        if buf is None:
-            buf = self._buffers[stream] = cupy.empty(max(self.workspace, 1), numpy.uint8)
-        if capturing:
-            _CAPTURED[id(buf)] = buf
-        return buf.data.ptr
-
-    def _launch(self, pointers, stream):
+    def _launch(self, pointers, stream, device, scratch=None):
+        if self.workspace and scratch is None:
+            # The stream's workspace is held from the prep's launch to the scan's: another Launcher on the stream
+            # (from another thread) launches its kernels, which overwrite the records, after these, not between them.
+            scratch = workspace(device, stream)
+            with scratch.lock:
+                self._launch(pointers, stream, device, scratch)
+            return
         with self._lock:
             capturing = cupy.cuda.runtime.streamIsCapturing(stream)
-            if self.workspace:
-                pointers = pointers[:_WORKSPACE] + (self._workspace(stream, capturing),) + pointers[_WORKSPACE + 1:]
+            if scratch is not None:
+                pointers = pointers[:_WORKSPACE] + (scratch.reserve(self.workspace, capturing),) + \
+                    pointers[_WORKSPACE + 1:]
             if pointers != self._written:  # a decode loop that reuses its buffers writes them once
                 self._slots[:] = pointers
                 self._written = pointers
@@ -373,6 +372,66 @@ def _programmatic(grid, block, shared_bytes):
 _WORKSPACE = 13
 #: Workspaces that a capturing stream used: a captured graph holds their addresses for as long as it lives.
 _CAPTURED = {}
+
+#: Streams (of all devices) whose workspaces are kept; the least recently used one past them is let go.
+MAX_WORKSPACES = 16
+#: Workspaces are allocated in steps of this many bytes.
+WORKSPACE_STEP = 1 << 20
+
+
+class Workspace:
+    """The scratch memory of the prefill kernels on one stream: one buffer, shared by every call on the stream and
+    grown to the largest call's need.
+
+    Calls on one stream run in turn on the GPU, so each call's records may overwrite the last one's; a serving
+    engine's prompts, whose packed lengths differ from step to step, then hold the memory of its largest call, not
+    that of every shape it has seen.  ``lock`` is held while a call reserves the buffer and launches its kernels.
+    """
+
+    __slots__ = ("buffer", "lock")
+
+    def __init__(self):
+        self.buffer = None
+        self.lock = threading.Lock()
+
+    def reserve(self, nbytes, capturing):
+        """The buffer's device address, grown first to at least ``nbytes``.  A buffer that a capturing stream used
+        is kept for good (``_CAPTURED``): the graph holds its address."""
+        buf = self.buffer
+        if buf is None or buf.nbytes < nbytes:
+            # the buffer let go returns to CuPy's pool for this stream: whatever is allocated from it next is
+            # written after the kernels queued on the stream that read it
+            buf = self.buffer = _allocate(-(-max(nbytes, 1) // WORKSPACE_STEP) * WORKSPACE_STEP)
+        if capturing:
+            _CAPTURED[id(buf)] = buf
+        return buf.data.ptr
+
+
+def _allocate(nbytes):
+    return cupy.empty(nbytes, numpy.uint8)
+
+
+_WORKSPACES = collections.OrderedDict()  # (device, stream handle, thread or None) -> Workspace, most recent last
+_WORKSPACES_GUARD = threading.Lock()
+
+
+def workspace(device, stream):
+    """The :class:`Workspace` of stream handle ``stream`` on ``device``.  ``cudaStreamPerThread`` names each
+    thread's own default stream, which gets a workspace a thread."""
+    key = (device, stream, threading.get_ident() if stream == _PER_THREAD_STREAM else None)
+    with _WORKSPACES_GUARD:
+        found = _WORKSPACES.get(key)
+        if found is None:
+            found = _WORKSPACES[key] = Workspace()
+            while len(_WORKSPACES) > MAX_WORKSPACES:  # a call that holds one it let go keeps it till it ends
+                _WORKSPACES.popitem(last=False)
+        else:
+            _WORKSPACES.move_to_end(key)
+    return found
+
+
+#: ``cudaStreamPerThread``: the handle of the calling thread's default stream.
+_PER_THREAD_STREAM = None if cupy is None else cupy.cuda.runtime.streamPerThread
 
 
 @contextlib.contextmanager

@@ -639,3 +639,68 @@ def test_a_cuda_graph_of_a_ragged_prefill(layout, scan):
                                                 state_layout=layout, cu_seqlens=cupy.asnumpy(cu))
             assert reference.relative_error(o, o_ref) <= TOL["bf16", "bfloat16"][1]
             assert reference.relative_error(S, S_ref) <= TOL["bf16", "bfloat16"][0]
+
+
+@pytest.mark.parametrize("scan", ["32c64", "64c64sg"])
+def test_packed_lengths_that_change_share_the_streams_workspace(scan):
+    """A serving engine's prompts: packed batches of changing lengths on one stream, largest first, then smaller
+    ones, then the largest again.  Each is right, and the stream holds one workspace, the largest plan's."""
+    if scan.endswith("sg") and not _wgmma():
+        pytest.skip("the segmented scan needs compute capability 9.0")
+    from cupy_comba import _launcher
+
+    H, K, V = 2, 64, 64
+    stream = cupy.cuda.Stream(non_blocking=True)
+    device = cupy.cuda.Device().id
+    _launcher._WORKSPACES.pop((device, stream.ptr, None), None)  # a stream an earlier test left at this address
+    _plan.PLANS.clear()
+    cupy.cuda.Device().synchronize()
+    with stream:
+        needs = []
+        for i, lens in enumerate(([300, 500], [64], [129, 1, 70], [0, 250], [300, 500])):
+            total = sum(lens)
+            q, k, v, p, beta, g, _ = forward_inputs(1, total, H, K, V, seed=40 + i, xp=cupy)
+            cu = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(lens)]).astype(numpy.int32))
+            S0 = cupy.asarray(numpy.random.default_rng(i).standard_normal((len(lens), H, K, V)).astype(F32) / 8)
+            o, S = _forward(True, q, k, v, p, beta, g, S0, cu_seqlens=cu, variant=f"kv{scan}")
+            (plan,) = [x for x in _plan.PLANS.values() if x.signature.T == total]
+            needs.append(plan.launcher.workspace)
+            S_ref, o_ref = reference.comba_loop(cupy.asnumpy(S0), *map(cupy.asnumpy, (q, k, v, p, beta, g)),
+                                                cu_seqlens=cupy.asnumpy(cu))
+            assert reference.relative_error(o, o_ref) <= TOL["bf16", "bfloat16"][1]
+            assert reference.relative_error(S, S_ref) <= TOL["bf16", "bfloat16"][0]
+        held = _launcher.workspace(device, stream.ptr).buffer
+        assert held.nbytes == -(-max(needs) // _launcher.WORKSPACE_STEP) * _launcher.WORKSPACE_STEP
+        assert len(set(needs)) > 2
+
+
+@pytest.mark.parametrize("scan", ["32c64", "64c64sg"])
+def test_threads_on_one_stream_do_not_interleave_their_prompts(scan):
+    """Two threads run prompts of different lengths on the same (the null) stream, many times: each one's prep and
+    scan launch together, so every result equals the call's alone."""
+    if scan.endswith("sg") and not _wgmma():
+        pytest.skip("the segmented scan needs compute capability 9.0")
+    import threading
+
+    H, K, V = 4, 64, 64
+    calls = [forward_inputs(1, T, H, K, V, seed=T, xp=cupy) for T in (700, 190)]
+    alone = [gated_delta_forward(q, k, v, beta, g, initial_state=S0, variant=f"kv{scan}")
+             for q, k, v, p, beta, g, S0 in calls]
+    cupy.cuda.Device().synchronize()
+    failures = []
+
+    def run(i):
+        q, k, v, p, beta, g, S0 = calls[i]
+        with cupy.cuda.Stream.null:
+            for _ in range(30):
+                o, S = gated_delta_forward(q, k, v, beta, g, initial_state=S0, variant=f"kv{scan}")
+                cupy.cuda.Stream.null.synchronize()
+                if not (bool((o == alone[i][0]).all()) and bool((S == alone[i][1]).all())):
+                    failures.append(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
