@@ -418,7 +418,7 @@ _WORKSPACES_GUARD = threading.Lock()
 def workspace(device, stream):
     """The :class:`Workspace` of stream handle ``stream`` on ``device``.  ``cudaStreamPerThread`` names each
     thread's own default stream, which gets a workspace a thread."""
-    key = (device, stream, threading.get_ident() if stream == _PER_THREAD_STREAM else None)
+    key = _stream_key(device, stream)
     with _WORKSPACES_GUARD:
         found = _WORKSPACES.get(key)
         if found is None:
@@ -428,6 +428,17 @@ def workspace(device, stream):
         else:
             _WORKSPACES.move_to_end(key)
     return found
+
+
+def release_workspace(device, stream):
+    """Let go of the workspace of stream handle ``stream`` on ``device`` (a stream about to be destroyed, its work
+    done), so that another stream given the handle later does not keep it."""
+    with _WORKSPACES_GUARD:
+        _WORKSPACES.pop(_stream_key(device, stream), None)
+
+
+def _stream_key(device, stream):
+    return device, stream, threading.get_ident() if stream == _PER_THREAD_STREAM else None
 
 
 #: ``cudaStreamPerThread``: the handle of the calling thread's default stream.

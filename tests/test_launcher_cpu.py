@@ -108,12 +108,15 @@ def test_streams_devices_and_per_thread_default_streams_have_their_own(driver):
 
 
 def test_at_most_max_workspaces_are_kept(driver, monkeypatch):
-    """Past MAX_WORKSPACES streams the least recently used one is let go (a new one is made if it comes back)."""
+    """Past MAX_WORKSPACES streams the least recently used one is let go (a new one is made if it comes back), and
+    release_workspace lets go of one."""
     monkeypatch.setattr(_launcher, "MAX_WORKSPACES", 3)
     launcher = driver.make(1000, 1, 2)
     for stream in (10, 11, 12, 10, 13):
         launcher._launch(POINTERS, stream, 0)
     assert [key[1] for key in _launcher._WORKSPACES] == [12, 10, 13]
+    _launcher.release_workspace(0, 10)  # a stream about to be destroyed (the timing helpers')
+    assert [key[1] for key in _launcher._WORKSPACES] == [12, 13]
 
 
 def test_a_capture_pins_the_workspace_it_used(driver):

@@ -78,6 +78,7 @@ def time_graph(fn, *, iters=20, warmup=3, sample_ms=2.0, max_calls=256):
             graph.launch(stream)
         per_call = [_events_us(stream, lambda: graph.launch(stream)) / calls for _ in range(iters)]
         del graph  # every replay has finished: _events_us waited for its last one
+        _launcher.release_workspace(cupy.cuda.Device().id, stream.ptr)
     return Timing.from_samples(per_call, calls)
 
 
