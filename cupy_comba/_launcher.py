@@ -26,6 +26,9 @@ A Launcher made ``dependent`` launches its kernels after the first as programmat
 and waits for it where it first reads what it wrote -- the prefill scan after its prep on GPUs of compute
 capability 9.0 (:mod:`cupy_comba._plan`).  ``CUPY_COMBA_PDL=0`` launches them the ordinary way; so does a driver
 older than CUDA 12.3.
+
+The long-prompt kernels' scratch memory is the stream's, not the Launcher's (:class:`Workspace`): one buffer a
+stream, which every Launcher launching there shares.
 """
 
 import collections
