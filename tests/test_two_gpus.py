@@ -6,7 +6,7 @@ import threading
 import numpy
 import pytest
 
-from cupy_comba import _build, _plan, comba_decode_step, comba_forward, gated_delta_decode_step, reference
+from cupy_comba import _build, _launcher, _plan, comba_decode_step, comba_forward, gated_delta_decode_step, reference
 from cupy_comba.inputs import decode_inputs, forward_inputs
 
 cupy = pytest.importorskip("cupy")
@@ -143,6 +143,9 @@ def test_one_thread_per_device():
     for d0 in (p for p in plans if p.device == 0):
         twins = [p for p in plans if p.device == 1 and p.kernel == d0.kernel and p.signature.T == d0.signature.T]
         assert all(t.launcher is not d0.launcher and t.launcher._steps != d0.launcher._steps for t in twins)
+    # the long prompt's workspace: one for each device's stream, on that device
+    held = [(key[0], w.buffer) for key, w in _launcher._WORKSPACES.items() if w.buffer is not None]
+    assert {d for d, _ in held} >= {0, 1} and all(buf.device.id == d for d, buf in held)
 
 
 def test_first_calls_on_both_devices_compile_once_each(monkeypatch):
