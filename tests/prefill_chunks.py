@@ -3,15 +3,22 @@ with the serving options (a ragged batch from a pool; the segmented scan, in seg
 dense batch from a pool with a padding row and from no state), in "bf16" and "fp32", and the wgmma scans' builds on
 compute capability 9.0, those also over a row long enough for their third stage, and the transposed scan's
 two-warpgroup CTAs over 128 value columns, Gated DeltaNet's prep in its lean layout: run under compute-sanitizer's
-racecheck and memcheck by test_sanitizer_gpu.py."""
+racecheck and memcheck by test_sanitizer_gpu.py, each call with a workspace allocated at its exact size."""
 
 import cupy
 import numpy
 
-from cupy_comba import _plan, comba_forward, families, gated_delta_forward, tiling
+from cupy_comba import _launcher, _plan, comba_forward, families, gated_delta_forward, tiling
 from cupy_comba.inputs import forward_inputs
 
 T = 150
+
+
+def _exact_workspace(device, stream):
+    """Every call a workspace of its own, allocated at its size from an emptied pool: in the stream's shared,
+    grown buffer memcheck would not see a kernel run past its call's records."""
+    cupy.get_default_memory_pool().free_all_blocks()
+    return _launcher.Workspace()
 
 
 def _scans(layout, precision, K):
@@ -94,4 +101,6 @@ def main():
 
 
 if __name__ == "__main__":
+    _launcher.WORKSPACE_STEP = 1
+    _launcher.workspace = _exact_workspace
     main()
