@@ -7,6 +7,7 @@ import numpy
 from cupy_comba import comba_decode_step, comba_forward, families, gated_delta_forward
 from cupy_comba.inputs import forward_inputs
 from gpu_variants import runnable
+from sanitized import exact_workspaces
 
 HOSTILE = numpy.array([2 ** 62, -2 ** 63, 3, 1, -1, 1, 2 ** 31 - 1, 2], numpy.int64)  # N = 3
 #: Sequence bounds of a ragged batch of 8 over 9 packed tokens: negative, decreasing, past the end.
@@ -60,4 +61,5 @@ def main():
 
 
 if __name__ == "__main__":
+    exact_workspaces()
     main()

@@ -8,17 +8,11 @@ racecheck and memcheck by test_sanitizer_gpu.py, each call with a workspace allo
 import cupy
 import numpy
 
-from cupy_comba import _launcher, _plan, comba_forward, families, gated_delta_forward, tiling
+from cupy_comba import _plan, comba_forward, families, gated_delta_forward, tiling
 from cupy_comba.inputs import forward_inputs
+from sanitized import exact_workspaces
 
 T = 150
-
-
-def _exact_workspace(device, stream):
-    """Every call a workspace of its own, allocated at its size from an emptied pool: in the stream's shared,
-    grown buffer memcheck would not see a kernel run past its call's records."""
-    cupy.get_default_memory_pool().free_all_blocks()
-    return _launcher.Workspace()
 
 
 def _scans(layout, precision, K):
@@ -101,6 +95,5 @@ def main():
 
 
 if __name__ == "__main__":
-    _launcher.WORKSPACE_STEP = 1
-    _launcher.workspace = _exact_workspace
+    exact_workspaces()
     main()

@@ -166,3 +166,24 @@ def test_a_launcher_without_workspace_takes_none(driver):
     launcher._launch(POINTERS, 7, 0)
     assert launcher._slots[_launcher._WORKSPACE] == POINTERS[_launcher._WORKSPACE]
     assert not _launcher._WORKSPACES
+
+
+def test_the_sanitizer_scripts_give_each_call_a_workspace_at_its_size(driver, monkeypatch):
+    """tests/sanitized.py: under compute-sanitizer every call allocates its own workspace, at its size (no 1 MiB
+    steps, no buffer a larger call left), so that memcheck sees a kernel run past its records."""
+    import sanitized
+
+    monkeypatch.setattr(_launcher, "workspace", _launcher.workspace)  # restored after the test
+    monkeypatch.setattr(_launcher, "WORKSPACE_STEP", _launcher.WORKSPACE_STEP)
+    freed = []
+    monkeypatch.setattr(cupy, "get_default_memory_pool", lambda: type("Pool", (), {
+        "free_all_blocks": lambda self: freed.append(True)})())
+    sizes = []
+    monkeypatch.setattr(_launcher, "_allocate", lambda nbytes: sizes.append(nbytes) or _Buffer(nbytes))
+    sanitized.exact_workspaces()
+    large, small = driver.make(5000, 1, 2), driver.make(3000, 3, 4)
+    large._launch(POINTERS, 7, 0)
+    small._launch(POINTERS, 7, 0)
+    first, second = driver.launches[0][2], driver.launches[2][2]
+    assert first != second and sizes == [5000, 3000] and len(freed) == 2
+    assert not _launcher._WORKSPACES
