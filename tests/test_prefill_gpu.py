@@ -671,7 +671,7 @@ def test_packed_lengths_that_change_share_the_streams_workspace(scan):
             assert reference.relative_error(S, S_ref) <= TOL["bf16", "bfloat16"][0]
         held = _launcher.workspace(device, stream.ptr).buffer
         assert held.nbytes == -(-max(needs) // _launcher.WORKSPACE_STEP) * _launcher.WORKSPACE_STEP
-        assert len(set(needs)) > 2
+        assert len(set(needs)) >= 2  # the plans needed different sizes
 
 
 @pytest.mark.parametrize("scan", ["32c64", "64c64sg"])
