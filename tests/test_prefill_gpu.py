@@ -691,12 +691,15 @@ def test_threads_on_one_stream_do_not_interleave_their_prompts(scan):
 
     def run(i):
         q, k, v, p, beta, g, S0 = calls[i]
-        with cupy.cuda.Stream.null:
-            for _ in range(30):
-                o, S = gated_delta_forward(q, k, v, beta, g, initial_state=S0, variant=f"kv{scan}")
-                cupy.cuda.Stream.null.synchronize()
-                if not (bool((o == alone[i][0]).all()) and bool((S == alone[i][1]).all())):
-                    failures.append(i)
+        try:
+            with cupy.cuda.Stream.null:
+                for _ in range(30):
+                    o, S = gated_delta_forward(q, k, v, beta, g, initial_state=S0, variant=f"kv{scan}")
+                    cupy.cuda.Stream.null.synchronize()
+                    if not (bool((o == alone[i][0]).all()) and bool((S == alone[i][1]).all())):
+                        failures.append(i)
+        except BaseException as e:  # noqa: BLE001 - a thread's error fails the test, not only its thread
+            failures.append(e)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
     for t in threads:
