@@ -217,3 +217,28 @@ def test_integrations_page_gpu_blocks():
 
     assert snippets.run("integrations.md", "gpu") >= 5
 
+
+
+def test_buffers_handed_over_again_and_addresses_reused():
+    """The adapter keeps its CuPy view of a buffer for the next call that hands the same buffer over; another tensor
+    at the same address with another shape, strides or dtype gets a view of its own.  Results equal the reference
+    each time."""
+    q, k, _, p, g, beta, h0 = _inputs(2, 3, 2, 2, 64, 64, torch.float32, seed=31)
+    n = 2 * 3 * 2 * 64
+    memory = torch.empty(n, device="cuda")
+
+    def filled(view):  # fresh values in the memory, then the tensor that views it
+        view.copy_(torch.randn(view.shape, device="cuda"))
+        return view
+
+    views = [lambda: filled(memory.view(2, 3, 2, 64)), lambda: memory.view(2, 3, 2, 64),  # the same buffer twice
+             lambda: filled(memory[: n // 2].view(2, 3, 2, 32)),  # the same address, half the value columns
+             lambda: filled(memory.view(2, 3, 2, 64)[..., :32]),  # the same address and shape, other strides
+             lambda: filled(memory.view(torch.bfloat16)[:n].view(2, 3, 2, 64))]  # the same address and shape, bf16
+    for make in views:
+        v = make()
+        assert v.data_ptr() == memory.data_ptr()
+        h = h0[..., : v.shape[-1]].contiguous()
+        o, S = ct.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h, output_final_state=True)
+        o_ref, S_ref = gated_delta_forward(*map(_np, (q, k, v, beta, g)), initial_state=_np(h))
+        _close(o, S, o_ref, S_ref, v.dtype)

@@ -67,11 +67,22 @@ class _Frame:
 
     _streams = {}  # (device index, stream handle) -> cupy.cuda.Stream over torch's stream
     MAX_STREAMS = 64
+    # (data pointer, shape, strides, dtype) -> the CuPy view of that memory: an engine hands over the same buffers
+    # call after call.  A view holds no reference to its tensor, which would keep the tensor alive: it is used only
+    # within a call, while the caller holds the tensor, and the same address, shape, strides and dtype name the
+    # same elements whichever tensor holds them now.
+    _views = {}
+    MAX_VIEWS = 512
 
     def __init__(self):
         self.torch = torch = _torch()
         self.dtypes = {torch.float32: numpy.float32, torch.float16: numpy.float16, torch.bfloat16: bfloat16,
                        torch.int32: numpy.int32, torch.int64: numpy.int64}
+        # The handle of a device's current stream: the raw getter that torch's compiled code calls, where this
+        # build of torch has it, skips making a torch.cuda.Stream object on every call.
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self.stream_handle = (lambda device: raw(device.index)) if raw else \
+            (lambda device: torch.cuda.current_stream(device).cuda_stream)
 
     def device(self, q, k, v):
         for n, x in (("q", q), ("k", k), ("v", v)):
@@ -95,7 +106,7 @@ class _Frame:
 
     @contextmanager
     def on(self, device):
-        handle = self.torch.cuda.current_stream(device).cuda_stream
+        handle = self.stream_handle(device)
         key = (device.index, handle)
         with cupy.cuda.Device(device.index):
             stream = self._streams.get(key)
@@ -113,6 +124,10 @@ class _Frame:
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.device != device:
             raise ValueError(f"{name} is on {x.device}, q on {device}: every tensor must be on q's device")
+        key = (x.data_ptr(), x.shape, x.stride(), x.dtype)
+        view = self._views.get(key)
+        if view is not None:
+            return view
         dtype = self.dtypes.get(x.dtype)
         if dtype is None:  # not a dtype the kernels take: DLPack carries it, and the op names what it expects
             return cupy.from_dlpack(x.detach())
@@ -120,8 +135,12 @@ class _Frame:
         # 30 us of host time a tensor, and the kernel is ordered with torch's work by running on its stream.
         itemsize, shape, strides = x.element_size(), tuple(x.shape), x.stride()
         extent = 0 if x.numel() == 0 else (1 + sum((n - 1) * st for n, st in zip(shape, strides))) * itemsize
-        memory = cupy.cuda.UnownedMemory(x.data_ptr(), extent, x, device.index)
-        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0), tuple(st * itemsize for st in strides))
+        memory = cupy.cuda.UnownedMemory(key[0], extent, None, device.index)
+        view = cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0), tuple(st * itemsize for st in strides))
+        if len(self._views) >= self.MAX_VIEWS:
+            self._views.clear()
+        self._views[key] = view
+        return view
 
     def results(self, o, final_state):
         return o, final_state
