@@ -625,8 +625,9 @@ def test_a_cuda_graph_of_a_ragged_prefill(layout, scan):
     cupy.cuda.Device().synchronize()  # the inputs written: a non-blocking stream does not wait for the null stream
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
+        # the plan, and the stream's workspace at this size, before the capture
         comba_forward(q, k, v, p, beta, g, initial_state=S0, cu_seqlens=cu, out=o, state_out=S, state_layout=layout,
-                      variant=f"{layout}{scan}")  # the plan and its workspace for this stream, before the capture
+                      variant=f"{layout}{scan}")
         stream.begin_capture()
         comba_forward(q, k, v, p, beta, g, initial_state=S0, cu_seqlens=cu, out=o, state_out=S, state_layout=layout,
                       variant=f"{layout}{scan}")
