@@ -108,11 +108,17 @@ delta_rule_mma(COMBA_KERNEL_ARGS) {
     const int bh = static_cast<int>(blockIdx.x) / slabs;
     const int slab0 = (static_cast<int>(blockIdx.x) - bh * slabs) * SLAB;
     const int b = bh / H, h = bh - b * H, hk = h / static_cast<int>(prm.group);
-    const int T = tokens<SERVING>(cu_seqlens, prm, b, q, k, v, p, beta, g, o);
+    // A ragged batch's row starts at packed token `t_row` (0 otherwise): the loads and stores add it to their
+    // token index, so that the activation pointers stay kernel parameters rather than seven 64-bit registers
+    // held across the chunk loop.
+    int t_row;
+    const int T = token_span<SERVING>(cu_seqlens, prm, b, t_row);
     const long long slot = state_slot<SERVING>(slots, prm, b);
     const long long head = (SERVING ? slot * H + h : static_cast<long long>(bh)) * K * V;
     if (SERVING && slot < 0) {  // a padding row
-        zero_o(o, prm, b, h, slab0, SLAB, T, tid, NT);
+        void* o_row = o;
+        to_token(o_row, t_row, prm.o_st, prm.o_t);
+        zero_o(o_row, prm, b, h, slab0, SLAB, T, tid, NT);
         return;
     }
     const HeadGating gating = head_gating<SERVING>(A_log, dt_bias, h);
@@ -143,12 +149,12 @@ delta_rule_mma(COMBA_KERNEL_ARGS) {
     // state's, which the read needs later.
     auto issue = [&](auto pass, int t_first, int count) {
         issue_chunk<K, SLAB, SEPARATE_P, SUBS, decltype(pass)::value>(bits, q, k, v, p, beta, g, prm, vec, tid, b, h,
-                                                                      hk, slab0, t_first, count);
+                                                                      hk, slab0, t_row + t_first, count);
     };
     auto issue_ring = [&](int t_first) {  // the chunk from t_first into slot (t_first / C) % 2, as one group
         if (t_first < T)
             issue_chunk_ring<K, SLAB, SEPARATE_P, SUBS>(st.ring, (t_first / C) & 1, q, k, v, p, prm, tid, b,
-                                                        h, hk, slab0, t_first, min(C, T - t_first));
+                                                        h, hk, slab0, t_row + t_first, min(C, T - t_first));
         copy_async_commit();
     };
     unsigned gate_next = 0;
@@ -156,8 +162,8 @@ delta_rule_mma(COMBA_KERNEL_ARGS) {
         if (fast) {
             issue_ring(0);
             issue_ring(C);
-            bits.gate = issue_chunk_gates<C>(beta, g, prm, tid, b, h, 0, min(C, T));
-            if (C < T) gate_next = issue_chunk_gates<C>(beta, g, prm, tid, b, h, C, min(C, T - C));
+            bits.gate = issue_chunk_gates<C>(beta, g, prm, tid, b, h, t_row, min(C, T));
+            if (C < T) gate_next = issue_chunk_gates<C>(beta, g, prm, tid, b, h, t_row + C, min(C, T - C));
         } else {
             if (SUBS == 1) issue(Constant<0>{}, 0, min(C, T));
         }
@@ -245,7 +251,8 @@ delta_rule_mma(COMBA_KERNEL_ARGS) {
                 issue_ring(t0 + 2 * C);  // into the slot this thread has just read
                 bits.gate = gate_next;
                 if (t0 + 2 * C < T)
-                    gate_next = issue_chunk_gates<C>(beta, g, prm, tid, b, h, t0 + 2 * C, min(C, T - t0 - 2 * C));
+                    gate_next = issue_chunk_gates<C>(beta, g, prm, tid, b, h, t_row + t0 + 2 * C,
+                                                     min(C, T - t0 - 2 * C));
             } else {
                 static_for<Bits::PASSES>([&](auto pass) {
                     constexpr int P = decltype(pass)::value;
@@ -353,8 +360,10 @@ delta_rule_mma(COMBA_KERNEL_ARGS) {
                     mma3(ov, uh, ul, make_uint4(bb[0], bb[1], bb[2], bb[3]));
                     const long long ob = b * prm.o_sb + h * prm.o_sh + (slab0 + vl) * prm.o_sv;
                     const int sa = CS * s + ta, sb = sa + 1;
-                    if (sa < c) store_act_pair(o, ob + (t0 + sa) * prm.o_st, prm.o_sv, prm.o_t, ov[0], ov[2], o_pairs);
-                    if (sb < c) store_act_pair(o, ob + (t0 + sb) * prm.o_st, prm.o_sv, prm.o_t, ov[1], ov[3], o_pairs);
+                    if (sa < c)
+                        store_act_pair(o, ob + (t_row + t0 + sa) * prm.o_st, prm.o_sv, prm.o_t, ov[0], ov[2], o_pairs);
+                    if (sb < c)
+                        store_act_pair(o, ob + (t_row + t0 + sb) * prm.o_st, prm.o_sv, prm.o_t, ov[1], ov[3], o_pairs);
                 }
                 const float wa = cf.w[ta], wb = cf.w[tb], gl = cf.g_last;
                 const float uw[4] = {u[0] * wa, u[1] * wb, u[2] * wa, u[3] * wb};

@@ -156,15 +156,25 @@ __device__ __forceinline__ void to_token(Ptr& ptr, long long first, long long st
 // token (the host sets their batch strides to 0).  The bounds are clamped to 0 .. prm.T: no value
 // of cu_seqlens makes a kernel touch memory outside the packed arrays.  The grid is sized by the
 // number of sequences, never by their lengths, so nothing on the host waits for cu_seqlens.
-template <bool SERVING, class In, class Out>
-__device__ __forceinline__ int tokens(const void* cu, const Params& prm, int b, In& q, In& k, In& v, In& p, In& beta,
-                                      In& g, Out& o) {
+template <bool SERVING>
+__device__ __forceinline__ int token_span(const void* cu, const Params& prm, int b, int& first) {
+    first = 0;
     if (!SERVING || !prm.cu_t) return static_cast<int>(prm.T);
     const long long a = prm.cu_t == 1 ? reload(static_cast<const int*>(cu) + b)
                                       : reload(static_cast<const long long*>(cu) + b);
     const long long z = prm.cu_t == 1 ? reload(static_cast<const int*>(cu) + b + 1)
                                       : reload(static_cast<const long long*>(cu) + b + 1);
     const long long lo = min(max(a, 0LL), prm.T), hi = min(max(z, lo), prm.T);
+    first = static_cast<int>(lo);
+    return static_cast<int>(hi - lo);
+}
+template <bool SERVING, class In, class Out>
+__device__ __forceinline__ int tokens(const void* cu, const Params& prm, int b, In& q, In& k, In& v, In& p, In& beta,
+                                      In& g, Out& o) {
+    int first;
+    const int T = token_span<SERVING>(cu, prm, b, first);
+    if (!SERVING || !prm.cu_t) return T;
+    const long long lo = first;
     to_token(q, lo, prm.q_st, prm.q_t);
     to_token(k, lo, prm.k_st, prm.k_t);
     to_token(v, lo, prm.v_st, prm.v_t);
@@ -172,7 +182,7 @@ __device__ __forceinline__ int tokens(const void* cu, const Params& prm, int b, 
     to_token(beta, lo, prm.beta_st, prm.beta_t);
     to_token(g, lo, prm.g_st, prm.g_t);
     to_token(o, lo, prm.o_st, prm.o_t);
-    return static_cast<int>(hi - lo);
+    return T;
 }
 
 // o of a padding row: columns c0 .. c0 + n - 1 of head (b, h), every token, set to zero by the nt

@@ -94,9 +94,12 @@ def test_the_default_half_precision_is_bf16_products():
 #: Serving builds that ptxas gives a small stack frame (at the 128-register cap their CTAs an SM set), and
 #: its most bytes.  Every other build, and every build without the serving options, has none.
 SERVING_STACK = {"comba::delta_rule_vk_chunked<128, 64, false, true>": 8,
-                 "comba::delta_rule_mma<128, 64, true, false, 1, true>": 24,
-                 "comba::delta_rule_mma<128, 64, true, true, 1, true>": 28,
-                 "comba::delta_rule_mma<128, 64, false, true, 1, true>": 64,
+                 "comba::delta_rule_mma<128, 32, true, true, 1, true>": 8,
+                 "comba::delta_rule_mma<128, 64, true, false, 1, true>": 48,
+                 "comba::delta_rule_mma<128, 64, true, true, 1, true>": 32,
+                 "comba::delta_rule_mma<128, 64, true, true, 2, true>": 8,
+                 "comba::delta_rule_mma<128, 64, false, false, 1, true>": 44,
+                 "comba::delta_rule_mma<128, 64, false, true, 1, true>": 48,
                  # the K = 128 chain on two warpgroups, held to 128 registers for two CTAs an SM
                  "comba::prefill_scan_wt<128, false, false, false, 1, 2>": 16,
                  "comba::prefill_scan_wt<128, false, false, true, 1, 2>": 44}
