@@ -363,7 +363,12 @@ def _run_reference(sig, arrays):
     if sig.per_token == 1:  # the rows that ran (a padding row's are left as they were, as on the GPU)
         ran = ~numpy.isnan(states[0]).reshape(states[0].shape[0], -1).any(axis=1)
         inter[ran] = states[0][ran].astype(float32)
-    o = _deliver(o, out, sig.o_dtype)
+    if cu is not None and out is not None:  # rows of no sequence are not written, as on the GPU
+        rows = reference.covered_rows(cu, o.shape[1])
+        out[:, rows] = o[:, rows].astype(sig.o_dtype)
+        o = out
+    else:
+        o = _deliver(o, out, sig.o_dtype)
     if not sig.write_final:
         S = None
     elif idx is None:

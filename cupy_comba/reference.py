@@ -169,7 +169,8 @@ def comba_loop(state, q, k, v, p, beta, g, scale=None, *, state_indices=None, cu
         A ragged batch: the activations packed as ``[1, total_T, ...]``, sequence n the tokens
         ``cu_seqlens[n] .. cu_seqlens[n + 1] - 1`` (each bound clamped to ``0 .. total_T``, the
         upper one to at least the lower), its state row n of ``state [N, ...]`` (slot
-        ``state_indices[n]`` of a pool); ``o`` is ``[1, total_T, H, V]``.
+        ``state_indices[n]`` of a pool); ``o`` is ``[1, total_T, H, V]``, zeros in the rows of no
+        sequence (:func:`covered_rows`; the ops leave those rows of ``out`` as they were).
     state_indices : int array, shape (B, T)
         vLLM's speculative verify: row b starts from slot ``state_indices[b, a - 1]`` with
         ``a = num_accepted_tokens[b]`` (1 when None; a row with ``a`` outside ``1 .. T`` is padding)
@@ -255,6 +256,17 @@ def _ragged(state, cu_seqlens, state_indices, acts, scale, **options):
         o[:, lo:hi] = o_n
         S[row] = S_n[0]
     return S, o
+
+
+def covered_rows(cu_seqlens, total):
+    """The packed tokens some sequence of ``cu_seqlens`` covers (bool ``[total]``; each bound clamped as in
+    :func:`comba_loop`): the rows of ``o`` a ragged call writes."""
+    rows = _numpy.zeros(total, bool)
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    for a, z in zip(bounds, bounds[1:]):
+        lo = min(max(a, 0), total)
+        rows[lo:min(max(z, lo), total)] = True
+    return rows
 
 
 def gated_delta_loop(state, q, k, v, beta, g, scale=None, **options):

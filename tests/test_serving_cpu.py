@@ -217,6 +217,22 @@ def test_a_ragged_batch_is_its_sequences_one_by_one(layout, comba):
     numpy.testing.assert_array_equal(o0[:, :3], o1)
 
 
+def test_rows_of_no_sequence_keep_what_out_held():
+    """A packed buffer longer than its tokens (a batch padded to a captured size): o's rows before the first
+    bound, in a gap and past the last are left as ``out`` held them; the others are the sequences' own."""
+    acts, S0, _ = ragged_case([4, 4, 4, 4])
+    cu = numpy.array([2, 6, 6, 9, 12])  # tokens 0-1 and 12-15 in no sequence
+    out = numpy.full(acts[2].shape[:3] + (32,), 7.0, acts[2].dtype)
+    o, S = comba_forward(*acts, initial_state=S0, cu_seqlens=cu, out=out)
+    assert o is out
+    rows = reference.covered_rows(cu, 16)
+    assert rows.tolist() == [False] * 2 + [True] * 10 + [False] * 4
+    assert (o[:, ~rows] == 7.0).all()
+    o_all, S_all = comba_forward(*acts, initial_state=S0, cu_seqlens=cu)
+    numpy.testing.assert_array_equal(o[:, rows], o_all[:, rows])
+    numpy.testing.assert_array_equal(S, S_all)
+
+
 def test_a_ragged_batch_through_a_pool_with_gating(rng):
     lengths = [2, 4, 0]
     acts, _, cu = ragged_case(lengths)

@@ -364,3 +364,42 @@ def test_random_malformed_calls_fail_cleanly_or_run_and_touch_only_their_outputs
             if x is not None and x.dtype.kind == "f":
                 assert numpy.isfinite(x.astype(numpy.float32)).all(), f"case {case}: {fn.__name__} non-finite"
     assert min(outcomes.values()) >= 100, outcomes  # both outcomes are exercised
+
+
+@pytest.mark.gpu
+def test_random_malformed_calls_answer_on_the_gpu_as_on_the_cpu():
+    """The calls of the test above, each run on NumPy arrays and on CuPy copies of them: refused on both with the
+    same exception type, or run on both -- the kernels' results within bf16 rounding of the reference's, every
+    device array the call was not handed for writing bit for bit as it was (padding rows and slots past the pool
+    included: no kernel may write outside its outputs)."""
+    cupy = pytest.importorskip("cupy")
+    r = numpy.random.default_rng(2027)
+    outcomes = {"refused": 0, "ran": 0}
+    for case in range(300):
+        fn, args, kw, writable = _random_call(r)
+        to_gpu = lambda x: cupy.asarray(x) if isinstance(x, numpy.ndarray) and x.dtype.kind != "O" else x  # noqa: E731
+        gargs, gkw = [to_gpu(a) for a in args], {n: to_gpu(a) for n, a in kw.items()}
+        named = {i: a for i, a in enumerate(gargs)} | gkw
+        before = {n: a.copy() for n, a in named.items() if isinstance(a, cupy.ndarray) and n not in writable}
+        try:
+            expected = fn(*args, **kw)
+        except CLEAN as e:
+            with pytest.raises(type(e)):
+                fn(*gargs, **gkw)
+            outcomes["refused"] += 1
+            continue
+        got = fn(*gargs, **gkw)
+        cupy.cuda.Device().synchronize()
+        outcomes["ran"] += 1
+        for n, a in before.items():
+            same = cupy.array_equal(named[n], a, equal_nan=a.dtype.kind in "fc")
+            assert bool(same), f"case {case}: {fn.__name__} wrote {n}"
+        for x, ref in zip(got, expected):
+            if ref is None:
+                assert x is None
+                continue
+            x, ref = cupy.asnumpy(x).astype(numpy.float64), numpy.asarray(ref, numpy.float64)
+            assert x.shape == ref.shape, f"case {case}: {fn.__name__} shape {x.shape} against {ref.shape}"
+            scale = numpy.linalg.norm(ref)
+            assert numpy.linalg.norm(x - ref) <= 1e-2 * scale + 1e-6, f"case {case}: {fn.__name__} off"
+    assert min(outcomes.values()) >= 30, outcomes
