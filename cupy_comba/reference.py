@@ -243,12 +243,9 @@ def _ragged(state, cu_seqlens, state_indices, acts, scale, **options):
     xp = array_namespace(state, *acts)
     S = _f64(xp, state)
     total = acts[0].shape[1]
-    bounds = [int(x) for x in cu_seqlens.tolist()]
     slots = None if state_indices is None else [int(x) for x in state_indices.tolist()]
     o = xp.zeros((1, total) + acts[2].shape[2:], dtype=xp.float64)
-    for n in range(len(bounds) - 1):
-        lo = min(max(bounds[n], 0), total)
-        hi = min(max(bounds[n + 1], lo), total)
+    for n, (lo, hi) in enumerate(_sequence_tokens(cu_seqlens, total)):
         row = n if slots is None else slots[n]
         if not 0 <= row < S.shape[0]:
             continue  # a padding sequence: o zeros, no state
@@ -258,14 +255,21 @@ def _ragged(state, cu_seqlens, state_indices, acts, scale, **options):
     return S, o
 
 
-def covered_rows(cu_seqlens, total):
-    """The packed tokens some sequence of ``cu_seqlens`` covers (bool ``[total]``; each bound clamped as in
-    :func:`comba_loop`): the rows of ``o`` a ragged call writes."""
-    rows = _numpy.zeros(total, bool)
+def _sequence_tokens(cu_seqlens, total):
+    """``(lo, hi)`` of each sequence of ``cu_seqlens``, its tokens ``lo .. hi - 1``: each bound clamped to
+    ``0 .. total``, the upper one to at least the lower (as the kernels clamp them)."""
     bounds = [int(x) for x in cu_seqlens.tolist()]
     for a, z in zip(bounds, bounds[1:]):
         lo = min(max(a, 0), total)
-        rows[lo:min(max(z, lo), total)] = True
+        yield lo, min(max(z, lo), total)
+
+
+def covered_rows(cu_seqlens, total):
+    """The packed tokens some sequence of ``cu_seqlens`` covers (bool ``[total]``): the rows of ``o`` a ragged
+    call writes."""
+    rows = _numpy.zeros(total, bool)
+    for lo, hi in _sequence_tokens(cu_seqlens, total):
+        rows[lo:hi] = True
     return rows
 
 

@@ -218,7 +218,6 @@ def test_integrations_page_gpu_blocks():
     assert snippets.run("integrations.md", "gpu") >= 5
 
 
-
 def test_buffers_handed_over_again_and_addresses_reused():
     """The adapter keeps its CuPy view of a buffer for the next call that hands the same buffer over; another tensor
     at the same address with another shape, strides or dtype gets a view of its own.  Results equal the reference
