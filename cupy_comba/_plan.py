@@ -363,29 +363,23 @@ def _run_reference(sig, arrays):
     if sig.per_token == 1:  # the rows that ran (a padding row's are left as they were, as on the GPU)
         ran = ~numpy.isnan(states[0]).reshape(states[0].shape[0], -1).any(axis=1)
         inter[ran] = states[0][ran].astype(float32)
-    if cu is not None and out is not None:  # rows of no sequence are not written, as on the GPU
-        rows = reference.covered_rows(cu, o.shape[1])
-        out[:, rows] = o[:, rows].astype(sig.o_dtype)
-        o = out
-    else:
-        o = _deliver(o, out, sig.o_dtype)
+    # a ragged batch's rows of no sequence are not written, as on the GPU
+    o = _deliver(o, out, sig.o_dtype, None if cu is None else (slice(None), reference.covered_rows(cu, o.shape[1])))
     if not sig.write_final:
         S = None
-    elif idx is None:
-        S = _deliver(S, state_out, float32)
-    else:
-        slots = reference.live_slots(idx, state.shape[0])
-        state_out[slots] = S[slots].astype(float32)
-        S = state_out
+    else:  # a pool: only the slots of the batch's rows
+        S = _deliver(S, state_out, float32, None if idx is None else reference.live_slots(idx, state.shape[0]))
     return (S, o) if sig.step else (o, S)
 
 
-def _deliver(value, buffer, dtype):
-    """``value`` cast to ``dtype``: into ``buffer`` when the caller handed one over, else a new
-    C-contiguous array (as the kernels return; the reference's "vk" states are transposed views)."""
+def _deliver(value, buffer, dtype, where=None):
+    """``value`` cast to ``dtype``: into ``buffer`` when the caller handed one over (only its elements ``where``, an
+    index, when given), else a new C-contiguous array (as the kernels return; the reference's "vk" states are
+    transposed views)."""
     if buffer is None:
         return numpy.ascontiguousarray(value.astype(dtype))
-    buffer[...] = value.astype(dtype)
+    where = ... if where is None else where
+    buffer[where] = value[where].astype(dtype)
     return buffer
 
 
