@@ -110,7 +110,10 @@ class Plan:
             _validate.check_grid((slots * sig.H, 1, 1), sig.B, sig.H, self.variant)
             workspace = slots * sig.H * kernel.record_words * 4
         if kernel.chain:  # the segmented scan: each segment's map after the records; a ragged batch by its mean
-            segments, seg_chunks = tiling.segments(sig.B * sig.H, sig.V, T, sm_count(self.device), kernel.slab)
+            sms = sm_count(self.device)
+            segments, seg_chunks = tiling.segments(sig.B * sig.H, sig.V, T, sms, kernel.slab)
+            if sig.ragged:  # its segments' CTAs all at once, whatever the lengths
+                seg_chunks = tiling.ragged_segment_chunks(seg_chunks, sig.B, sig.H, sig.V, sig.T, sms, kernel.slab)
             chain_grid, grid, seg_maps = kernel.segment_grids(sig.B, sig.T, sig.H, sig.K, sig.V, segments, seg_chunks,
                                                               sig.ragged)
             for g in (chain_grid, grid):

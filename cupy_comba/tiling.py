@@ -230,6 +230,29 @@ def segments(heads, V, T, sms, slab=64):
     return -(-chunks // per), per
 
 
+def ragged_segment_chunks(per, N, H, V, T, sms, slab=64):
+    """Chunks a segment of a ragged batch of N sequences packed into T tokens over H heads: at least ``per`` (what
+    :func:`segments` gives for N rows of the mean length), and enough that the segments' CTAs run at once on an
+    idle GPU of ``sms`` multiprocessors, one CTA each, whatever the lengths -- or, where not even one segment a
+    sequence allows that, one segment a sequence.
+
+    Every segment's CTA reads the sequence's initial state as it starts and the last one writes the final state as it
+    ends, in place where a pool is updated (kernels_cu/prefill_transposed.cu, "Segments"): all of a sequence's CTAs
+    must have started before its last segment ends.  N rows of the mean length fill the GPU once, but sequences of
+    other lengths have more segments between them -- up to N + floor((ceil(T / 64) - 1) / per), a chunk and
+    multiples of ``per`` each --, and a CTA of a second wave may start after a short last segment has ended.
+
+    >>> ragged_segment_chunks(16, 1, 16, 128, 8192, 132, 128)  # one sequence: as segments() cuts it
+    16
+    >>> ragged_segment_chunks(16, 2, 16, 128, 8192, 132, 128)  # two: at most 2 + 127 // 19 = 8 segments of 16 CTAs
+    19
+    >>> ragged_segment_chunks(32, 40, 4, 128, 81920, 132, 64)  # 40 sequences: one segment each
+    1280
+    """
+    fit = sms // max(1, H * (V // slab))  # segments whose CTAs run at once
+    return max(per, max(0, -(-T // 64) - 1) // max(1, fit - N + 1) + 1)
+
+
 #: The transposed scan (whole or in segments) runs two warpgroups a CTA on a 128-column slab (``{layout}128c64wt``,
 #: ``sg``), sharing each chunk's staged keys and record, where one warpgroup a 64-column slab would make more CTAs
 #: than the H200's 132 SMs (B * H * V / 64 of them, from this many): one CTA an SM either way, and two chains on

@@ -316,6 +316,57 @@ def test_the_segmented_choice_is_within_5_percent_of_the_best_timed():
     assert len(rows) == 74
 
 
+
+def _ragged_segments(lengths, per):
+    """The segments of a ragged batch cut into segments of ``per`` chunks, as the segmented scan's CTAs find them
+    (kernels_cu/prefill_transposed.cu: max(1, ceil(chunks / per)) a sequence, an empty one too)."""
+    return sum(max(1, -(-(-(-n // 64)) // per)) for n in lengths)
+
+
+def _partitions(T, N, rng, per):
+    """Ways to pack N sequences into T tokens: even, random, and the most segments (all but one sequence a chunk
+    and a whole number of segments past it), with empty sequences and gaps."""
+    yield [T // N] * N
+    for _ in range(40):
+        cuts = sorted(rng.integers(0, T + 1, N - 1).tolist())
+        yield [b - a for a, b in zip([0] + cuts, cuts + [T])]
+    for extra in range(N):
+        lengths = [64 * (1 + per * rng.integers(0, 3)) + 1 for _ in range(N - 1)] + [0]
+        if sum(lengths) <= T:
+            lengths[-1] = T - sum(lengths)
+            yield lengths
+    yield [1] * (N - 1) + [T - (N - 1)]
+
+
+@pytest.mark.parametrize("N", [1, 2, 3, 5, 8, 40])
+@pytest.mark.parametrize("H", [1, 4, 16, 32])
+def test_a_ragged_batchs_segments_run_at_once(N, H):
+    """The segmented scan reads a sequence's initial state in every segment's CTA and writes its final state from
+    the last, in place for a pool: every CTA must start before the last ends.  Cut as the plan cuts a ragged batch
+    (tiling.segments by the mean length, then tiling.ragged_segment_chunks), the segments' CTAs of any lengths fit
+    on the GPU at once (one CTA an SM), or each sequence is one segment; one sequence is cut as a dense row is."""
+    import numpy
+    rng = numpy.random.default_rng(N * 100 + H)
+    for T, V, slab, sms in itertools.product([64 * N, 1000 * N + 37, 4096 * N, 70000], [64, 128], [64, 128],
+                                             [132, 78]):
+        if slab > V:
+            continue
+        slabs = V // slab
+        per0 = tiling.segments(N * H, V, max(1, T // N), sms, slab)[1]
+        per = tiling.ragged_segment_chunks(per0, N, H, V, T, sms, slab)
+        assert per >= per0
+        if N == 1:
+            assert per == per0, (T, V, slab, sms)
+        for lengths in _partitions(T, N, rng, per):
+            assert sum(lengths) <= T and min(lengths) >= 0
+            ctas = _ragged_segments(lengths, per) * H * slabs
+            assert ctas <= sms or _ragged_segments(lengths, per) == N, (T, V, slab, sms, lengths, per)
+    # where it costs: two sequences of 4096 tokens over 16 heads, two warpgroups a CTA
+    assert tiling.segments(32, 128, 4096, 132, 128)[1] == 16
+    assert tiling.ragged_segment_chunks(16, 2, 16, 128, 8192, 132, 128) == 19
+    assert _ragged_segments([4160, 4032], 16) * 16 == 144 > 132  # 16 chunks a segment: a second wave
+    assert _ragged_segments([4160, 4032], 19) * 16 <= 132
+
 def test_the_segments_table_is_the_rules_rendering():
     """docs/benchmarks.md's table of the segmented scan is what benchmarks/render_benchmarks.py makes of
     h200-prefill-segments.json under the current rules, so a change of the rules shows there or fails here."""
