@@ -4,6 +4,7 @@ import itertools
 import json
 import re
 
+import numpy
 import pytest
 
 from cupy_comba import families, tiling
@@ -330,7 +331,7 @@ def _partitions(T, N, rng, per):
     for _ in range(40):
         cuts = sorted(rng.integers(0, T + 1, N - 1).tolist())
         yield [b - a for a, b in zip([0] + cuts, cuts + [T])]
-    for extra in range(N):
+    for _ in range(N):
         lengths = [64 * (1 + per * rng.integers(0, 3)) + 1 for _ in range(N - 1)] + [0]
         if sum(lengths) <= T:
             lengths[-1] = T - sum(lengths)
@@ -345,7 +346,6 @@ def test_a_ragged_batchs_segments_run_at_once(N, H):
     the last, in place for a pool: every CTA must start before the last ends.  Cut as the plan cuts a ragged batch
     (tiling.segments by the mean length, then tiling.ragged_segment_chunks), the segments' CTAs of any lengths fit
     on the GPU at once (one CTA an SM), or each sequence is one segment; one sequence is cut as a dense row is."""
-    import numpy
     rng = numpy.random.default_rng(N * 100 + H)
     for T, V, slab, sms in itertools.product([64 * N, 1000 * N + 37, 4096 * N, 70000], [64, 128], [64, 128],
                                              [132, 78]):
@@ -366,6 +366,7 @@ def test_a_ragged_batchs_segments_run_at_once(N, H):
     assert tiling.ragged_segment_chunks(16, 2, 16, 128, 8192, 132, 128) == 19
     assert _ragged_segments([4160, 4032], 16) * 16 == 144 > 132  # 16 chunks a segment: a second wave
     assert _ragged_segments([4160, 4032], 19) * 16 <= 132
+
 
 def test_the_segments_table_is_the_rules_rendering():
     """docs/benchmarks.md's table of the segmented scan is what benchmarks/render_benchmarks.py makes of
