@@ -332,7 +332,7 @@ def _partitions(T, N, rng, per):
         cuts = sorted(rng.integers(0, T + 1, N - 1).tolist())
         yield [b - a for a, b in zip([0] + cuts, cuts + [T])]
     for _ in range(N):
-        lengths = [64 * (1 + per * rng.integers(0, 3)) + 1 for _ in range(N - 1)] + [0]
+        lengths = [64 * per * int(rng.integers(0, 3)) + 1 for _ in range(N - 1)] + [0]
         if sum(lengths) <= T:
             lengths[-1] = T - sum(lengths)
             yield lengths
