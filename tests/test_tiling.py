@@ -317,11 +317,11 @@ def test_the_segmented_choice_is_within_5_percent_of_the_best_timed():
     assert len(rows) == 74
 
 
-
 def _ragged_segments(lengths, per):
     """The segments of a ragged batch cut into segments of ``per`` chunks, as the segmented scan's CTAs find them
     (kernels_cu/prefill_transposed.cu: max(1, ceil(chunks / per)) a sequence, an empty one too)."""
-    return sum(max(1, -(-(-(-n // 64)) // per)) for n in lengths)
+    chunks = [-(-n // 64) for n in lengths]
+    return sum(max(1, -(-c // per)) for c in chunks)
 
 
 def _partitions(T, N, rng, per):
