@@ -238,6 +238,13 @@ def test_the_chain_s_end_words_are_the_workspace_s():
     _compiles_with("prefill.cu", [f'static_assert(comba::kChainDoneWords * 4 == {CHAIN_DONE_BYTES}, "end words");'])
 
 
+def test_the_kernels_l2_norm_epsilon_is_the_reference_s():
+    """kernels_cu/params.cuh's kL2NormEps, which every kernel adds to a key's sum of squares, is the reference's."""
+    from cupy_comba.reference import L2NORM_EPS
+    _compiles_with("token_loop.cu", [f'static_assert(comba::kL2NormEps == {float(numpy.float32(L2NORM_EPS))!r}f, '
+                                     '"epsilon");'])
+
+
 def test_programmatic_launch_config_is_cuda_h_layout():
     """The ctypes ``CUlaunchConfig`` and ``CUlaunchAttribute`` that dependent launches hand cuLaunchKernelEx have
     cuda.h's sizes and offsets (CUDA 12: seven uints, the stream at 32, the attributes at 40, their count at 48; an

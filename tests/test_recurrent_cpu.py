@@ -39,6 +39,13 @@ def test_l2norm_option_normalises_q_k_p():
     numpy.testing.assert_allclose(a[1], b[1], rtol=1e-13)
 
 
+def test_l2norm_adds_a_millionth_to_the_sum_of_squares():
+    """x / sqrt(sum x^2 + 1e-6), flash-linear-attention's epsilon: a key of norm 1e-3 comes out at 1 / sqrt(2)."""
+    x = numpy.zeros((1, 1, 8))
+    x[..., 3] = 1e-3
+    numpy.testing.assert_allclose(reference.l2_normalize(x)[..., 3], 2 ** -0.5, rtol=1e-12)
+
+
 @pytest.mark.parametrize("T", [1, 4])
 @pytest.mark.parametrize("Hk,H", [(2, 2), (1, 4), (2, 6)])
 def test_reference_matches_the_seed_port(T, Hk, H):

@@ -325,6 +325,18 @@ def test_intermediate_states_through_a_pool_skip_padding_rows(rng):
     assert (inter[1] == 7.0).all() and not o[1].astype(F32).any()
 
 
+def test_intermediate_states_of_a_live_row_are_written_whatever_their_values():
+    """A live row's states are written even where they are NaN (NaN inputs), as the kernels write them: nothing of
+    the last call's is left in the buffer to pass for this one's."""
+    B, T, H, K, V = 2, 3, 2, 64, 32
+    q, k, v, p, beta, g, S0 = forward_inputs(B, T, H, K, V, warm_steps=1, seed=7)
+    v[1, 1, 0, 0] = numpy.nan
+    inter = numpy.full((B, T, H, K, V), 7.0, F32)
+    comba_forward(q, k, v, p, beta, g, initial_state=S0, intermediate_states=inter, output_final_state=False)
+    assert numpy.isfinite(inter[0]).all() and numpy.isfinite(inter[1, 0]).all()
+    assert numpy.isnan(inter[1, 1:]).any() and not (inter[1] == 7.0).any()
+
+
 def test_vllm_slots_per_token_with_accepted_counts(rng):
     B, T, H, K, V, N = 4, 3, 2, 64, 32, 12
     acts = forward_inputs(B, T, H, K, V, warm_steps=0, seed=6)[:6]
@@ -358,6 +370,9 @@ def test_verify_options_are_checked():
         comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=numpy.zeros((2, 4), numpy.int32))
     with pytest.raises(ValueError, match="keeping every token's state; expected one of"):
         comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=idx2, variant="kv64tc16")
+    with pytest.raises(ValueError, match="two conventions for the same states: pass one"):
+        comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=idx2,
+                      intermediate_states=numpy.zeros((2, 3, 2, 64, 32), F32))
     with pytest.raises(ValueError, match="not with cu_seqlens"):
         comba_forward(q[:1], k[:1], v[:1], p[:1], beta[:1], g[:1], cu_seqlens=numpy.array([0, 3]),
                       intermediate_states=numpy.zeros((1, 3, 2, 64, 32), F32))
