@@ -311,18 +311,19 @@ def test_intermediate_states_are_the_states_of_decode_steps(rng, layout, write_f
 
 
 def test_intermediate_states_through_a_pool_skip_padding_rows(rng):
-    B, T, H, K, V = 3, 3, 2, 64, 32
+    B, T, H, K, V = 4, 3, 2, 64, 32
     q, k, v, p, beta, g, _ = forward_inputs(B, T, H, K, V, warm_steps=0, seed=5)
     pool = _pool(rng, 4, H, K, V)
     before = pool.copy()
     inter = numpy.full((B, T, H, K, V), 7.0, F32)
-    o, S = comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=numpy.array([2, -1, 0]),
+    o, S = comba_forward(q, k, v, p, beta, g, initial_state=pool, state_indices=numpy.array([2, -1, 0, 4]),
                          intermediate_states=inter, output_final_state=False)
     assert S is None
     numpy.testing.assert_array_equal(pool, before)  # output_final_state=False: the pool as it was
     states, _ = _steps(before[[2, 0]], tuple(a[[0, 2]] for a in (q, k, v, p, beta, g)))
     assert reference.relative_error(inter[[0, 2]], states) < 1e-6
-    assert (inter[1] == 7.0).all() and not o[1].astype(F32).any()
+    for padding in (1, 3):  # a negative slot, and one past the pool
+        assert (inter[padding] == 7.0).all() and not o[padding].astype(F32).any()
 
 
 def test_intermediate_states_of_a_live_row_are_written_whatever_their_values():
