@@ -20,7 +20,7 @@ after the prefill rule choose (`_without_prefill`).
 ``--head-sizes``: the tiling's choice, both 64-token slabs and the kernel the rules after the prefill rule
 choose (and on compute capability 9.0 the transposed scan, whole and in segments).  Rows hold the times only: the
 renderer marks the choice of the tree it runs in.  The file is written after every point; ``--resume`` keeps the
-points a file holds and times the rest (a sweep run in several sittings, ``--head-sizes`` at a time).  Both sweeps time
+points a file holds and times the rest (a sweep split over several runs, ``--head-sizes`` at a time).  Both sweeps time
 the wgmma scan's slabs too on compute capability 9.0, where the library takes it for bf16 inputs, and
 say so in the file (``"wgmma": true``).
 ``--between``: Gated DeltaNet and Comba in "kv", Gated DeltaNet in "vk", K = 128, B = 1 over 16-32 heads and T =
