@@ -364,7 +364,7 @@ def _run_reference(sig, arrays):
     op = reference.comba_step if sig.step else reference.comba_loop
     S, o, *states = op(state, q, k, v, p, beta, g, sig.scale, **options)
     if sig.per_token == 1:  # the rows that ran: a padding row's are left as they were, as on the GPU
-        ran = ... if idx is None else (idx >= 0) & (idx < state.shape[0])
+        ran = ... if idx is None else reference.live_rows(idx, state.shape[0])
         inter[ran] = states[0][ran].astype(float32)
     # a ragged batch's rows of no sequence are not written, as on the GPU
     o = _deliver(o, out, sig.o_dtype, None if cu is None else (slice(None), reference.covered_rows(cu, o.shape[1])))

@@ -61,12 +61,18 @@ def gates(beta, g, A_log=None, dt_bias=None, use_beta_sigmoid=False):
     return beta, g
 
 
-def live_slots(state_indices, N):
-    """The pool slots a batch reads and writes: the entries of ``state_indices`` in ``0 .. N - 1``
-    (negative ones and those >= N mark padding rows)."""
+def live_rows(state_indices, N):
+    """Which rows of a batch have a slot of a pool of N (bool, the shape of ``state_indices``): an index in
+    ``0 .. N - 1``; negative ones and those >= N mark padding rows."""
     xp = array_namespace(state_indices)
     idx = xp.asarray(state_indices).astype(xp.int64)
-    return idx[(idx >= 0) & (idx < N)]
+    return (idx >= 0) & (idx < N)
+
+
+def live_slots(state_indices, N):
+    """The pool slots a batch reads and writes: the entries of ``state_indices`` of its :func:`live_rows`."""
+    xp = array_namespace(state_indices)
+    return xp.asarray(state_indices).astype(xp.int64)[live_rows(state_indices, N)]
 
 
 #: L2-normalisation epsilon of ``use_qk_l2norm``: ``x / sqrt(sum(x**2) + L2NORM_EPS)``.
@@ -224,7 +230,7 @@ def _pooled(op, pool, state_indices, acts, scale, intermediate=False, **options)
     xp = array_namespace(pool, *acts)
     pool = _f64(xp, pool)
     idx = xp.asarray(state_indices).astype(xp.int64)
-    live = xp.nonzero((idx >= 0) & (idx < pool.shape[0]))[0]
+    live = xp.nonzero(live_rows(idx, pool.shape[0]))[0]
     v = acts[2]
     o = xp.zeros(v.shape, dtype=xp.float64)
     extra = dict(intermediate=True) if intermediate else {}
